@@ -1,0 +1,1 @@
+"""fp8comm.bench."""

@@ -1,0 +1,1 @@
+"""FP8 GEMMs and Fp8Linear."""

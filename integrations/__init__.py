@@ -1,0 +1,1 @@
+"""Framework adapters (DeepSpeed, Megatron-Core), installed as fp8comm.integrations.*."""

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv with torch, the package and the extras the README commands need. Idempotent and quick
+# when nothing changed: a stamp of pyproject.toml + this script skips the reinstall.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${FP8COMM_VENV:-$root/.venv}"
+extras="${FP8COMM_EXTRAS:-dev,triton}"
+py="${PYTHON:-python3}"
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+stamp="$venv/.fp8comm-stamp"
+want="$(cat "$root/pyproject.toml" "$root/launch/setup_env.sh" | sha256sum | cut -c1-16)-$extras"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+    if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+            "${pip[@]}" torch            # a CUDA machine: the default CUDA build
+        else
+            "${pip[@]}" "torch==2.13.0"  # CPU: the pinned CPU wheel (unpinned torch would pull a multi-GB CUDA build)
+        fi
+    fi
+    "${pip[@]}" -e "$root[$extras]"
+    echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: sets up .venv on first use, then runs pytest (extra arguments are passed through).
+# pytest exits non-zero on any failure and with 5 when no test was collected, so both fail this script.
+set -euo pipefail
+cd "$(dirname "$0")"
+source launch/setup_env.sh
+exec python -m pytest -q "$@"
