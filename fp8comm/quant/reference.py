@@ -24,8 +24,8 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     return (lo + hi) & M32
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) on int64 tensors holding uint32 values."""
+def mix32(x):
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding uint32 values (or on Python ints)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -33,9 +33,10 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+@torch.compiler.disable  # a host-side integer: keep it out of compiled graphs
 def seed_key(seed: int) -> int:
     """The per-call hash key derived from a user seed (a Python int, same formula as the kernels)."""
-    return int(mix32(torch.tensor([(int(seed) ^ GOLDEN) & M32], dtype=torch.int64)).item())
+    return mix32((int(seed) ^ GOLDEN) & M32)
 
 
 def uniform_from_index(index: torch.Tensor, seed: int) -> torch.Tensor:
@@ -46,7 +47,7 @@ def uniform_from_index(index: torch.Tensor, seed: int) -> torch.Tensor:
 
 def grid_exponent(a: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """Exponent of the FP8 grid spacing around |y| = a (fp32, finite, >= 0)."""
-    e = ((a.view(torch.int32) >> 23) & 0xFF) - 127
+    e = torch.frexp(a)[1].to(torch.int32) - 1  # a = m * 2**(e+1), m in [0.5, 1); a == 0 gives any spacing
     e = torch.clamp(e, min=-126)
     return torch.clamp(e - fmt.mantissa_bits, min=fmt.min_subnormal_exp)
 

@@ -48,10 +48,10 @@ class Fp8Tensor:
     def codes_2d(self) -> torch.Tensor:
         return self.data.view(torch.uint8).reshape(view_2d(self.shape))
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = torch.float32, backend: str = "auto") -> torch.Tensor:
         from .api import dequantize
 
-        return dequantize(self, dtype=dtype)
+        return dequantize(self, dtype=dtype, backend=backend)
 
     def scale_e8m0(self) -> torch.Tensor:
         """The scales as torch.float8_e8m0fnu (only for power-of-two encodings)."""

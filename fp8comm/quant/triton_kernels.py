@@ -1,0 +1,344 @@
+"""Triton kernels for the FP8 quantizer and the packed wire format, bit-exact with quant/reference.py.
+
+Every float step is exact or correctly rounded fp32: x / scale and amax / max use div_rn (Triton's plain `/` is
+div.full.f32, ~2 ulp, on CUDA), power-of-two factors are built from exponent bits, and FP8 codes and bf16 outputs
+are assembled from integer bit fields, never by a float->fp8/bf16 cast (the interpreter's casts are wrong and the
+compiled fp32->e4m3 path has been reported to double-round; see shared/notes/platform.md).
+
+Tiles are [R rows, NB segments, SEGW columns]. With FIT, one segment is one 1xB block (or one block-row slice of a
+2-D block when ROWS2D), so block amax is a reduction inside the tile and the whole quantization is one pass.
+Without FIT (blocks larger than a tile) amax comes from `_amax_kernel` and each element looks its block up.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pow2(e):
+    """2**e as fp32 for an int32 tensor e in [-126, 127] (exact: built from the exponent field)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mix32(h):
+    """lowbias32 on uint32 (reference.mix32); uint32 multiplies wrap mod 2**32 like the reference's masking."""
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x846CA68B
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _finite_abs(x):
+    """|x| with inf/NaN replaced by 0 (the amax ignores non-finite values)."""
+    finite = (x.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+    return tl.where(finite, tl.abs(x), 0.0)
+
+
+@triton.jit
+def _scale_from_amax(amax, FMAX: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr,
+                     MARGIN_MUL: tl.constexpr, FM_FRAC: tl.constexpr, FK: tl.constexpr):
+    """scaling.scale_from_amax for fp32 amax >= 0: amax == 0 -> 1.0; else amax/max (fp32) or 2**E (pow2/e8m0)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    pos = bits > 0  # integer test: a subnormal amax counts as > 0 even if a compare were flushed to zero
+    if POW2:
+        # frexp(amax) = m * 2**k from the bits; a subnormal amax is renormalised by an exact int->fp32 conversion
+        ex = (bits >> 23) & 0xFF
+        frac = bits & 0x7FFFFF
+        sub = frac.to(tl.float32).to(tl.int32, bitcast=True)
+        k = tl.where(ex == 0, ((sub >> 23) & 0xFF) - 126 - 149, ex - 126)
+        f = tl.where(ex == 0, sub & 0x7FFFFF, frac)
+        e = k - FK + (f > FM_FRAC).to(tl.int32) + MARGIN
+        e = tl.where(pos, e, 0)
+        s = _pow2(tl.minimum(tl.maximum(e, -126), 127))
+    else:
+        s = tl.math.div_rn(amax, FMAX)
+        if MARGIN != 0:
+            s = s * MARGIN_MUL
+        s = tl.minimum(tl.maximum(s, 1.1754943508222875e-38), 1.7014118346046923e38)  # [2**-126, 2**127]
+        s = tl.where(pos, s, 1.0)
+    return s
+
+
+@triton.jit
+def _encode(x, s, idx, key, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr,
+            HAS_INF: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """reference.encode: uint8 FP8 codes of fp32 x / s (s > 0), rounded nearest-even or stochastically."""
+    xb = x.to(tl.int32, bitcast=True)
+    neg = xb < 0
+    finite = (xb & 0x7F800000) != 0x7F800000
+    a = tl.minimum(tl.math.div_rn(tl.where(finite, tl.abs(x), 0.0), s), FMAX)
+    # grid spacing 2**sp around a (reference.grid_exponent); r = a / 2**sp is exact
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -126)
+    sp = tl.maximum(e - MBITS, MIN_SUB)
+    r = a * _pow2(-sp)
+    i = r.to(tl.int32)  # r >= 0 and < 2**(MBITS+2): truncation is floor
+    frac = r - i.to(tl.float32)
+    if STOCHASTIC:
+        u = (_mix32(idx ^ key) >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+        q = i + (u < frac).to(tl.int32)
+    else:
+        q = i + ((frac > 0.5) | ((frac == 0.5) & ((i & 1) == 1))).to(tl.int32)
+    # codes are monotonic in magnitude: binade offset + integer multiple of the spacing (a carry of q into the
+    # next binade lands on the right code, subnormals have sp == MIN_SUB)
+    code = (((sp - MIN_SUB) << MBITS) + q) | (neg.to(tl.int32) << 7)
+    isnan = x != x
+    if HAS_INF:
+        special = tl.where(isnan, 0x7F, tl.where(neg, 0xFC, 0x7C))
+    else:
+        special = tl.where(isnan, 0x7F, tl.where(neg, 0xFF, 0x7F))
+    return tl.where(finite, code, special).to(tl.uint8)
+
+
+@triton.jit
+def _decode(code, MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.constexpr, HAS_INF: tl.constexpr):
+    """FP8 codes -> fp32, with the same NaN bits as torch's cast (quiet bit set, payload kept)."""
+    c = code.to(tl.int32)
+    mag = c & 0x7F
+    ex = mag >> MBITS
+    man = mag & ((1 << MBITS) - 1)
+    bits = ((ex - BIAS + 127) << 23) | (man << (23 - MBITS))
+    sub = (man.to(tl.float32) * MIN_SUB_MUL).to(tl.int32, bitcast=True)  # exact: a small int times 2**min_sub
+    bits = tl.where(ex == 0, sub, bits)
+    if HAS_INF:
+        special = ex == (1 << (7 - MBITS)) - 1
+    else:
+        special = mag == 0x7F
+    spec = 0x7F800000 | (man << (23 - MBITS)) | tl.where(man != 0, 0x400000, 0)
+    bits = tl.where(special, spec, bits) | ((c & 0x80) << 24)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> bf16 bits, round-to-nearest-even in integers (the interpreter's bf16 cast truncates)."""
+    b = v.to(tl.uint32, bitcast=True)
+    isnan = (b & 0x7FFFFFFF) > 0x7F800000
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    r = tl.where(isnan, (b >> 16) | 0x40, r)
+    return r.to(tl.int16)
+
+
+@triton.jit
+def _coords(pid0, pid1, M, K, RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
+            SEGW: tl.constexpr):
+    """Rows [R], segment ids [NB], columns [1, NB, SEGW], row mask [R] and element mask [R, NB, SEGW]."""
+    i = tl.arange(0, R)
+    row = pid0 * RSTEP + i
+    rmask = row < M
+    if RSTEP < R:
+        rmask = rmask & (i < RSTEP)
+    j = tl.arange(0, SEGW)
+    seg = pid1 * NB + tl.arange(0, NB)
+    col = seg[None, :, None] * SEG + j[None, None, :]
+    cmask = col < K
+    if SEG < SEGW:
+        cmask = cmask & (j < SEG)[None, None, :]
+    return row, seg, col, rmask, rmask[:, None, None] & cmask
+
+
+@triton.jit
+def _chunk_of(row, starts_ptr, nchunks, NCH_STEPS: tl.constexpr):
+    """Index of the chunk holding each row: the last c with starts[c] <= row (binary lifting over the table;
+    a zero-row chunk shares its successor's start, so it is never picked)."""
+    c = tl.zeros(row.shape, tl.int32)
+    for t in tl.static_range(NCH_STEPS):
+        cand = c + (1 << (NCH_STEPS - 1 - t))
+        st = tl.load(starts_ptr + cand, mask=cand < nchunks, other=2147483647)
+        c = tl.where(st <= row, cand, c)
+    return c
+
+
+@triton.jit
+def _scale_from_bytes(ptr, off, mask, SCALE_BYTES: tl.constexpr):
+    """Wire scale at byte offsets `off`: an E8M0 byte (the fp32 biased exponent) or 4 little-endian fp32 bytes."""
+    if SCALE_BYTES == 1:
+        bits = tl.load(ptr + off, mask=mask, other=127).to(tl.int32) << 23
+    else:
+        bits = tl.load(ptr + off, mask=mask, other=0).to(tl.int32)
+        bits = bits | (tl.load(ptr + off + 1, mask=mask, other=0).to(tl.int32) << 8)
+        bits = bits | (tl.load(ptr + off + 2, mask=mask, other=0x80).to(tl.int32) << 16)
+        bits = bits | (tl.load(ptr + off + 3, mask=mask, other=0x3F).to(tl.int32) << 24)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_scale_bytes(ptr, off, s, mask, SCALE_BYTES: tl.constexpr):
+    bits = s.to(tl.int32, bitcast=True)
+    if SCALE_BYTES == 1:
+        tl.store(ptr + off, ((bits >> 23) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        for b in tl.static_range(4):
+            tl.store(ptr + off + b, ((bits >> (8 * b)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.constexpr, TC: tl.constexpr):
+    """Partial amax of one TR x TC sub-tile of one (large) block, merged with an integer atomic max (exact and
+    order-free: non-negative fp32 values order like their bit patterns). amax must start at +0."""
+    pid0 = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    mb = pid0 // NSR
+    kb = pid1 // NSC
+    ri = (pid0 % NSR) * TR + tl.arange(0, TR)
+    ci = (pid1 % NSC) * TC + tl.arange(0, TC)
+    row = mb * BR + ri
+    col = kb * BC + ci
+    mask = ((ri < BR) & (row < M))[:, None] & ((ci < BC) & (col < K))[None, :]
+    x = tl.load(x_ptr + row.to(tl.int64)[:, None] * K + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    m = tl.max(tl.max(_finite_abs(x), axis=1), axis=0)
+    tl.atomic_max(amax_bits_ptr + mb * KB + kb, m.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks,
+                  M, K, BR, BC, KB, index_base, key,
+                  RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr,
+                  ROWS2D: tl.constexpr, FIT: tl.constexpr, SCALE_GIVEN: tl.constexpr, PACK: tl.constexpr,
+                  SCALE_BYTES: tl.constexpr, NCH_STEPS: tl.constexpr, K16: tl.constexpr, PADC: tl.constexpr,
+                  FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
+                  STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr, MARGIN_MUL: tl.constexpr,
+                  FM_FRAC: tl.constexpr, FK: tl.constexpr):
+    """Block amax + scale + round + store in one pass. PACK=False: codes [M, K], scales and amax [MB, KB] to
+    their own tensors. PACK=True (1xB blocks): codes and wire scales into the chunked uint8 buffer, plus the
+    zero padding of every chunk (program (0, 0)), so the buffer matches the reference byte for byte."""
+    pid0 = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    row, seg, col, rmask, mask = _coords(pid0, pid1, M, K, RSTEP, SEG, R, NB, SEGW)
+    row64 = row.to(tl.int64)
+    x = tl.load(x_ptr + (row64 * K)[:, None, None] + col, mask=mask, other=0.0).to(tl.float32)
+
+    if FIT:
+        amax = tl.max(_finite_abs(x), axis=2)  # [R, NB]
+        if ROWS2D:  # one block-row per program: the block spans the tile's rows too
+            amax = tl.broadcast_to(tl.max(amax, axis=0)[None, :], (R, NB))
+            brow = tl.zeros([R], tl.int32) + pid0
+            bmask = (tl.arange(0, R) == 0)[:, None] & (seg < KB)[None, :]
+        else:
+            brow = row
+            bmask = rmask[:, None] & (seg < KB)[None, :]
+        bidx = brow[:, None].to(tl.int64) * KB + seg[None, :]
+        if SCALE_GIVEN:
+            s = tl.load(scale_ptr + bidx, mask=bmask, other=1.0)
+        else:
+            s = _scale_from_amax(amax, FMAX, POW2, MARGIN, MARGIN_MUL, FM_FRAC, FK)
+        s3 = s[:, :, None]
+    else:
+        bidx3 = (row64 // BR)[:, None, None] * KB + col // BC
+        if SCALE_GIVEN:
+            s3 = tl.load(scale_ptr + bidx3, mask=mask, other=1.0)
+        else:
+            s3 = _scale_from_amax(tl.load(amax_ptr + bidx3, mask=mask, other=0.0), FMAX, POW2, MARGIN, MARGIN_MUL,
+                                  FM_FRAC, FK)
+        first = mask & ((row % BR) == 0)[:, None, None] & ((col % BC) == 0)
+
+    idx = None
+    if STOCHASTIC:  # the SR counter is the element's flat index (+ index_base), mod 2**32
+        idx = (index_base.to(tl.uint32, bitcast=True) + row.to(tl.uint32)[:, None, None] * K.to(tl.uint32)
+               + col.to(tl.uint32))
+        key = key.to(tl.uint32, bitcast=True)
+    codes = _encode(x, s3, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC)
+
+    if PACK:
+        c = _chunk_of(row, starts_ptr, nchunks, NCH_STEPS)
+        lr = (row - tl.load(starts_ptr + c, mask=rmask, other=0)).to(tl.int64)
+        off = tl.load(offs_ptr + c, mask=rmask, other=0)
+        pay = off + lr * K
+        if K16:  # chunk offsets are 16-aligned, so rows start 16-aligned when K is: lets Triton vectorize
+            pay = tl.multiple_of(pay, 16)
+        tl.store(out_ptr + pay[:, None, None] + col, codes, mask=mask)
+        sbase = off + tl.load(pbytes_ptr + c, mask=rmask, other=0) + lr * KB * SCALE_BYTES
+        if FIT:
+            _store_scale_bytes(out_ptr, sbase[:, None] + seg[None, :] * SCALE_BYTES, s, bmask, SCALE_BYTES)
+        else:
+            _store_scale_bytes(out_ptr, sbase[:, None, None] + (col // BC) * SCALE_BYTES, s3, first, SCALE_BYTES)
+        if (pid0 == 0) & (pid1 == 0):
+            zero = tl.zeros([PADC, 16], tl.uint8)
+            p = tl.arange(0, 16)[None, :]
+            for c0 in range(0, nchunks, PADC):
+                cc = c0 + tl.arange(0, PADC)
+                cm = cc < nchunks
+                nrow = (tl.load(starts_ptr + cc + 1, mask=cm, other=0)
+                        - tl.load(starts_ptr + cc, mask=cm, other=0)).to(tl.int64)
+                o = tl.load(offs_ptr + cc, mask=cm, other=0)
+                o_end = tl.load(offs_ptr + cc + 1, mask=cm, other=0)
+                pb = tl.load(pbytes_ptr + cc, mask=cm, other=0)
+                pay_end = o + nrow * K
+                sc_end = o + pb + nrow * KB * SCALE_BYTES
+                tl.store(out_ptr + pay_end[:, None] + p, zero, mask=cm[:, None] & (p < (o + pb - pay_end)[:, None]))
+                tl.store(out_ptr + sc_end[:, None] + p, zero, mask=cm[:, None] & (p < (o_end - sc_end)[:, None]))
+    else:
+        tl.store(out_ptr + (row64 * K)[:, None, None] + col, codes, mask=mask)
+        if FIT:
+            tl.store(amax_ptr + bidx, amax, mask=bmask)
+            if not SCALE_GIVEN:
+                tl.store(scale_ptr + bidx, s, mask=bmask)
+        elif not SCALE_GIVEN:
+            tl.store(scale_ptr + bidx3, s3, mask=first)
+
+
+@triton.jit
+def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks, chunk_stride,
+                    M, K, BR, BC, KB,
+                    RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr,
+                    ROWS2D: tl.constexpr, FIT: tl.constexpr, MODE: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                    NCH_STEPS: tl.constexpr, K16: tl.constexpr, OUT_BF16: tl.constexpr,
+                    MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.constexpr, HAS_INF: tl.constexpr):
+    """code * scale in fp32, stored as out's dtype. MODE 0: codes [M, K] + fp32 scales [MB, KB] (any block shape).
+    MODE 1: every chunk of a wire buffer -> out [M, K]. MODE 2: `nchunks` equal chunks (stride chunk_stride bytes,
+    M rows each) summed in chunk order from +0.0 -> fp32 out [M, K]; launch without FMA contraction."""
+    pid0 = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    row, seg, col, rmask, mask = _coords(pid0, pid1, M, K, RSTEP, SEG, R, NB, SEGW)
+    row64 = row.to(tl.int64)
+    if FIT:
+        bmask = rmask[:, None] & (seg < KB)[None, :]
+    if MODE == 0:
+        code = tl.load(src_ptr + (row64 * K)[:, None, None] + col, mask=mask, other=0)
+        if FIT:
+            if ROWS2D:
+                brow = tl.zeros([R], tl.int64) + pid0
+            else:
+                brow = row64
+            s = tl.load(scale_ptr + brow[:, None] * KB + seg[None, :], mask=bmask, other=1.0)[:, :, None]
+        else:
+            s = tl.load(scale_ptr + (row64 // BR)[:, None, None] * KB + col // BC, mask=mask, other=1.0)
+        v = _decode(code, MBITS, BIAS, MIN_SUB_MUL, HAS_INF) * s
+    else:
+        if MODE == 1:
+            c = _chunk_of(row, starts_ptr, nchunks, NCH_STEPS)
+            lr = (row - tl.load(starts_ptr + c, mask=rmask, other=0)).to(tl.int64)
+            base = tl.load(offs_ptr + c, mask=rmask, other=0)
+            pb = tl.load(pbytes_ptr + c, mask=rmask, other=0)
+            n_src = 1
+        else:
+            lr = row64
+            base = tl.zeros([R], tl.int64)
+            pb = base + tl.load(pbytes_ptr)
+            n_src = nchunks
+        v = tl.zeros([R, NB, SEGW], tl.float32)  # +0.0, like the reference's out.zero_()
+        for ci in range(0, n_src):
+            cb = base + ci * chunk_stride
+            pay = cb + lr * K
+            if K16:
+                pay = tl.multiple_of(pay, 16)
+            code = tl.load(src_ptr + pay[:, None, None] + col, mask=mask, other=0)
+            sbase = cb + pb + lr * KB * SCALE_BYTES
+            if FIT:
+                s = _scale_from_bytes(src_ptr, sbase[:, None] + seg[None, :] * SCALE_BYTES, bmask,
+                                      SCALE_BYTES)[:, :, None]
+            else:
+                s = _scale_from_bytes(src_ptr, sbase[:, None, None] + (col // BC) * SCALE_BYTES, mask, SCALE_BYTES)
+            q = _decode(code, MBITS, BIAS, MIN_SUB_MUL, HAS_INF) * s
+            if MODE == 1:
+                v = q
+            else:
+                v = v + q
+    dst = out_ptr + (row64 * K)[:, None, None] + col
+    if OUT_BF16:
+        tl.store(dst, _bf16_bits(v), mask=mask)
+    else:
+        tl.store(dst, v, mask=mask)
