@@ -8,19 +8,22 @@ from . import reference as ref
 
 name = "compiled"
 
-_encode = torch.compile(ref.encode, dynamic=True)
-_amax = torch.compile(ref.block_amax, dynamic=True)
-_dequant = torch.compile(ref.dequantize_2d, dynamic=True)
+# Each (format, scaling, rounding, shape) is its own graph; the default limit of 8 would silently send later
+# variants to eager mode (same bits, but no longer the fast path).
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+_encode = torch.compile(ref.encode)
+_amax = torch.compile(ref.block_amax)
+_dequant = torch.compile(ref.dequantize_2d)
 
 
 def quantize_2d(x2, fmt, scaling, rounding="nearest", seed=0, scale=None, index_base=0):
     from .scaling import scale_from_amax
 
-    m, k = x2.shape
     amax = _amax(x2, scaling)
     if scale is None:
         scale = scale_from_amax(amax, fmt, scaling)
-    codes = _encode(x2, ref.expand_scale(scale, m, k, scaling), fmt, rounding, seed, index_base)
+    codes = _encode(x2, scale, scaling, fmt, rounding, seed, index_base)
     return codes, scale, amax
 
 

@@ -2,7 +2,7 @@
 
 All arithmetic is fp32 and correctly rounded: block amax over finite |x|, scale (see scaling.py), y = x / scale,
 clamp to the format max, round onto the FP8 grid (nearest-even, or stochastic from a counter-based hash), cast.
-Non-finite inputs are never clamped: inf/NaN become the format's inf/NaN codes (E4M3 has no inf: NaN).
+Non-finite inputs are never clamped: E5M2 keeps +-inf (0x7C/0xFC); other inf/NaN become NaN (0x7F).
 """
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from .scaling import Scaling, scale_from_amax
 
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
-NAN_E4M3 = 0x7F
-POS_INF_E5M2, NEG_INF_E5M2, NAN_E5M2 = 0x7C, 0xFC, 0x7F
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -46,10 +44,14 @@ def uniform_from_index(index: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def grid_exponent(a: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """Exponent of the FP8 grid spacing around |y| = a (fp32, finite, >= 0)."""
-    e = torch.frexp(a)[1].to(torch.int32) - 1  # a = m * 2**(e+1), m in [0.5, 1); a == 0 gives any spacing
-    e = torch.clamp(e, min=-126)
+    """Exponent of the FP8 grid spacing around |y| = a (fp32, finite, >= 0), read from the fp32 bits."""
+    e = ((a.view(torch.int32) >> 23) & 0xFF) - 127
     return torch.clamp(e - fmt.mantissa_bits, min=fmt.min_subnormal_exp)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2.0**e as fp32 for int32 e in the normal range [-126, 127], built from the bits (exact)."""
+    return ((e + 127) << 23).view(torch.float32)
 
 
 def round_to_grid(y: torch.Tensor, fmt: Fp8Format, uniform: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,66 +61,77 @@ def round_to_grid(y: torch.Tensor, fmt: Fp8Format, uniform: torch.Tensor | None 
     """
     a = y.abs()
     sp = grid_exponent(a, fmt)
-    r = torch.ldexp(a, -sp)  # exact: a power-of-two rescale
+    r = a * pow2(-sp)  # exact: a power-of-two rescale into [0, 2**(mantissa_bits+1))
     if uniform is None:
         q = torch.round(r)  # half to even
     else:
         i = torch.floor(r)
         q = i + (uniform < (r - i)).to(torch.float32)
-    return torch.copysign(torch.ldexp(q, sp), y)
+    return torch.copysign(q * pow2(sp), y)
+
+
+def blocks_view(t: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """[M, K] -> [mb, br, kb, bc] (zero-padded to whole blocks) so per-block scales broadcast without copies."""
+    m, k = t.shape
+    br, bc = scaling.block_shape(m, k)
+    mb, kb = scaling.scale_shape(m, k)
+    if mb * br != m or kb * bc != k:
+        t = torch.nn.functional.pad(t, (0, kb * bc - k, 0, mb * br - m))
+    return t.reshape(mb, br, kb, bc)
+
+
+def unblock(t: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """Inverse of blocks_view: [mb, br, kb, bc] -> [M, K] (crops the padding)."""
+    mb, br, kb, bc = t.shape
+    return t.reshape(mb * br, kb * bc)[:m, :k]
 
 
 def block_amax(x2: torch.Tensor, scaling: Scaling) -> torch.Tensor:
     """amax of |x| over the finite values of each block of the [M, K] view -> fp32 [mb, kb]."""
     m, k = x2.shape
-    br, bc = scaling.block_shape(m, k)
     mb, kb = scaling.scale_shape(m, k)
+    if x2.numel() == 0:
+        return torch.zeros(mb, kb, dtype=torch.float32, device=x2.device)
     a = x2.float().abs()
     a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype))
-    if mb * br != m or kb * bc != k:
-        a = torch.nn.functional.pad(a, (0, kb * bc - k, 0, mb * br - m))
-    if a.numel() == 0:
-        return torch.zeros(mb, kb, dtype=torch.float32, device=x2.device)
-    return a.reshape(mb, br, kb, bc).amax(dim=(1, 3))
+    return blocks_view(a, scaling).amax(dim=(1, 3))
 
 
 def expand_scale(scale: torch.Tensor, m: int, k: int, scaling: Scaling) -> torch.Tensor:
-    """Broadcast [mb, kb] block scales to the [M, K] elements they cover."""
+    """Broadcast [mb, kb] block scales to the [M, K] elements they cover (a materialised copy: for reports)."""
     br, bc = scaling.block_shape(m, k)
     return scale.repeat_interleave(br, 0)[:m].repeat_interleave(bc, 1)[:, :k]
 
 
-def encode(x2: torch.Tensor, scale_full: torch.Tensor, fmt: Fp8Format, rounding: str, seed: int,
+def encode(x2: torch.Tensor, scale: torch.Tensor, scaling: Scaling, fmt: Fp8Format, rounding: str, seed: int,
            index_base: int = 0) -> torch.Tensor:
-    """FP8 codes (uint8) of x2 [M, K] divided by per-element scales; `index_base` offsets the SR counter."""
-    x = x2.float()
-    y = torch.clamp(x / scale_full, -fmt.max, fmt.max)
+    """FP8 codes (uint8 [M, K]) of x2 / block scale; `index_base` offsets the stochastic-rounding counter."""
+    m, k = x2.shape
+    x = blocks_view(x2.float(), scaling)
+    y = torch.clamp(x / scale.float()[:, None, :, None], -fmt.max, fmt.max)
     finite = torch.isfinite(x)
-    y = torch.where(finite, y, torch.zeros((), dtype=y.dtype))
     u = None
     if rounding == "stochastic":
-        m, k = x.shape
-        idx = index_base + torch.arange(m * k, dtype=torch.int64, device=x.device).reshape(m, k)
-        u = uniform_from_index(idx, seed)
-    codes = round_to_grid(y, fmt, u).to(fmt.dtype).view(torch.uint8)
-    if fmt.has_inf:
-        special = torch.where(x > 0, POS_INF_E5M2, NEG_INF_E5M2)
-        special = torch.where(torch.isnan(x), NAN_E5M2, special)
-    else:
-        special = torch.where(torch.signbit(x), NAN_E4M3 | 0x80, NAN_E4M3)
-        special = torch.where(torch.isnan(x), NAN_E4M3, special)
-    return torch.where(finite, codes, special.to(torch.uint8))
+        mb, br, kb, bc = x.shape
+        rows = torch.arange(mb * br, dtype=torch.int64, device=x.device).reshape(mb, br, 1, 1)
+        cols = torch.arange(kb * bc, dtype=torch.int64, device=x.device).reshape(1, 1, kb, bc)
+        u = uniform_from_index(index_base + rows * k + cols, seed)
+    y = round_to_grid(torch.where(finite, y, 0.0), fmt, u)
+    # Non-finite inputs bypass clamp and rounding: E5M2 keeps +-inf; every other non-finite input becomes the NaN
+    # code 0x7F (E4M3 has no inf; NaN signs are not kept, compilers do not preserve them).
+    nan = float("nan")
+    special = torch.where(torch.isnan(x), nan, x) if fmt.has_inf else nan
+    y = torch.where(finite, y, special)
+    return unblock(y.to(fmt.dtype).view(torch.uint8), m, k)
 
 
 def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: str = "nearest", seed: int = 0,
                 scale: torch.Tensor | None = None, index_base: int = 0):
     """Quantize an [M, K] view -> (uint8 codes [M, K], fp32 scales [mb, kb], fp32 block amax [mb, kb])."""
-    m, k = x2.shape
     amax = block_amax(x2, scaling)
     if scale is None:
         scale = scale_from_amax(amax, fmt, scaling)
-    codes = encode(x2, expand_scale(scale, m, k, scaling), fmt, rounding, seed, index_base)
-    return codes, scale, amax
+    return encode(x2, scale, scaling, fmt, rounding, seed, index_base), scale, amax
 
 
 def decode(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -129,4 +142,4 @@ def decode(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
 def dequantize_2d(codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scaling: Scaling) -> torch.Tensor:
     """uint8 codes [M, K] and fp32 block scales -> fp32 [M, K] (code value * scale; inf/NaN stay non-finite)."""
     m, k = codes.shape
-    return decode(codes, fmt) * expand_scale(scale.float(), m, k, scaling)
+    return unblock(blocks_view(decode(codes, fmt), scaling) * scale.float()[:, None, :, None], m, k)

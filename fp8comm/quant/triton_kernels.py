@@ -16,6 +16,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _rmax(x, axis: tl.constexpr):
+    """tl.max without triton's standard library: its @jit helpers are interpreted or compiled depending on
+    TRITON_INTERPRET when triton was first imported, ours when this module was (tests rely on the latter)."""
+    return tl.reduce(x, axis, _max2)
+
+
+@triton.jit
 def _pow2(e):
     """2**e as fp32 for an int32 tensor e in [-126, 127] (exact: built from the exponent field)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -70,6 +82,7 @@ def _encode(x, s, idx, key, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl
     xb = x.to(tl.int32, bitcast=True)
     neg = xb < 0
     finite = (xb & 0x7F800000) != 0x7F800000
+    s = tl.broadcast_to(s, x.shape)  # div_rn's operands must have one shape on every Triton version
     a = tl.minimum(tl.math.div_rn(tl.where(finite, tl.abs(x), 0.0), s), FMAX)
     # grid spacing 2**sp around a (reference.grid_exponent); r = a / 2**sp is exact
     e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -126)
@@ -114,12 +127,22 @@ def _decode(code, MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.const
 
 @triton.jit
 def _bf16_bits(v):
-    """fp32 -> bf16 bits, round-to-nearest-even in integers (the interpreter's bf16 cast truncates)."""
+    """fp32 -> bf16 bits, round-to-nearest-even in integers (the interpreter's bf16 cast truncates); NaN becomes
+    0x7FFF, the canonical NaN of CUDA's cvt (torch's CPU conversion has no single NaN pattern to match)."""
     b = v.to(tl.uint32, bitcast=True)
     isnan = (b & 0x7FFFFFFF) > 0x7F800000
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    r = tl.where(isnan, (b >> 16) | 0x40, r)
+    r = tl.where(isnan, 0x7FFF, r)
     return r.to(tl.int16)
+
+
+@triton.jit
+def _load_x(ptr, mask, IN_BF16: tl.constexpr):
+    """Input as fp32. bf16 arrives as int16 bits and is widened by a shift (the interpreter's bf16->fp32
+    conversion loses subnormals); fp16/fp32 upcast exactly."""
+    if IN_BF16:
+        return (tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -144,7 +167,7 @@ def _coords(pid0, pid1, M, K, RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.cons
 def _chunk_of(row, starts_ptr, nchunks, NCH_STEPS: tl.constexpr):
     """Index of the chunk holding each row: the last c with starts[c] <= row (binary lifting over the table;
     a zero-row chunk shares its successor's start, so it is never picked)."""
-    c = tl.zeros(row.shape, tl.int32)
+    c = tl.full(row.shape, 0, tl.int32)
     for t in tl.static_range(NCH_STEPS):
         cand = c + (1 << (NCH_STEPS - 1 - t))
         st = tl.load(starts_ptr + cand, mask=cand < nchunks, other=2147483647)
@@ -176,7 +199,8 @@ def _store_scale_bytes(ptr, off, s, mask, SCALE_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.constexpr, TC: tl.constexpr):
+def _amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.constexpr, TC: tl.constexpr,
+                 IN_BF16: tl.constexpr):
     """Partial amax of one TR x TC sub-tile of one (large) block, merged with an integer atomic max (exact and
     order-free: non-negative fp32 values order like their bit patterns). amax must start at +0."""
     pid0 = tl.program_id(0)
@@ -188,12 +212,12 @@ def _amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.conste
     row = mb * BR + ri
     col = kb * BC + ci
     mask = ((ri < BR) & (row < M))[:, None] & ((ci < BC) & (col < K))[None, :]
-    x = tl.load(x_ptr + row.to(tl.int64)[:, None] * K + col[None, :], mask=mask, other=0.0).to(tl.float32)
-    m = tl.max(tl.max(_finite_abs(x), axis=1), axis=0)
+    x = _load_x(x_ptr + row.to(tl.int64)[:, None] * K + col[None, :], mask, IN_BF16)
+    m = _rmax(_rmax(_finite_abs(x), 1), 0)
     tl.atomic_max(amax_bits_ptr + mb * KB + kb, m.to(tl.int32, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["index_base", "key"])  # bitcast below needs them as i32, never constexpr 1
 def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks,
                   M, K, BR, BC, KB, index_base, key,
                   RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr,
@@ -201,7 +225,7 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
                   SCALE_BYTES: tl.constexpr, NCH_STEPS: tl.constexpr, K16: tl.constexpr, PADC: tl.constexpr,
                   FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
                   STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr, MARGIN_MUL: tl.constexpr,
-                  FM_FRAC: tl.constexpr, FK: tl.constexpr):
+                  FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr):
     """Block amax + scale + round + store in one pass. PACK=False: codes [M, K], scales and amax [MB, KB] to
     their own tensors. PACK=True (1xB blocks): codes and wire scales into the chunked uint8 buffer, plus the
     zero padding of every chunk (program (0, 0)), so the buffer matches the reference byte for byte."""
@@ -209,13 +233,13 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
     pid1 = tl.program_id(1)
     row, seg, col, rmask, mask = _coords(pid0, pid1, M, K, RSTEP, SEG, R, NB, SEGW)
     row64 = row.to(tl.int64)
-    x = tl.load(x_ptr + (row64 * K)[:, None, None] + col, mask=mask, other=0.0).to(tl.float32)
+    x = _load_x(x_ptr + (row64 * K)[:, None, None] + col, mask, IN_BF16)
 
     if FIT:
-        amax = tl.max(_finite_abs(x), axis=2)  # [R, NB]
+        amax = _rmax(_finite_abs(x), 2)  # [R, NB]
         if ROWS2D:  # one block-row per program: the block spans the tile's rows too
-            amax = tl.broadcast_to(tl.max(amax, axis=0)[None, :], (R, NB))
-            brow = tl.zeros([R], tl.int32) + pid0
+            amax = tl.broadcast_to(_rmax(amax, 0)[None, :], (R, NB))
+            brow = tl.full([R], 0, tl.int32) + pid0
             bmask = (tl.arange(0, R) == 0)[:, None] & (seg < KB)[None, :]
         else:
             brow = row
@@ -237,8 +261,7 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
 
     idx = None
     if STOCHASTIC:  # the SR counter is the element's flat index (+ index_base), mod 2**32
-        idx = (index_base.to(tl.uint32, bitcast=True) + row.to(tl.uint32)[:, None, None] * K.to(tl.uint32)
-               + col.to(tl.uint32))
+        idx = (index_base.to(tl.uint32, bitcast=True) + row.to(tl.uint32)[:, None, None] * K + col.to(tl.uint32))
         key = key.to(tl.uint32, bitcast=True)
     codes = _encode(x, s3, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC)
 
@@ -256,7 +279,7 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
         else:
             _store_scale_bytes(out_ptr, sbase[:, None, None] + (col // BC) * SCALE_BYTES, s3, first, SCALE_BYTES)
         if (pid0 == 0) & (pid1 == 0):
-            zero = tl.zeros([PADC, 16], tl.uint8)
+            zero = tl.full([PADC, 16], 0, tl.uint8)
             p = tl.arange(0, 16)[None, :]
             for c0 in range(0, nchunks, PADC):
                 cc = c0 + tl.arange(0, PADC)
@@ -300,7 +323,7 @@ def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_pt
         code = tl.load(src_ptr + (row64 * K)[:, None, None] + col, mask=mask, other=0)
         if FIT:
             if ROWS2D:
-                brow = tl.zeros([R], tl.int64) + pid0
+                brow = tl.full([R], 0, tl.int64) + pid0
             else:
                 brow = row64
             s = tl.load(scale_ptr + brow[:, None] * KB + seg[None, :], mask=bmask, other=1.0)[:, :, None]
@@ -316,10 +339,10 @@ def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_pt
             n_src = 1
         else:
             lr = row64
-            base = tl.zeros([R], tl.int64)
+            base = tl.full([R], 0, tl.int64)
             pb = base + tl.load(pbytes_ptr)
             n_src = nchunks
-        v = tl.zeros([R, NB, SEGW], tl.float32)  # +0.0, like the reference's out.zero_()
+        v = tl.full([R, NB, SEGW], 0, tl.float32)  # +0.0, like the reference's out.zero_()
         for ci in range(0, n_src):
             cb = base + ci * chunk_stride
             pay = cb + lr * K

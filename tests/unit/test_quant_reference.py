@@ -20,8 +20,7 @@ def torch_cast_oracle(x: torch.Tensor, scale_full: torch.Tensor, fmt) -> torch.T
         sp = torch.where(x > 0, 0x7C, 0xFC)
         sp = torch.where(torch.isnan(x), 0x7F, sp)
     else:
-        sp = torch.where(torch.signbit(x), 0xFF, 0x7F)
-        sp = torch.where(torch.isnan(x), 0x7F, sp)
+        sp = torch.full_like(codes, 0x7F)
     return torch.where(torch.isfinite(x), codes, sp.to(torch.uint8))
 
 

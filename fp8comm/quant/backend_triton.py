@@ -1,0 +1,273 @@
+"""Triton backend: backend_reference's interface on the fused kernels of triton_kernels.py, bit-exact with it.
+
+Runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (slow: there tiles grow so programs are few).
+NaN payload bits of float outputs are whatever the hardware's fp32 multiply/add give (x86 keeps the operand's,
+CUDA returns the canonical NaN); which elements are NaN, and every other bit, match the reference.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+from . import triton_kernels as tk
+from .formats import Fp8Format
+from .scaling import Scaling, scale_from_amax
+from .wire import ChunkLayout
+
+name = "triton"
+
+# CUDA: ~4K elements per program (8 KiB of bf16) gives memory-bound kernels many programs in flight; blocks of up
+# to GPU_FIT elements (128x128) are reduced inside one program, larger ones take the two-pass path.
+GPU_TILE = 4096
+GPU_FIT = 16384
+# The interpreter pays per program, not per element: one big tile. Tests lower INTERP_FIT to reach the two-pass path.
+INTERP_TILE = 1 << 16
+INTERP_FIT = 1 << 16
+MAX_GRID_1 = 65535  # CUDA's limit on grid dimension 1
+
+# kernel name -> the last compiled kernel launched on CUDA (launch/device_check.py inspects its PTX)
+LAUNCHED: dict = {}
+_TABLES: dict = {}
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _p2(n: int) -> int:
+    """Smallest power of two >= n (>= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _p2_floor(n: int) -> int:
+    return 1 << max(0, int(n).bit_length() - 1) if n >= 1 else 1
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _i32(v: int) -> int:
+    """A uint32 value as the signed int32 with the same bits (kernels bitcast it back)."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Tile geometry for an [m, k] view with br x bc blocks: see triton_kernels' module docstring."""
+
+    fit: bool
+    rows2d: bool
+    rstep: int
+    seg: int
+    r: int
+    nb: int
+    segw: int
+    grid: tuple
+
+    def meta(self) -> dict:
+        return dict(RSTEP=self.rstep, SEG=self.seg, R=self.r, NB=self.nb, SEGW=self.segw, ROWS2D=self.rows2d,
+                    FIT=self.fit)
+
+    @property
+    def num_warps(self) -> int:
+        return min(8, max(1, self.r * self.nb * self.segw // 1024))
+
+
+def _limits() -> tuple[int, int]:
+    return (INTERP_TILE, INTERP_FIT) if _interpreting() else (GPU_TILE, GPU_FIT)
+
+
+def _plan(m: int, k: int, br: int, bc: int) -> _Plan:
+    tile, fit_limit = _limits()
+    if _p2(br) * _p2(bc) <= fit_limit:
+        seg, segw = bc, _p2(bc)
+        nseg = _cdiv(k, seg)
+        if br > 1:  # one block-row per program
+            r, rstep = _p2(br), br
+            nb = max(1, min(_p2(nseg), _p2_floor(tile // (r * segw))))
+        else:
+            nb = max(1, min(_p2(nseg), _p2_floor(tile // segw)))
+            r = max(1, min(_p2(m), _p2_floor(tile // (nb * segw))))
+            rstep = r
+        fit, rows2d = True, br > 1
+    else:  # blocks larger than a tile: amax from _amax_kernel, the tile is just a window
+        segw = min(_p2(k), tile)
+        seg, nseg, nb, fit, rows2d = segw, _cdiv(k, segw), 1, False, False
+        r = rstep = max(1, min(_p2(m), tile // segw))
+    while _cdiv(nseg, nb) > MAX_GRID_1:
+        nb *= 2
+    return _Plan(fit, rows2d, rstep, seg, r, nb, segw, (_cdiv(m, rstep), _cdiv(nseg, nb)))
+
+
+def _launch(kernel, grid, *args, num_warps: int = 4, **meta) -> None:
+    # FMA contraction off: the reference rounds every product and every sum separately (unpack_sum's acc + q*s).
+    # The interpreter drops launch options it does not know.
+    compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **meta)
+    if not _interpreting() and compiled is not None:
+        LAUNCHED[kernel.fn.__name__] = compiled
+
+
+def _quant_meta(fmt: Fp8Format, scaling: Scaling, rounding: str) -> dict:
+    fm, fk = math.frexp(fmt.max)
+    return dict(FMAX=float(fmt.max), MBITS=fmt.mantissa_bits, MIN_SUB=fmt.min_subnormal_exp, HAS_INF=fmt.has_inf,
+                STOCHASTIC=rounding == "stochastic", POW2=scaling.encoding != "fp32", MARGIN=scaling.margin,
+                MARGIN_MUL=float(2.0 ** scaling.margin), FM_FRAC=int((2 * fm - 1) * 2 ** 23), FK=fk)
+
+
+def _dec_meta(fmt: Fp8Format) -> dict:
+    return dict(MBITS=fmt.mantissa_bits, BIAS=1 - fmt.min_normal_exp, MIN_SUB_MUL=float(2.0 ** fmt.min_subnormal_exp),
+                HAS_INF=fmt.has_inf)
+
+
+def _as_input(x2: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(contiguous kernel input, IN_BF16): bf16 travels as its int16 bits; fp32/fp16 load natively (exact upcast);
+    anything else goes through .float() as in the reference."""
+    x = x2 if x2.dtype in (torch.float32, torch.bfloat16, torch.float16) else x2.float()
+    x = x.contiguous()
+    return (x.view(torch.int16), True) if x.dtype == torch.bfloat16 else (x, False)
+
+
+def _out_target(out: torch.Tensor):
+    """(contiguous tensor the kernel writes, its view for the kernel, OUT_BF16)."""
+    if out.dtype not in _OUT_DTYPES:
+        raise TypeError(f"triton backend: output dtype must be one of {_OUT_DTYPES}, got {out.dtype}")
+    o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    bf16 = o.dtype == torch.bfloat16  # rounded in integers by the kernel: the interpreter's bf16 cast truncates
+    return o, (o.view(torch.int16) if bf16 else o), bf16
+
+
+def _tables(layout: ChunkLayout, device: torch.device):
+    """Per-chunk first row (int32, + total), byte offset (int64, + total) and payload bytes (int64), cached."""
+    key = (layout, str(device))
+    t = _TABLES.get(key)
+    if t is None:
+        n = len(layout.rows)
+        starts = torch.tensor(list(layout.row_starts) + [layout.total_rows], dtype=torch.int32)
+        offs = torch.tensor(list(layout.offsets) + [layout.total_bytes], dtype=torch.int64)
+        pbytes = torch.tensor([layout.payload_bytes(c) for c in range(n)] or [0], dtype=torch.int64)
+        t = tuple(v.to(device) for v in (starts, offs, pbytes))
+        if len(_TABLES) > 256:
+            _TABLES.clear()
+        _TABLES[key] = t
+    return t
+
+
+def _amax_big(x: torch.Tensor, bf16: bool, amax: torch.Tensor, m: int, k: int, br: int, bc: int) -> None:
+    """Block amax for blocks larger than a tile, into zero-initialised fp32 amax [mb, kb]."""
+    tile, _ = _limits()
+    mb, kb = amax.shape
+    tc = min(_p2(bc), tile)
+    tr = max(1, min(_p2(br), tile // tc))
+    nsr, nsc = _cdiv(br, tr), _cdiv(bc, tc)
+    if kb * nsc > MAX_GRID_1:
+        raise ValueError(f"triton backend: {kb * nsc} column tiles exceed CUDA's grid limit; use the reference backend")
+    _launch(tk._amax_kernel, (mb * nsr, kb * nsc), x, amax.view(torch.int32), m, k, br, bc, kb, nsr, nsc,
+            TR=tr, TC=tc, IN_BF16=bf16, num_warps=min(8, max(1, tr * tc // 1024)))
+
+
+def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: str = "nearest", seed: int = 0,
+                scale: torch.Tensor | None = None, index_base: int = 0):
+    """reference.quantize_2d: (uint8 codes [M, K], fp32 scales [mb, kb], fp32 block amax [mb, kb])."""
+    m, k = x2.shape
+    br, bc = scaling.block_shape(m, k)
+    mb, kb = scaling.scale_shape(m, k)
+    dev = x2.device
+    codes = torch.empty(m, k, dtype=torch.uint8, device=dev)
+    amax = torch.zeros(mb, kb, dtype=torch.float32, device=dev)
+    if m == 0 or k == 0:
+        return codes, (scale if scale is not None else scale_from_amax(amax, fmt, scaling)), amax
+    x, bf16 = _as_input(x2)
+    given = scale is not None
+    s_out = scale.to(dev, torch.float32).contiguous() if given else torch.empty(mb, kb, dtype=torch.float32, device=dev)
+    p = _plan(m, k, br, bc)
+    if not p.fit:
+        _amax_big(x, bf16, amax, m, k, br, bc)
+    key = ref.seed_key(seed) if rounding == "stochastic" else 0
+    _launch(tk._quant_kernel, p.grid, x, codes, s_out, amax, codes, codes, codes, 0, m, k, br, bc, kb,
+            _i32(index_base), _i32(key), SCALE_GIVEN=given, PACK=False, SCALE_BYTES=4, NCH_STEPS=0,
+            K16=k % 16 == 0, PADC=1, IN_BF16=bf16, num_warps=p.num_warps, **p.meta(),
+            **_quant_meta(fmt, scaling, rounding))
+    return codes, (scale if given else s_out), amax
+
+
+def dequantize_2d(codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scaling: Scaling,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """reference.dequantize_2d(...).to(out_dtype): codes [M, K] times their block scales."""
+    m, k = codes.shape
+    out = torch.empty(m, k, dtype=out_dtype, device=codes.device)
+    if m == 0 or k == 0:
+        return out
+    br, bc = scaling.block_shape(m, k)
+    _, kb = scaling.scale_shape(m, k)
+    c = (codes if codes.dtype == torch.uint8 else codes.view(torch.uint8)).contiguous()
+    s = scale.to(codes.device, torch.float32).contiguous()
+    o, ov, bf16 = _out_target(out)
+    p = _plan(m, k, br, bc)
+    _launch(tk._dequant_kernel, p.grid, c, s, ov, c, c, c, 0, 0, m, k, br, bc, kb, MODE=0, SCALE_BYTES=4,
+            NCH_STEPS=0, K16=k % 16 == 0, OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt))
+    return o
+
+
+def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding: str, seed: int,
+                out: torch.Tensor) -> torch.Tensor:
+    """One launch: block amax, scale, rounding, payload + wire scales + zeroed padding into `out` (1xB blocks).
+    Blocks wider than a tile (cols=None on very wide rows) add one amax launch before it."""
+    m, k = layout.total_rows, layout.k
+    if layout.total_bytes == 0:
+        return out
+    x, bf16 = _as_input(x2)
+    dev = x.device
+    starts, offs, pbytes = _tables(layout, dev)
+    n, bc, kb = len(layout.rows), layout.block, layout.kb
+    p = _plan(m, k, 1, bc)
+    amax = starts
+    if not p.fit:
+        amax = torch.zeros(m, kb, dtype=torch.float32, device=dev)
+        _amax_big(x, bf16, amax, m, k, 1, bc)
+    key = ref.seed_key(seed) if rounding == "stochastic" else 0
+    _launch(tk._quant_kernel, p.grid, x, out, starts, amax, starts, offs, pbytes, n, m, k, 1, bc, kb, 0, _i32(key),
+            SCALE_GIVEN=False, PACK=True, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=(n - 1).bit_length(),
+            K16=k % 16 == 0, PADC=min(_p2(n), 64), IN_BF16=bf16, num_warps=p.num_warps, **p.meta(),
+            **_quant_meta(fmt, layout.scaling, rounding))
+    return out
+
+
+def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torch.Tensor) -> torch.Tensor:
+    """Dequantize every chunk of the wire buffer into out [M, K] (out's dtype)."""
+    m, k = layout.total_rows, layout.k
+    if m == 0 or k == 0:
+        return out
+    starts, offs, pbytes = _tables(layout, buf.device)
+    n = len(layout.rows)
+    o, ov, bf16 = _out_target(out)
+    p = _plan(m, k, 1, layout.block)
+    _launch(tk._dequant_kernel, p.grid, buf, buf, ov, starts, offs, pbytes, n, 0, m, k, 1, layout.block, layout.kb,
+            MODE=1, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=(n - 1).bit_length(), K16=k % 16 == 0,
+            OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt))
+    if o is not out:
+        out.copy_(o)
+    return out
+
+
+def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torch.Tensor) -> torch.Tensor:
+    """Sum of the dequantized equal chunks in fp32, chunk 0 first, from +0.0 (no FMA): fp32 out [rows, K]."""
+    n, k = len(layout.rows), layout.k
+    rows = layout.rows[0] if n else 0
+    if n == 0 or rows == 0 or k == 0:
+        return out.zero_()
+    _, _, pbytes = _tables(layout, buf.device)
+    o, ov, _ = _out_target(out)
+    p = _plan(rows, k, 1, layout.block)
+    _launch(tk._dequant_kernel, p.grid, buf, buf, ov, pbytes, pbytes, pbytes, n, layout.chunk_bytes[0], rows, k, 1,
+            layout.block, layout.kb, MODE=2, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=0, K16=k % 16 == 0,
+            OUT_BF16=False, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt))
+    if o is not out:
+        out.copy_(o)
+    return out
