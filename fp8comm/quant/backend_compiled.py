@@ -10,7 +10,9 @@ name = "compiled"
 
 # Each (format, scaling, rounding, shape) is its own graph; the default limit of 8 would silently send later
 # variants to eager mode (same bits, but no longer the fast path).
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+_cfg = torch._dynamo.config
+_key = "recompile_limit" if hasattr(_cfg, "recompile_limit") else "cache_size_limit"  # renamed across versions
+setattr(_cfg, _key, max(getattr(_cfg, _key), 64))
 
 _encode = torch.compile(ref.encode)
 _amax = torch.compile(ref.block_amax)
