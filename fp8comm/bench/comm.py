@@ -1,0 +1,346 @@
+"""FP8 collectives vs plain torch.distributed (bf16, fp32), side by side in one run, nccl-tests style.
+
+Starts --nproc ranks itself (gloo on 127.0.0.1), or runs as one rank under torchrun. Sizes are bytes of the full
+buffer in bf16 (all_gather: the output; reduce_scatter, all_reduce, all_to_all: the input); fp32 rows move the
+same elements. "wire" = bytes one rank sends to other ranks (FP8 rows: payload + scales + alignment).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import time
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+BUSBW = {"all_gather": lambda w: (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
+         "all_reduce": lambda w: 2 * (w - 1) / w, "all_to_all": lambda w: (w - 1) / w}
+
+
+def _size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored under torchrun)")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
+    p.add_argument("--min-size", type=_size, default=_size("64K"))
+    p.add_argument("--max-size", type=_size, default=_size("256M"))
+    p.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
+    p.add_argument("--fmt", default="e4m3", choices=("e4m3", "e5m2"))
+    p.add_argument("--scales", default="fp32,e8m0", help="FP8 scale encodings to run (fp32, pow2, e8m0)")
+    p.add_argument("--hidden", type=int, default=4096, help="token width for all_to_all")
+    p.add_argument("--iters", type=int, default=20, help="max timed iterations per row")
+    p.add_argument("--target-s", type=float, default=1.0, help="aim for this much timed work per row")
+    p.add_argument("--local-size", type=int, default=0, help="hierarchical FP8 rows with this many ranks per node")
+    p.add_argument("--backend", default="auto", help="quant kernel backend for FP8 rows")
+    p.add_argument("--sqnr-ranks", default="", help="instead of timing: reduce_scatter SQNR table for these "
+                                                     "world sizes, e.g. 2,3,4")
+    p.add_argument("--ef-steps", type=int, default=16, help="steps for the error-feedback table (0: skip)")
+    p.add_argument("--json", default="", help="also write every row as JSON lines here")
+    p.add_argument("--timeout", type=float, default=3600.0, help="kill the ranks after this many seconds")
+
+
+# ---------------------------------------------------------------------------------------------- launching
+def run(args) -> int:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        _worker_body(args, "table")
+        dist.destroy_process_group()
+        return 0
+    if args.sqnr_ranks:
+        for w in [int(v) for v in args.sqnr_ranks.split(",") if v]:
+            if _spawn(args, w, "sqnr"):
+                return 1
+        return 0
+    return _spawn(args, args.nproc, "table")
+
+
+def _spawn(args, world: int, mode: str) -> int:
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, vars(args), mode)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    bad = [p for p in procs if p.is_alive() or p.exitcode != 0]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if bad:
+        print(f"# bench comm: {len(bad)} rank(s) failed or timed out")
+    return 1 if bad else 0
+
+
+def _worker(rank: int, world: int, port: int, argd: dict, mode: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // world))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        _worker_body(argparse.Namespace(**argd), mode)
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker_body(args, mode: str) -> None:
+    if mode == "sqnr":
+        _sqnr_table(args)
+    else:
+        _table(args)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _say(*a) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def _sqnr(out, ref) -> float:
+    """Global SQNR (dB) of out vs ref over every rank's elements."""
+    import torch
+    import torch.distributed as dist
+
+    r = ref.double()
+    t = torch.tensor([float((r * r).sum()), float(((out.double() - r) ** 2).sum())], dtype=torch.float64)
+    dist.all_reduce(t)
+    return 10 * math.log10(t[0] / t[1]) if t[1] > 0 else float("inf")
+
+
+def _timeit(fn, args) -> tuple[float, int]:
+    """Mean seconds per call (max over ranks) after one warm-up; iterations fit --target-s, agreed by all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    fn()  # warm-up (first call may compile kernels)
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    t1 = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(t1, op=dist.ReduceOp.MAX)
+    iters = max(1, min(args.iters, int(args.target_s / max(float(t1), 1e-6))))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t = torch.tensor([(time.perf_counter() - t0) / iters])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t), iters
+
+
+def _problem(op: str, count: int, world: int, hidden: int, rank: int):
+    """(input bf16, fp8 call, plain call factory, analytic wire bytes for itemsize) for one op at `count`."""
+    import torch
+    import torch.distributed as dist
+
+    import fp8comm.comm as fc
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    if op == "all_gather":
+        n = count // world
+        x = torch.randn(n, generator=g).to(torch.bfloat16)
+
+        def plain(t):
+            out = torch.empty(n * world, dtype=t.dtype)
+            return lambda: (dist.all_gather_single(out, t), out)[1]
+
+        return x, lambda t, **kw: fc.all_gather(t, **kw), plain, lambda isz: (world - 1) * n * isz
+    if op in ("reduce_scatter", "all_reduce"):
+        n = count // world * world
+        x = torch.randn(n, generator=g).to(torch.bfloat16)
+        if op == "reduce_scatter":
+            def plain(t):
+                out = torch.empty(n // world, dtype=t.dtype)
+                return lambda: (dist.reduce_scatter_single(out, t), out)[1]
+
+            return x, lambda t, **kw: fc.reduce_scatter(t, **kw), plain, lambda isz: (world - 1) * n // world * isz
+
+        def plain(t):
+            buf = t.clone()  # in place, as torch's all_reduce is; the first call's result is the one compared
+            return lambda: (buf.copy_(t), dist.all_reduce(buf), buf)[2]
+
+        return x, lambda t, **kw: fc.all_reduce(t, **kw), plain, lambda isz: 2 * (world - 1) * n // world * isz
+    per = max(1, count // hidden // world)
+    x = torch.randn(per * world, hidden, generator=g).to(torch.bfloat16)
+    splits = [per] * world
+
+    def plain(t):
+        out = torch.empty_like(t)
+        return lambda: (dist.all_to_all_single(out, t, splits, splits), out)[1]
+
+    return (x, lambda t, **kw: fc.all_to_all(t, splits, splits, **kw), plain,
+            lambda isz: (world - 1) * per * hidden * isz)
+
+
+# -------------------------------------------------------------------------------------------- main table
+def _table(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import fp8comm.comm as fc
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ops = [o for o in args.ops.split(",") if o]
+    encs = [e for e in args.scales.split(",") if e]
+    hg = fc.node_groups(local_size=args.local_size) if args.local_size else None
+    sizes = []
+    s = args.min_size
+    while s <= args.max_size:
+        sizes.append(s)
+        s *= args.factor
+    _say(f"# fp8comm bench comm  {datetime.datetime.now():%Y-%m-%d %H:%M}  {platform.node()}  "
+         f"{platform.machine()}  cpus={os.cpu_count()}  torch {torch.__version__}")
+    _say(f"# world {world} (gloo, {'hierarchical ' + str(args.local_size) + '/node' if hg else 'flat'}), "
+         f"{args.fmt}, 1x128 blocks; size = bytes of the bf16 buffer; FP8 rows start from bf16 input")
+    _say("# algbw = buffer bytes in the row's input dtype / time; busbw = algbw * nccl-tests factor; "
+         "SQNR vs the fp32 result")
+    hdr = (f"{'op':<15}{'size':>11}{'count':>11}  {'variant':<10}{'time(us)':>12}{'algbw':>8}{'busbw':>8}"
+           f"{'wire B/rank':>13}{'vs bf16':>9}{'vs fp32':>9}{'SQNR dB':>9}")
+    _say(hdr)
+    rows, ratios, jf = [], {}, open(args.json, "a") if (args.json and rank == 0) else None
+    for op in ops:
+        for size in sizes:
+            count = size // 2
+            x, fp8, plain, wire_of = _problem(op, count, world, args.hidden, rank)
+            nbytes_bf16 = count * 2
+            ref = plain(x.float())()  # fp32 result: the reference for SQNR
+            ref = ref.clone()
+            res = {}
+            for dt, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+                fn = plain(x.to(dt))
+                first = fn().clone()
+                t, it = _timeit(fn, args)
+                res[name] = dict(time=t, iters=it, wire=wire_of(2 if dt == torch.bfloat16 else 4),
+                                 sqnr=_sqnr(first.float(), ref), nbytes=nbytes_bf16 * (1 if name == "bf16" else 2))
+            for enc in encs:
+                kw = dict(fmt=args.fmt, scaling=enc, backend=args.backend)
+                if hg is not None and op != "all_to_all":
+                    kw["hierarchical"] = hg
+                fc.reset_comm_stats()
+                first = fp8(x, **kw)
+                st = fc.comm_stats(reset=True)
+                wire = sum(v["wire_bytes"] for k, v in st.items() if k.startswith(op))
+                base = sum(v["dtype_bytes"] for k, v in st.items() if k.startswith(op))
+                t, it = _timeit(lambda: fp8(x, **kw), args)
+                name = "fp8" if enc == "fp32" else f"fp8-{enc}"
+                res[name] = dict(time=t, iters=it, wire=wire, sqnr=_sqnr(first.float(), ref), nbytes=nbytes_bf16,
+                                 stats_dtype_bytes=base)
+            for name, v in res.items():
+                algbw = v["nbytes"] / v["time"] / 1e9
+                vb = res["bf16"]["wire"] / v["wire"] if name.startswith("fp8") else float("nan")
+                vf = res["fp32"]["wire"] / v["wire"] if name.startswith("fp8") else float("nan")
+                if name.startswith("fp8"):
+                    ratios.setdefault(name, []).append((vb, vf))
+                line = (f"{op:<15}{size:>11}{count:>11}  {name:<10}{v['time'] * 1e6:>12.1f}{algbw:>8.3f}"
+                        f"{algbw * BUSBW[op](world):>8.3f}{v['wire']:>13}"
+                        + (f"{vb:>8.3f}x{vf:>8.3f}x" if name.startswith("fp8") else f"{'-':>9}{'-':>9}")
+                        + f"{v['sqnr']:>9.1f}")
+                _say(line)
+                row = dict(op=op, size=size, count=count, variant=name, world=world, **v)
+                rows.append(row)
+                if jf:
+                    jf.write(json.dumps(row) + "\n")
+            del x, ref, res
+    for name, rs in ratios.items():
+        _say(f"# {name}: wire bytes vs bf16 {min(r[0] for r in rs):.3f}x..{max(r[0] for r in rs):.3f}x, "
+             f"vs fp32 {min(r[1] for r in rs):.3f}x..{max(r[1] for r in rs):.3f}x (min..max over sizes)")
+    _check_cost(args, ops)
+    if args.ef_steps:
+        _ef_table(args)
+    if jf:
+        jf.close()
+
+
+def _check_cost(args, ops) -> None:
+    """Smallest FP8 call with the metadata check on vs off: interleaved trials, medians (the VM is noisy)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for op in ops:
+        x, fp8, _, _ = _problem(op, args.min_size // 2, world, args.hidden, rank)
+        times = {True: [], False: []}
+        for _ in range(max(7, args.iters)):
+            for chk in (True, False):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fp8(x, fmt=args.fmt, check=chk)
+                t = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times[chk].append(float(t))
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        _say(f"# metadata check, {op} at {args.min_size} B: median {on * 1e6:.0f} us with, {off * 1e6:.0f} us "
+             f"without ({(on - off) * 1e6:+.0f} us; one all_gather of {16 + 2 * world} int64 + host read)")
+
+
+def _ef_table(args) -> None:
+    """A constant gradient reduce-scattered T times: SQNR of one step and of the T-step mean, per option."""
+    import torch
+    import torch.distributed as dist
+
+    import fp8comm.comm as fc
+
+    world, rank, T = dist.get_world_size(), dist.get_rank(), args.ef_steps
+    g = torch.randn(world * 65536, generator=torch.Generator().manual_seed(77 + rank))
+    ref = torch.empty(65536)
+    dist.reduce_scatter_single(ref, g.clone())
+    _say(f"# error feedback / stochastic rounding: reduce_scatter of a constant fp32 gradient, {T} steps, "
+         f"{args.fmt}")
+    _say(f"{'option':<28}{'SQNR step 1':>12}{'SQNR mean':>12}")
+    for name, kw in (("nearest", {}), ("stochastic", {"rounding": "stochastic"}),
+                     ("error_feedback", {"error_feedback": fc.ErrorFeedback()}),
+                     ("e5m2 nearest", {"fmt": "e5m2"}),
+                     ("e5m2 error_feedback", {"fmt": "e5m2", "error_feedback": fc.ErrorFeedback()})):
+        kw.setdefault("fmt", args.fmt)
+        mean, first = torch.zeros(65536, dtype=torch.float64), None
+        for _ in range(T):
+            o = fc.reduce_scatter(g, **kw).double()
+            first = o if first is None else first
+            mean += o / T
+        _say(f"{name:<28}{_sqnr(first, ref):>12.1f}{_sqnr(mean, ref):>12.1f}")
+
+
+def _sqnr_table(args) -> None:
+    """reduce_scatter SQNR vs the fp32 reference at this world size (1M-element Gaussian gradients)."""
+    import torch
+    import torch.distributed as dist
+
+    import fp8comm.comm as fc
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = (1 << 20) // world * world
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5 + rank))
+    ref = torch.empty(n // world)
+    dist.reduce_scatter_single(ref, x.clone())
+    cols = [(f, e, r) for f in ("e4m3", "e5m2") for e in ("fp32", "e8m0") for r in ("nearest", "stochastic")]
+    if world == int(args.sqnr_ranks.split(",")[0]):
+        _say("# reduce_scatter SQNR (dB) vs the fp32 sum, 1M-element Gaussian per rank; SUM (AVG is the same "
+             "up to the exact /world)")
+        _say(f"{'ranks':<7}" + "".join(f"{f + '/' + e + ('/sr' if r == 'stochastic' else ''):>16}"
+                                      for f, e, r in cols))
+    vals = []
+    for f, e, r in cols:
+        vals.append(_sqnr(fc.reduce_scatter(x, fmt=f, scaling=e, rounding=r, backend=args.backend), ref))
+    _say(f"{world:<7}" + "".join(f"{v:>16.2f}" for v in vals))

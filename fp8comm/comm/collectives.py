@@ -1,0 +1,247 @@
+"""Public FP8 all_gather / reduce_scatter / all_reduce and their into-buffer variants for flat engine buckets.
+
+Common keyword options: fmt ("e4m3" | "e5m2"), scaling ("fp32" | "pow2" | "e8m0" 1x`block_size` scales, a preset
+or a Scaling with rows=1), rounding ("nearest" | "stochastic"), seed (stochastic rounding; None: a fresh one per
+call), backend (quant kernels), check (cross-rank metadata check; default on, FP8COMM_CHECK=0 turns it off),
+async_op (return a Handle; dequantization and accumulation happen in wait()), hierarchical (True: node groups from
+LOCAL_WORLD_SIZE, or a HierarchicalGroups), buffer (a Buffer owning scratch memory; default: a shared pool).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .buffers import DEFAULT_POOL, Handle, Lease, completed
+from .checks import Fp8CommError, Meta, exchange, group_rank_size, tensor_problem
+from .core import Call, ag_phase, chunk_rows, gathered_into, rs_phase
+from .hierarchical import HierarchicalGroups, hier_ag_phase, hier_rs_phase, resolve
+from .options import ErrorFeedback, default_check, next_seed, wire_spec
+from .stats import record
+
+_OPS = {"sum": 0, "avg": 1, dist.ReduceOp.SUM: 0, dist.ReduceOp.AVG: 1}
+
+
+def _start(op: str, group, meta: Meta, kw: dict) -> Call:
+    """Resolve options, validate, run the metadata check (raises on every rank) and lease scratch memory."""
+    rank, world = group_rank_size(group)
+    try:
+        meta.spec = wire_spec(kw.get("fmt", "e4m3"), kw.get("scaling", "fp32"), kw.get("rounding", "nearest"),
+                              kw.get("backend", "auto"), kw.get("block_size", 128))
+    except ValueError as e:
+        meta.fail(("option", str(e)))
+    check = default_check() if kw.get("check") is None else bool(kw["check"])
+    sent = exchange(meta, group, rank, world, check)
+    if sent:
+        record(op, 0, 0, 0, check_bytes=sent, calls=0)
+    buffer = kw.get("buffer")
+    pool = buffer.pool if buffer is not None else DEFAULT_POOL
+    return Call(op, group, rank, world, meta.spec, Lease(pool), next_seed(kw.get("seed"), rank))
+
+
+def _reduce_op(op) -> tuple[int, tuple[str, str] | None]:
+    if isinstance(op, str):
+        op = op.lower()
+    if op not in _OPS:
+        return 0, ("option", f"op must be 'sum' or 'avg' (or ReduceOp.SUM/AVG), got {op!r}")
+    return _OPS[op], None
+
+
+def _hier(hierarchical, group, meta: Meta) -> HierarchicalGroups | None:
+    try:
+        hg = resolve(hierarchical, group)
+    except Fp8CommError as e:
+        meta.fail(("option", str(e)))
+        return None
+    meta.hier = hg.local if hg is not None else 0
+    return hg
+
+
+def _run(call: Call, works: list, finish, async_op: bool):
+    h = Handle(works, finish, call.lease)
+    return h if async_op else h.wait()
+
+
+def _guard(call: Call, fn):
+    """Release the lease if starting the collective fails (the handle owns it afterwards)."""
+    try:
+        return fn()
+    except BaseException:
+        call.lease.release()
+        raise
+
+
+# ---------------------------------------------------------------------------------------------- all-gather
+def all_gather(tensor: torch.Tensor, group=None, *, async_op: bool = False, hierarchical=None, **kw):
+    """Concatenation along dim 0 of every rank's tensor, in its dtype; bit-identical on every rank (owner too)."""
+    meta = Meta("all_gather", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
+    meta.fail(tensor_problem(tensor, "tensor"))
+    hg = _hier(hierarchical, group, meta)
+    call = _start("all_gather", group, meta, kw)
+    out = torch.empty((call.world * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
+    return _all_gather_flat(call, hg, out, tensor, async_op)
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False,
+                    hierarchical=None, **kw):
+    """Flat-buffer all-gather: output (world * input.numel() elements, any float dtype) <- every rank's input."""
+    meta = Meta("all_gather", dtype=getattr(input, "dtype", None), shape=tuple(getattr(input, "shape", ())))
+    meta.fail(tensor_problem(input, "input", allow_0d=True))
+    meta.fail(tensor_problem(output, "output", allow_0d=True))
+    if meta.error is None:
+        meta.shape = (input.numel(),)  # flat semantics: only the element count must agree across ranks
+        world = group_rank_size(group)[1]
+        if output.numel() != world * input.numel():
+            meta.fail(("shape", f"output has {output.numel()} elements, expected world ({world}) x input "
+                                f"({input.numel()}) = {world * input.numel()}"))
+        elif output.device != input.device:
+            meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
+    hg = _hier(hierarchical, group, meta)
+    call = _start("all_gather", group, meta, kw)
+    return _all_gather_flat(call, hg, output, input, async_op)
+
+
+def _all_gather_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_op: bool):
+    n = x.numel()
+    if n == 0:
+        call.lease.release()
+        return completed(out) if async_op else out
+    dest = out.view(call.world, n)
+
+    def begin():
+        if hg is not None:
+            return hier_ag_phase(call, hg, x, dest, x.dtype)
+        return ag_phase(call, x, dest, call.group, call.world, "all_gather", x.dtype)
+
+    work, fin = _guard(call, begin)
+
+    def finish():
+        fin()
+        return out
+
+    return _run(call, [work], finish, async_op)
+
+
+# ------------------------------------------------------------------------------------------ reduce-scatter
+def reduce_scatter(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool = False, hierarchical=None,
+                   error_feedback: ErrorFeedback | None = None, **kw):
+    """This rank's chunk (rows [r*c, (r+1)*c), c = ceil(dim0 / world)) of the sum/mean over ranks, in the input dtype.
+
+    Chunks are padded to c rows, so the last ranks may get fewer (or zero) rows when dim 0 does not divide.
+    """
+    meta = Meta("reduce_scatter", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
+    meta.fail(tensor_problem(tensor, "tensor"))
+    meta.reduce_op, p = _reduce_op(op)
+    meta.fail(p)
+    hg = _hier(hierarchical, group, meta)
+    call = _start("reduce_scatter", group, meta, kw)
+    c, mine = chunk_rows(tensor.shape[0], call.world, call.rank)
+    out = torch.empty((mine,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    row = tensor.numel() // tensor.shape[0] if tensor.shape[0] else 0
+    return _reduce_scatter_flat(call, hg, out, tensor, c * row, meta.reduce_op, error_feedback, async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, op="sum", *, async_op: bool = False,
+                        hierarchical=None, error_feedback: ErrorFeedback | None = None, **kw):
+    """Flat-buffer reduce-scatter: output <- elements [r*L, r*L + output.numel()) of the sum, L = ceil(N / world)."""
+    meta = Meta("reduce_scatter", dtype=getattr(input, "dtype", None), shape=tuple(getattr(input, "shape", ())))
+    meta.fail(tensor_problem(input, "input", allow_0d=True))
+    meta.fail(tensor_problem(output, "output", allow_0d=True))
+    meta.reduce_op, p = _reduce_op(op)
+    meta.fail(p)
+    if meta.error is None:
+        meta.shape = (input.numel(),)
+        rank, world = group_rank_size(group)
+        L, mine = chunk_rows(input.numel(), world, rank)
+        if output.numel() != mine:
+            meta.fail(("shape", f"output has {output.numel()} elements; rank {rank}'s chunk of a {input.numel()}-"
+                                f"element input over {world} ranks has {mine} (chunks of ceil(N/world) = {L})"))
+        elif output.device != input.device:
+            meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
+    hg = _hier(hierarchical, group, meta)
+    call = _start("reduce_scatter", group, meta, kw)
+    L = chunk_rows(input.numel(), call.world, call.rank)[0]
+    return _reduce_scatter_flat(call, hg, output, input, L, meta.reduce_op, error_feedback, async_op)
+
+
+def _reduce_scatter_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, L: int, avg: int,
+                         ef: ErrorFeedback | None, async_op: bool):
+    if x.numel() == 0:
+        call.lease.release()
+        return completed(out) if async_op else out
+
+    def begin():
+        if hg is not None:
+            return hier_rs_phase(call, hg, x, L, ef, x.dtype)
+        return rs_phase(call, x, L, call.group, call.world, ef, "reduce_scatter", x.dtype)
+
+    work, acc_fn = _guard(call, begin)
+
+    def finish():
+        acc = acc_fn()
+        if avg:
+            acc.div_(call.world)
+        out.view(-1).copy_(acc[:out.numel()])
+        return out
+
+    return _run(call, [work], finish, async_op)
+
+
+# ---------------------------------------------------------------------------------------------- all-reduce
+def all_reduce(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool = False, hierarchical=None,
+               error_feedback: ErrorFeedback | None = None, **kw):
+    """Sum (or mean) over ranks, same shape and dtype: FP8 reduce-scatter, then FP8 all-gather of the sums.
+
+    Every rank ends bit-identical; error feedback applies to the reduce-scatter (sender) quantization.
+    """
+    out = torch.empty_like(tensor) if isinstance(tensor, torch.Tensor) else tensor
+    return all_reduce_into(out, tensor, group, op, async_op=async_op, hierarchical=hierarchical,
+                           error_feedback=error_feedback, **kw)
+
+
+def all_reduce_into(output: torch.Tensor, input: torch.Tensor, group=None, op="sum", *, async_op: bool = False,
+                    hierarchical=None, error_feedback: ErrorFeedback | None = None, **kw):
+    """Flat-buffer all-reduce: output (same numel as input; may BE input) <- sum/mean of every rank's input."""
+    meta = Meta("all_reduce", dtype=getattr(input, "dtype", None), shape=tuple(getattr(input, "shape", ())))
+    meta.fail(tensor_problem(input, "input", allow_0d=True))
+    meta.fail(tensor_problem(output, "output", allow_0d=True))
+    meta.reduce_op, p = _reduce_op(op)
+    meta.fail(p)
+    if meta.error is None:
+        meta.shape = (input.numel(),)
+        if output.numel() != input.numel() or output.device != input.device:
+            meta.fail(("shape", f"output ({output.numel()} elements on {output.device}) must match input "
+                                f"({input.numel()} on {input.device})"))
+    hg = _hier(hierarchical, group, meta)
+    call = _start("all_reduce", group, meta, kw)
+    n = input.numel()
+    out_flat = output.view(-1)
+    if n == 0:
+        call.lease.release()
+        return completed(output) if async_op else output
+    L = chunk_rows(n, call.world, call.rank)[0]
+
+    def begin():
+        if hg is not None:
+            return hier_rs_phase(call, hg, input, L, error_feedback, input.dtype)
+        return rs_phase(call, input, L, call.group, call.world, error_feedback, "all_reduce", input.dtype)
+
+    work, acc_fn = _guard(call, begin)
+
+    def finish():
+        acc = acc_fn()
+        if meta.reduce_op:
+            acc.div_(call.world)
+        # Second phase: quantize this rank's reduced chunk and gather every chunk to every rank.
+        dest = gathered_into(call, out_flat, n, L, call.world)
+        if hg is not None:
+            w2, fin2 = hier_ag_phase(call, hg, acc, dest, input.dtype, calls=0)
+        else:
+            w2, fin2 = ag_phase(call, acc, dest, call.group, call.world, "all_reduce", input.dtype, calls=0)
+        w2.wait()
+        fin2()
+        if dest.data_ptr() != out_flat.data_ptr():
+            out_flat.copy_(dest.view(-1)[:n])
+        return output
+
+    return _run(call, [work], finish, async_op)

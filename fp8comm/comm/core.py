@@ -1,0 +1,138 @@
+"""The phases every FP8 collective is built from: pack once, ONE uint8 collective, dequantize in the handle.
+
+reduce-scatter phase: the (padded) flat input is viewed as [world, L], one chunk per destination, each sender
+quantizes with its own 1xB block scales, one all_to_all, the receiver dequantizes every contribution and sums in
+fp32. all-gather phase: the own shard is packed as one chunk, one all_gather of bytes, every rank (the owner too)
+dequantizes the same bytes, so all replicas end bit-identical.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_sum
+from .buffers import Lease
+from .options import ErrorFeedback, WireSpec
+from .stats import record
+
+
+@dataclass
+class Call:
+    """One collective in flight: its group, options, seed and the scratch it leases."""
+
+    op: str
+    group: object
+    rank: int
+    world: int
+    spec: WireSpec
+    lease: Lease
+    seed: int
+
+    def kernel(self, device: torch.device, numel: int) -> str:
+        b = self.spec.kernel_backend(device, numel)
+        # The quant core picks Triton on CUDA; fall back to the torch reference where its kernels are absent.
+        if b in ("auto", "triton") and device.type == "cuda" and not _has_triton_backend():
+            return "reference"
+        return b
+
+
+@functools.lru_cache(maxsize=None)
+def _has_triton_backend() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return True  # 'auto' then resolves to the reference itself
+    return importlib.util.find_spec("fp8comm.quant.backend_triton") is not None
+
+
+def chunk_rows(n0: int, world: int, rank: int) -> tuple[int, int]:
+    """(rows per chunk c, rows this rank owns): chunk r is rows [r*c, min((r+1)*c, n0)) with c = ceil(n0/world)."""
+    c = -(-n0 // world) if n0 else 0
+    return c, max(0, min(c, n0 - rank * c))
+
+
+def all_gather_bytes(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    # all_gather_into_tensor is deprecated in torch 2.13 in favour of all_gather_single.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def quantize_input(call: Call, x: torch.Tensor, total: int, ef: ErrorFeedback | None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The flat buffer to quantize: x, zero-padded to `total` elements, plus the error-feedback residual."""
+    n = x.numel()
+    if ef is None and n == total and (dtype is None or dtype == x.dtype):
+        return x.reshape(-1)
+    buf = call.lease.take(total, torch.float32 if ef is not None else (dtype or x.dtype), x.device)
+    buf[:n].copy_(x.reshape(-1))
+    buf[n:].zero_()
+    if ef is not None:
+        buf += ef.take(total, x.device)
+    return buf
+
+
+def update_residual(call: Call, ef: ErrorFeedback, xin: torch.Tensor, send: torch.Tensor, layout: ChunkLayout):
+    """residual = what we meant to send - what we sent; non-finite entries reset to 0 (never carried forward)."""
+    deq = call.lease.take(xin.numel(), torch.float32, xin.device).view(layout.total_rows, layout.k)
+    unpack_chunks(send, layout, call.spec.fmt, torch.float32, out=deq, backend=call.kernel(xin.device, xin.numel()))
+    r = ef.take(xin.numel(), xin.device)
+    torch.sub(xin, deq.view(-1), out=r)
+    r.masked_fill_(~torch.isfinite(r), 0.0)
+
+
+def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFeedback | None, stats_op: str,
+             stats_dtype: torch.dtype, calls: int = 1):
+    """Start an FP8 reduce-scatter of x (<= gsize*L elements) over `group`: returns (work, finish -> fp32 [L] sum)."""
+    spec, dev = call.spec, x.device
+    total = gsize * L
+    xin = quantize_input(call, x, total, ef)
+    layout = ChunkLayout((1,) * gsize, L, spec.scaling)
+    kb = call.kernel(dev, total)
+    send = call.lease.take(layout.total_bytes, torch.uint8, dev)
+    pack_chunks(xin.view(gsize, L), layout, spec.fmt, spec.rounding, call.seed, out=send, backend=kb)
+    if ef is not None:
+        update_residual(call, ef, xin, send, layout)
+    recv = call.lease.take(layout.total_bytes, torch.uint8, dev)
+    # Equal chunks, so no split sizes: one all_to_all moves payload and scales together.
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    itemsize = torch.empty((), dtype=stats_dtype).element_size()
+    record(stats_op, (gsize - 1) * layout.chunk_bytes[0] if L else 0, (gsize - 1) * L * itemsize, total, calls=calls)
+
+    def finish() -> torch.Tensor:
+        acc = call.lease.take(L, torch.float32, dev).view(1, L)
+        unpack_sum(recv, layout, spec.fmt, out=acc, backend=call.kernel(dev, total))
+        return acc.view(-1)
+
+    return work, finish
+
+
+def ag_phase(call: Call, src: torch.Tensor, dest: torch.Tensor, group, gsize: int, stats_op: str,
+             stats_dtype: torch.dtype, calls: int = 1):
+    """Start an FP8 all-gather of flat src (N elements) into dest [gsize, N]: returns (work, finish -> dest)."""
+    spec, dev, n = call.spec, src.device, src.numel()
+    one = ChunkLayout((1,), n, spec.scaling)
+    send = call.lease.take(one.total_bytes, torch.uint8, dev)
+    pack_chunks(src.reshape(1, n), one, spec.fmt, spec.rounding, call.seed, out=send, backend=call.kernel(dev, n))
+    recv = call.lease.take(gsize * one.total_bytes, torch.uint8, dev)
+    work = all_gather_bytes(recv, send, group, async_op=True)
+    itemsize = torch.empty((), dtype=stats_dtype).element_size()
+    record(stats_op, (gsize - 1) * one.total_bytes, (gsize - 1) * n * itemsize, n, calls=calls)
+
+    def finish() -> torch.Tensor:
+        # Every rank, the owner included, decodes the same bytes: replicas end bit-identical.
+        layout = one.with_rows((1,) * gsize)
+        unpack_chunks(recv, layout, spec.fmt, dest.dtype, out=dest, backend=call.kernel(dev, gsize * n))
+        return dest
+
+    return work, finish
+
+
+def gathered_into(call: Call, out_flat: torch.Tensor, n_valid: int, L: int, gsize: int) -> torch.Tensor:
+    """dest [gsize, L] for an all-gather whose first n_valid elements land in out_flat (scratch when padded)."""
+    if n_valid == gsize * L:
+        return out_flat.view(gsize, L)
+    return call.lease.take(gsize * L, out_flat.dtype, out_flat.device).view(gsize, L)

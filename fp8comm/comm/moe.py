@@ -1,0 +1,170 @@
+"""MoE token all-to-all: tokens [T, H] quantized per token per 128 channels (1x128), uneven/zero splits, autograd.
+
+The forward packs the tokens for each destination as one chunk (payload then scales) and moves all chunks with
+ONE all_to_all_single over bytes. The backward sends gradients the reverse way (bf16 by default, FP8 optional).
+For the combine direction call it with the reversed splits; wire="bf16" (DeepSeek-V3's choice) or "fp8".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks
+from .buffers import DEFAULT_POOL, Handle, Lease
+from .checks import Meta, as_int_list, exchange, group_rank_size, split_problem, tensor_problem
+from .core import Call
+from .options import WireSpec, default_check, next_seed, wire_spec
+from .stats import record
+
+WIRES = ("fp8", "bf16", "native")
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Everything the backward needs to send gradients back: reversed splits and the gradient wire options."""
+
+    out_splits: tuple[int, ...]
+    in_splits: tuple[int, ...]
+    group: object
+    grad_wire: str
+    grad_spec: WireSpec
+    pool: object
+
+
+def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None, group=None, *,
+               wire: str = "fp8", grad_wire: str = "bf16", grad_fmt=None, async_op: bool = False, **kw):
+    """Send rows input_split_sizes[j] of tokens [T, H] to rank j; returns [sum(output_split_sizes), H] (autograd).
+
+    wire/grad_wire: "fp8" (1x128 block scales), "bf16" or "native" (the tensor's own dtype). None splits: equal.
+    """
+    rank, world = group_rank_size(group)
+    meta = Meta("all_to_all", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
+    meta.fail(tensor_problem(tensor, "tokens"))
+    ins, outs = _splits(tensor, output_split_sizes, input_split_sizes, world, meta)
+    for w, name in ((wire, "wire"), (grad_wire, "grad_wire")):
+        if w not in WIRES:
+            meta.fail(("option", f"{name} must be one of {WIRES}, got {w!r}"))
+    meta.reduce_op = WIRES.index(wire) if wire in WIRES else 0
+    spec = grad_spec = None
+    try:
+        spec = wire_spec(kw.get("fmt", "e4m3"), kw.get("scaling", "fp32"), kw.get("rounding", "nearest"),
+                         kw.get("backend", "auto"), kw.get("block_size", 128))
+        grad_spec = wire_spec(grad_fmt or spec.fmt, spec.scaling, spec.rounding, spec.backend)
+    except ValueError as e:
+        meta.fail(("option", str(e)))
+    meta.spec = spec if wire == "fp8" else None
+    check = default_check() if kw.get("check") is None else bool(kw["check"])
+    sent = exchange(meta, group, rank, world, check)
+    if sent:
+        record("all_to_all", 0, 0, 0, check_bytes=sent, calls=0)
+    pool = kw["buffer"].pool if kw.get("buffer") is not None else DEFAULT_POOL
+    call = Call("all_to_all", group, rank, world, spec, Lease(pool), next_seed(kw.get("seed"), rank))
+    s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool)
+    if not async_op:
+        try:
+            return _AllToAll.apply(tensor, call, wire, s)
+        finally:
+            call.lease.release()
+    # Async: the transfer starts now; wait() dequantizes and attaches the autograd edge for the backward.
+    h = _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all")
+    return Handle([h], lambda: _Attach.apply(tensor, h.wait(), s), call.lease)
+
+
+def _splits(tensor, output_split_sizes, input_split_sizes, world, meta: Meta):
+    t = tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 else None
+    if isinstance(tensor, torch.Tensor) and tensor.dim() != 2:
+        meta.fail(("shape", f"tokens must be 2-D [T, H], got shape {tuple(tensor.shape)}"))
+    ins, outs = as_int_list(input_split_sizes), as_int_list(output_split_sizes)
+    if ins is None or outs is None:
+        if t is not None and t % world:
+            meta.fail(("splits", f"split sizes omitted but {t} tokens do not divide over {world} ranks"))
+            return [0] * world, [0] * world
+        even = [(t or 0) // world] * world
+        ins, outs = ins or even, outs or even
+    meta.fail(split_problem(ins, world, t, "input_split_sizes"))
+    meta.fail(split_problem(outs, world, None, "output_split_sizes"))
+    meta.in_splits, meta.out_splits = ins, outs
+    return ins, outs
+
+
+class _Pending:
+    """A started all-to-all: wait() returns the received tokens in the input dtype."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish, self._out = work, finish, None
+
+    def wait(self, timeout=None):
+        if self._out is None:
+            if self._work is not None:
+                self._work.wait()
+            self._out = self._finish()
+        return self._out
+
+    def is_completed(self):
+        return self._out is not None or self._work is None or self._work.is_completed()
+
+
+def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str) -> _Pending:
+    """Start moving rows ins[j] of x to rank j (receiving outs[i] rows from rank i) with `wire` encoding."""
+    h, dev, dtype = x.shape[1], x.device, x.dtype
+    me = call.rank
+    out = torch.empty(sum(outs), h, dtype=dtype, device=dev)
+    if wire != "fp8":
+        wdt = torch.bfloat16 if wire == "bf16" else dtype
+        send = x if x.dtype == wdt else x.to(wdt)
+        recv = out if wdt == dtype else torch.empty(sum(outs), h, dtype=wdt, device=dev)
+        work = dist.all_to_all_single(recv, send, list(outs), list(ins), group=call.group, async_op=True)
+        nbytes = (sum(ins) - ins[me]) * h * send.element_size()
+        record(stats_op, nbytes, (sum(ins) - ins[me]) * h * x.element_size(), 0)
+        return _Pending(work, lambda: out if recv is out else out.copy_(recv))
+    spec = call.spec
+    lin, lout = ChunkLayout(tuple(ins), h, spec.scaling), ChunkLayout(tuple(outs), h, spec.scaling)
+    send = call.lease.take(lin.total_bytes, torch.uint8, dev)
+    pack_chunks(x, lin, spec.fmt, spec.rounding, call.seed, out=send, backend=call.kernel(dev, x.numel()))
+    recv = call.lease.take(lout.total_bytes, torch.uint8, dev)
+    # Byte splits: each destination's chunk is payload + scales, so one collective carries both.
+    work = dist.all_to_all_single(recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes), group=call.group,
+                                  async_op=True)
+    record(stats_op, lin.total_bytes - lin.chunk_bytes[me], (sum(ins) - ins[me]) * h * x.element_size(),
+           x.numel())
+
+    def finish():
+        return unpack_chunks(recv, lout, spec.fmt, dtype, out=out, backend=call.kernel(dev, out.numel()))
+
+    return _Pending(work, finish)
+
+
+def _backward(ctx_spec: _Spec, g: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    s = ctx_spec
+    call = Call("all_to_all.backward", s.group, rank, world, s.grad_spec, Lease(s.pool), next_seed(None, rank))
+    try:
+        # Reverse direction: what we received (out_splits) goes back to where it came from.
+        return _start(call, g.contiguous(), s.in_splits, s.out_splits, s.grad_wire, "all_to_all.backward").wait()
+    finally:
+        call.lease.release()
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, call: Call, wire: str, s: _Spec):
+        ctx.s, ctx.rank, ctx.world = s, call.rank, call.world
+        return _start(call, x, s.out_splits, s.in_splits, wire, "all_to_all").wait()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _backward(ctx.s, g, ctx.rank, ctx.world), None, None, None
+
+
+class _Attach(torch.autograd.Function):
+    """Gives an already-received async result the all-to-all backward."""
+
+    @staticmethod
+    def forward(ctx, x, received, s: _Spec):
+        ctx.s, ctx.rank, ctx.world = s, dist.get_rank(s.group), dist.get_world_size(s.group)
+        return received
+
+    @staticmethod
+    def backward(ctx, g):
+        return _backward(ctx.s, g, ctx.rank, ctx.world), None, None

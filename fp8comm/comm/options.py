@@ -1,0 +1,102 @@
+"""Wire options shared by every collective (format, block scales, rounding, kernel backend) and error feedback."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..quant.formats import Fp8Format, get_format
+from ..quant.reference import mix32
+from ..quant.scaling import ENCODINGS, PRESETS, Scaling
+
+ROUNDINGS = ("nearest", "stochastic")
+KERNEL_BACKENDS = ("auto", "reference", "compiled", "triton")
+# On CPU the torch.compile kernels are ~2.5x faster but cost seconds to compile once per process; only worth it
+# for big buffers (same threshold as fp8comm.quant's own "auto").
+COMPILE_MIN_NUMEL = 1 << 20
+
+
+@dataclass(frozen=True)
+class WireSpec:
+    """How one collective quantizes: FP8 format, 1xB block scaling, rounding and kernel backend."""
+
+    fmt: Fp8Format
+    scaling: Scaling
+    rounding: str
+    backend: str
+
+    def kernel_backend(self, device: torch.device, numel: int) -> str:
+        """The quant-core backend for a buffer of `numel` elements on `device` ('auto' resolved here)."""
+        if self.backend != "auto":
+            return self.backend
+        if device.type == "cpu":
+            return "compiled" if numel >= COMPILE_MIN_NUMEL else "reference"
+        return "auto"
+
+
+def get_wire_scaling(scaling: "Scaling | str", block_size: int | None = 128) -> Scaling:
+    """A Scaling with 1-row blocks from a Scaling, a preset name, or a scale encoding ('fp32', 'pow2', 'e8m0')."""
+    if isinstance(scaling, str) and scaling in ENCODINGS:
+        sc = Scaling(1, block_size, scaling)
+    elif isinstance(scaling, Scaling):
+        sc = scaling
+    elif isinstance(scaling, str) and scaling in PRESETS:
+        sc = PRESETS[scaling]
+    else:
+        raise ValueError(f"unknown scaling {scaling!r}; valid: a Scaling, a scale encoding "
+                         f"({', '.join(ENCODINGS)}) or a preset ({', '.join(PRESETS)})")
+    if sc.rows != 1:
+        raise ValueError(f"collectives quantize 1xB blocks of the flat buffer (rows=1); got {sc.describe()}")
+    return sc
+
+
+def wire_spec(fmt="e4m3", scaling="fp32", rounding="nearest", backend="auto", block_size=128) -> WireSpec:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(KERNEL_BACKENDS)}")
+    return WireSpec(get_format(fmt), get_wire_scaling(scaling, block_size), rounding, backend)
+
+
+def default_check() -> bool:
+    """The metadata check is on unless FP8COMM_CHECK=0 (per call: check=False)."""
+    return os.environ.get("FP8COMM_CHECK", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_call_counter = 0
+
+
+def next_seed(seed: int | None, rank: int) -> int:
+    """Per-call stochastic-rounding seed: distinct per rank and (when seed is None) per call."""
+    global _call_counter
+    if seed is None:
+        _call_counter += 1
+        seed = _call_counter
+    # mix32 hashes a 32-bit value; folding the rank in keeps ranks' rounding decisions independent.
+    x = torch.tensor([(int(seed) * 0x9E3779B1 + rank * 0x85EBCA77) & 0xFFFFFFFF], dtype=torch.int64)
+    return int(mix32(x).item())
+
+
+class ErrorFeedback:
+    """Error feedback state for one gradient buffer: this rank's quantization residual, added to the next call.
+
+    Pass the same object on every call for the same buffer (one per bucket). `residual` is fp32, laid out like
+    the quantized (padded) input; non-finite residuals are zeroed so one overflowed step cannot poison later ones.
+    """
+
+    def __init__(self) -> None:
+        self.residual: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.residual = None
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        """The residual for a quantized input of `numel` elements (zeros on first use or after a size change)."""
+        r = self.residual
+        if r is None or r.numel() != numel or r.device != device:
+            self.residual = r = torch.zeros(numel, dtype=torch.float32, device=device)
+        return r
+
+    def norm(self) -> float:
+        return 0.0 if self.residual is None else float(self.residual.norm())

@@ -1,0 +1,70 @@
+"""Per-op communication counters: calls, bytes on the wire, and what the same call would move in its input dtype.
+
+"Bytes on the wire" are the bytes this rank sends to OTHER ranks (its own chunk never crosses a link), padding and
+scales included; the baseline uses the same definition for the input dtype, so the ratio is the saving.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    wire_bytes: int = 0  # FP8 payload + scales (+ alignment) sent to other ranks
+    dtype_bytes: int = 0  # what the same call moves in its input dtype
+    check_bytes: int = 0  # metadata-check descriptors sent to other ranks
+    elements: int = 0  # elements quantized by this rank
+
+    @property
+    def ratio(self) -> float:
+        return self.dtype_bytes / self.wire_bytes if self.wire_bytes else float("nan")
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "wire_bytes": self.wire_bytes, "dtype_bytes": self.dtype_bytes,
+                "check_bytes": self.check_bytes, "elements": self.elements, "ratio": self.ratio}
+
+
+@dataclass
+class _Registry:
+    ops: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_REG = _Registry()
+
+
+def record(op: str, wire_bytes: int, dtype_bytes: int, elements: int = 0, check_bytes: int = 0,
+           calls: int = 1) -> None:
+    with _REG.lock:
+        s = _REG.ops.setdefault(op, OpStats())
+        s.calls += calls
+        s.wire_bytes += int(wire_bytes)
+        s.dtype_bytes += int(dtype_bytes)
+        s.check_bytes += int(check_bytes)
+        s.elements += int(elements)
+
+
+def comm_stats(reset: bool = False) -> dict[str, dict]:
+    """{op: {calls, wire_bytes, dtype_bytes, check_bytes, elements, ratio}} for this process; reset=True clears."""
+    with _REG.lock:
+        out = {k: v.as_dict() for k, v in sorted(_REG.ops.items())}
+        if reset:
+            _REG.ops.clear()
+    return out
+
+
+def reset_comm_stats() -> None:
+    with _REG.lock:
+        _REG.ops.clear()
+
+
+def format_comm_stats(stats: dict | None = None) -> str:
+    """A plain-text table of comm_stats() for logs."""
+    stats = comm_stats() if stats is None else stats
+    rows = [f"{'op':<28}{'calls':>8}{'wire MB':>12}{'dtype MB':>12}{'saved':>8}"]
+    for op, s in stats.items():
+        rows.append(f"{op:<28}{s['calls']:>8}{s['wire_bytes'] / 1e6:>12.3f}{s['dtype_bytes'] / 1e6:>12.3f}"
+                    f"{s['ratio']:>7.3f}x")
+    return "\n".join(rows)

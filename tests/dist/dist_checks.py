@@ -1,0 +1,395 @@
+"""Checks for fp8comm's gradient/weight collectives, run inside every rank of one gloo launch (see dist_harness).
+
+Each check compares against (a) the exact reference (fp8comm.quantize of each sender's chunk, dequantized and summed
+in rank order in fp32: must match bit for bit) and (b) the fp32 reference within the documented error bound.
+Assertions use values every rank agrees on, or per-rank facts, so a failure is reported on the rank it happens.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import fp8comm.comm as fc
+from fp8comm.quant import Scaling, get_format, quantize, scale_from_amax
+from fp8comm.quant.reference import block_amax
+
+
+class Ctx:
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.info = rank, world, {}
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def gather(x: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's tensor (same shape everywhere), moved exactly as bytes by plain torch.distributed."""
+    n = dist.get_world_size(group)
+    b = x.detach().contiguous().reshape(-1).view(torch.uint8)
+    outs = [torch.empty_like(b) for _ in range(n)]
+    dist.all_gather(outs, b, group=group)
+    return [o.view(x.dtype).reshape(x.shape) for o in outs]
+
+
+def randn(shape, seed: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def qdq(x2: torch.Tensor, fmt: str, enc: str, dtype=torch.float32) -> torch.Tensor:
+    """The reference: rows of x2 quantized with 1x128 blocks along the last dim, dequantized."""
+    return quantize(x2, fmt, scaling=Scaling(1, 128, enc)).dequantize(dtype)
+
+
+def bound(x2: torch.Tensor, fmt: str, enc: str, rounding: str = "nearest") -> torch.Tensor:
+    """Per-element error bound of qdq: max(|x| 2^-(m+1), s 2^(emin-m-1)) (their sum), 0 where x == 0; x2 for SR."""
+    f, sc = get_format(fmt), Scaling(1, 128, enc)
+    x = x2.float()
+    s = scale_from_amax(block_amax(x, sc), f, sc).repeat_interleave(128, 1)[:, :x.shape[1]]
+    a = x.abs()
+    b = a * 2.0 ** -(f.mantissa_bits + 1) + s * 2.0 ** (f.min_normal_exp - f.mantissa_bits - 1)
+    b = torch.where(a == 0, torch.zeros_like(b), b)
+    return b * (2 if rounding == "stochastic" else 1)
+
+
+def padded(x: torch.Tensor, world: int) -> tuple[torch.Tensor, int, int]:
+    """x's flat fp32 values zero-padded to [world, L] (the reduce-scatter chunking), L, and rows per chunk."""
+    n0 = x.shape[0]
+    row = x.numel() // n0 if n0 else 0
+    c = -(-n0 // world)
+    L = c * row
+    p = torch.zeros(world * L)
+    p[:x.numel()] = x.reshape(-1).float()
+    return p.view(world, L), L, c
+
+
+def rs_reference(inputs, world, rank, fmt, enc, avg=False):
+    """(exact expected fp32 chunk, fp32 true chunk, error bound) of rank's reduce-scatter output, flat [L]."""
+    acc, true, bnd, tot = None, None, None, None
+    for x in inputs:
+        p, L, _ = padded(x, world)
+        q = qdq(p, fmt, enc)[rank]
+        acc = q.clone() if acc is None else acc + q  # fp32, rank order: what the receiver does
+        true = p[rank].double() if true is None else true + p[rank].double()
+        b = bound(p, fmt, enc)[rank]
+        bnd = b if bnd is None else bnd + b
+        tot = p[rank].abs() if tot is None else tot + p[rank].abs()
+    bnd = bnd + tot * (len(inputs) * 2.0 ** -23)  # fp32 accumulation
+    if avg:
+        acc, true, bnd = acc / world, true / world, bnd / world + acc.abs() * 2.0 ** -24
+    return acc, true, bnd
+
+
+def assert_within(out: torch.Tensor, true: torch.Tensor, bnd: torch.Tensor, what: str) -> float:
+    err = (out.detach().double() - true.detach().double()).abs()
+    if err.numel() == 0:
+        return 0.0
+    excess = err - bnd.double()
+    if excess.max() > 0:
+        i = int(excess.argmax())
+        raise AssertionError(f"{what}: error {err.view(-1)[i]:.3g} > bound {bnd.view(-1)[i]:.3g} at {i} "
+                             f"(out {out.reshape(-1)[i]}, true {true.reshape(-1)[i]})")
+    return float(err.max()) if err.numel() else 0.0
+
+
+def sqnr_db(out: torch.Tensor, true: torch.Tensor) -> tuple[float, float]:
+    return float((true.double() ** 2).sum()), float(((out.double() - true.double()) ** 2).sum())
+
+
+def global_sqnr(sig: float, noise: float) -> float:
+    t = torch.tensor([sig, noise], dtype=torch.float64)
+    dist.all_reduce(t)
+    return 10 * math.log10(t[0] / t[1]) if t[1] > 0 else float("inf")
+
+
+def out_cast_slack(v: torch.Tensor, dtype) -> torch.Tensor:
+    """Half an ulp of the output dtype (the final cast from fp32)."""
+    return v.float().abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
+
+
+# ---------------------------------------------------------------------------------------------- all_gather
+def check_all_gather(ctx: Ctx) -> None:
+    r, W = ctx.rank, ctx.world
+    cases = [((5, 37), torch.float32, "e4m3", "fp32", "nearest"), ((3, 256), torch.bfloat16, "e4m3", "e8m0", "nearest"),
+             ((4, 33), torch.bfloat16, "e5m2", "pow2", "nearest"), ((1,), torch.float32, "e4m3", "fp32", "nearest"),
+             ((2, 300), torch.float32, "e4m3", "fp32", "stochastic")]
+    for i, (shape, dtype, fmt, enc, rnd) in enumerate(cases):
+        x = randn(shape, 100 * i + r, dtype, scale=10.0 ** r)
+        out = fc.all_gather(x, fmt=fmt, scaling=enc, rounding=rnd)
+        assert out.shape == (W * shape[0],) + shape[1:] and out.dtype == dtype, (out.shape, out.dtype)
+        outs = gather(out)
+        for j in range(W):  # replicas must compute with identical weights: compare bytes
+            assert torch.equal(outs[j].view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)), \
+                f"case {i}: rank {j}'s all_gather output differs from rank {r}'s"
+        for j, xj in enumerate(gather(x)):
+            chunk = out[j * shape[0]:(j + 1) * shape[0]]
+            flat = xj.reshape(1, -1)
+            if rnd == "nearest":
+                assert torch.equal(chunk.reshape(1, -1), qdq(flat, fmt, enc, dtype)), f"case {i}: shard {j} != ref"
+            assert_within(chunk.reshape(1, -1), flat, bound(flat, fmt, enc, rnd) + out_cast_slack(flat, dtype),
+                          f"case {i} shard {j}")
+    # Flat-buffer variant, sync and async, into a caller-owned buffer of another dtype.
+    x = randn((1000,), 7 + r)
+    o1 = torch.empty(W * 1000, dtype=torch.float32)
+    assert fc.all_gather_into(o1, x) is o1
+    o2 = torch.empty(W * 1000)
+    h = fc.all_gather_into(o2, x, async_op=True)
+    assert h.wait() is o2 and h.is_completed()
+    assert torch.equal(o1, o2) and torch.equal(o1, fc.all_gather(x))
+
+
+# ------------------------------------------------------------------------------------------ reduce_scatter
+def rs_cases(W):
+    return [((7, 45), torch.float32, "e4m3", "fp32", "sum"), ((W * 256,), torch.bfloat16, "e4m3", "e8m0", "avg"),
+            ((2, 300), torch.float32, "e5m2", "pow2", "sum"), ((W * 3 + 1, 130), torch.float32, "e4m3", "fp32", "avg"),
+            ((W * 128,), torch.float32, "e5m2", "fp32", "avg")]
+
+
+def check_reduce_scatter(ctx: Ctx) -> None:
+    r, W = ctx.rank, ctx.world
+    for i, (shape, dtype, fmt, enc, op) in enumerate(rs_cases(W)):
+        x = randn(shape, 200 * i + r, dtype, scale=1 + r)
+        out = fc.reduce_scatter(x, op=op, fmt=fmt, scaling=enc)
+        c = -(-shape[0] // W)
+        mine = max(0, min(c, shape[0] - r * c))
+        assert out.shape == (mine,) + shape[1:] and out.dtype == dtype, (i, out.shape, mine)
+        acc, true, bnd = rs_reference(gather(x), W, r, fmt, enc, avg=op == "avg")
+        n = out.numel()
+        assert torch.equal(out.reshape(-1), acc[:n].to(dtype)), f"case {i}: not the exact reference sum"
+        assert_within(out.reshape(-1), true[:n], bnd[:n] + out_cast_slack(acc[:n], dtype), f"case {i} ({op})")
+    # Flat buffers: N not divisible by the world size or the block.
+    x = randn((1000,), 9 + r)
+    L = -(-1000 // W)
+    out = torch.empty(max(0, min(L, 1000 - r * L)))
+    assert fc.reduce_scatter_into(out, x, op="sum") is out
+    assert torch.equal(out, fc.reduce_scatter(x))
+    # ReduceOp enums work like the strings.
+    assert torch.equal(fc.reduce_scatter(x, op=dist.ReduceOp.AVG), fc.reduce_scatter(x, op="avg"))
+
+
+def check_rs_magnitudes(ctx: Ctx) -> None:
+    """Ranks' inputs 1e6 apart: per-sender scales keep every contribution (no shared scale to underflow)."""
+    r, W = ctx.rank, ctx.world
+    for op in ("sum", "avg"):
+        x = randn((W * 1024,), 300 + r, scale=1e6 if r == 0 else 1.0)
+        if r == 0:  # the big rank is silent in odd blocks: there only the small ranks' values remain
+            x.view(-1, 128)[1::2] = 0
+        out = fc.reduce_scatter(x, op=op)
+        acc, true, bnd = rs_reference(gather(x), W, r, "e4m3", "fp32", avg=op == "avg")
+        assert torch.equal(out, acc)
+        ctx.info[f"max_err_{op}"] = assert_within(out, true, bnd, f"1e6 spread ({op})")
+        odd = out.view(-1, 128)[1::2]
+        t_odd = true.view(-1, 128)[1::2]
+        rel = float(((odd.double() - t_odd).abs() / t_odd.abs().clamp_min(1e-30)).median())
+        ctx.info[f"median_rel_err_small_blocks_{op}"] = rel
+        assert rel < 0.05, f"small ranks' contributions lost in blocks where rank 0 is silent (median rel {rel})"
+
+
+# --------------------------------------------------------------------------------------------- non-finite
+def check_nonfinite(ctx: Ctx) -> None:
+    """One inf/NaN on one rank: exactly those output elements are non-finite, everywhere they land."""
+    r, W = ctx.rank, ctx.world
+    N = W * 64 + 5
+    L = -(-N // W)
+    bad = W - 1  # the rank holding the special value
+    for fmt in ("e4m3", "e5m2"):
+        for val in (float("inf"), float("-inf"), float("nan")):
+            for p in (3, N - 2):
+                x = randn((N,), 400 + r)
+                if r == bad:
+                    x[p] = val
+                out = fc.reduce_scatter(x, fmt=fmt)
+                expect = torch.zeros(out.numel(), dtype=torch.bool)
+                if p // L == r:
+                    expect[p - r * L] = True
+                assert torch.equal(~torch.isfinite(out), expect), f"reduce_scatter {fmt} {val} at {p}"
+                ar = fc.all_reduce(x, fmt=fmt)
+                e2 = torch.zeros(N, dtype=torch.bool)
+                e2[p] = True
+                assert torch.equal(~torch.isfinite(ar), e2), f"all_reduce {fmt} {val} at {p}"
+                ag = fc.all_gather(x, fmt=fmt)
+                e3 = torch.zeros(W * N, dtype=torch.bool)
+                e3[bad * N + p] = True
+                assert torch.equal(~torch.isfinite(ag), e3), f"all_gather {fmt} {val} at {p}"
+    # Error feedback never carries a non-finite residual into the next call.
+    ef = fc.ErrorFeedback()
+    x = randn((N,), 450 + r)
+    if r == bad:
+        x[5] = float("inf")
+    fc.reduce_scatter(x, error_feedback=ef)
+    assert bool(torch.isfinite(ef.residual).all()), "non-finite residual kept"
+    assert bool(torch.isfinite(fc.reduce_scatter(randn((N,), 460 + r), error_feedback=ef)).all())
+
+
+# --------------------------------------------------------------------------------------------- all_reduce
+def check_all_reduce(ctx: Ctx) -> None:
+    r, W = ctx.rank, ctx.world
+    for i, (shape, dtype, op) in enumerate([((7, 45), torch.float32, "sum"), ((W * 200 + 3,), torch.bfloat16, "avg")]):
+        x = randn(shape, 500 + 10 * i + r, dtype)
+        out = fc.all_reduce(x, op=op)
+        assert out.shape == x.shape and out.dtype == dtype
+        for o in gather(out):
+            assert torch.equal(o.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)), "replicas differ"
+        xs = [v.reshape(-1) for v in gather(x)]  # all_reduce chunks the flat buffer: ceil(numel / world)
+        # Exact: every owner's reduce-scatter chunk, quantized again (one 1xL row) and gathered.
+        parts, trues, bnds = [], [], []
+        for j in range(W):
+            acc, true, bnd = rs_reference(xs, W, j, "e4m3", "fp32", avg=op == "avg")
+            parts.append(qdq(acc.view(1, -1), "e4m3", "fp32").view(-1))
+            trues.append(true)
+            bnds.append(bnd + bound(acc.view(1, -1), "e4m3", "fp32").view(-1))
+        n = x.numel()
+        exp = torch.cat(parts)[:n]
+        assert torch.equal(out.reshape(-1), exp.to(dtype)), f"case {i}: not the exact two-stage reference"
+        assert_within(out.reshape(-1), torch.cat(trues)[:n], torch.cat(bnds)[:n] + out_cast_slack(exp, dtype),
+                      f"all_reduce case {i}")
+    # In place: output may be the input buffer.
+    x = randn((W * 100,), 550 + r)
+    ref = fc.all_reduce(x)
+    assert fc.all_reduce_into(x, x) is x and torch.equal(x, ref)
+
+
+# -------------------------------------------------------------------------------------------------- async
+def check_async(ctx: Ctx) -> None:
+    """Several ops in flight at once, waited in reverse order; inputs may change after the call returns."""
+    r, W = ctx.rank, ctx.world
+    a, b, c = randn((3, 70), 600 + r), randn((W * 90,), 610 + r), randn((5, 40), 620 + r)
+    want = [fc.all_gather(a), fc.reduce_scatter(b, op="avg"), fc.all_reduce(c)]
+    hs = [fc.all_gather(a, async_op=True), fc.reduce_scatter(b, op="avg", async_op=True),
+          fc.all_reduce(c, async_op=True)]
+    for t in (a, b, c):
+        t.add_(1000.0)  # packed at call time: later writes to the input must not change the result
+    got = [h.wait() for h in reversed(hs)][::-1]
+    for w, g, name in zip(want, got, ("all_gather", "reduce_scatter", "all_reduce")):
+        assert torch.equal(w, g), f"async {name} differs from the synchronous result"
+    assert all(h.is_completed() for h in hs) and hs[0].wait() is got[0]
+
+
+# -------------------------------------------------------------------------------------------- error feedback
+def check_error_feedback(ctx: Ctx) -> None:
+    """A constant gradient for T steps: the mean of the outputs converges with EF (and SR), not without."""
+    r, W = ctx.rank, ctx.world
+    T = 16
+    g = randn((W * 2048,), 700 + r)
+    _, true, _ = rs_reference(gather(g), W, r, "e4m3", "fp32")
+    res = {}
+    for name, kw in (("nearest", {}), ("error_feedback", {"error_feedback": fc.ErrorFeedback()}),
+                     ("stochastic", {"rounding": "stochastic"})):
+        mean = torch.zeros(true.numel(), dtype=torch.float64)
+        first = None
+        for _ in range(T):
+            o = fc.reduce_scatter(g, **kw).double()
+            first = o if first is None else first
+            mean += o / T
+        s1, n1 = sqnr_db(first, true)
+        s, n = sqnr_db(mean, true)
+        res[name] = (global_sqnr(s1, n1), global_sqnr(s, n))
+    ctx.info.update({f"{k}_sqnr_step1_dB": round(v[0], 2) for k, v in res.items()})
+    ctx.info.update({f"{k}_sqnr_mean{T}_dB": round(v[1], 2) for k, v in res.items()})
+    gain_ef, gain_sr = res["error_feedback"][1] - res["nearest"][1], res["stochastic"][1] - res["nearest"][1]
+    assert gain_ef > 12, f"error feedback improved the {T}-step mean by only {gain_ef:.1f} dB"
+    assert gain_sr > 3, f"stochastic rounding improved the {T}-step mean by only {gain_sr:.1f} dB"
+
+
+# ------------------------------------------------------------------------------------------------- SQNR
+def check_sqnr(ctx: Ctx) -> None:
+    """SQNR of reduce_scatter (SUM) vs the fp32 reference, per format and scale encoding, at this world size."""
+    r, W = ctx.rank, ctx.world
+    floors = {"e4m3": 28.0, "e5m2": 22.0}
+    for fmt in ("e4m3", "e5m2"):
+        for enc in ("fp32", "e8m0"):
+            x = randn((W * 8192,), 800 + r)
+            out = fc.reduce_scatter(x, fmt=fmt, scaling=enc)
+            _, true, _ = rs_reference(gather(x), W, r, fmt, enc)
+            db = global_sqnr(*sqnr_db(out, true))
+            ctx.info[f"rs_sum_{fmt}_{enc}_dB"] = round(db, 2)
+            assert db > floors[fmt], f"{fmt}/{enc}: SQNR {db:.1f} dB below {floors[fmt]}"
+
+
+# ------------------------------------------------------------------------------------------------ stats
+def check_stats(ctx: Ctx) -> None:
+    r, W = ctx.rank, ctx.world
+    fc.reset_comm_stats()
+    x = randn((1000,), 900 + r, torch.bfloat16)
+    fc.all_gather(x)
+    cb = 1008 + 32  # payload 1000 -> 1008 (16-byte aligned), 8 fp32 scales = 32 bytes
+    s = fc.comm_stats()["all_gather"]
+    assert (s["calls"], s["wire_bytes"], s["dtype_bytes"]) == (1, (W - 1) * cb, (W - 1) * 2000), s
+    assert s["check_bytes"] == (16 + 2 * W) * 8 * (W - 1), s
+    for enc, lo in (("fp32", 1.939), ("e8m0", 1.984)):
+        fc.reset_comm_stats()
+        fc.reduce_scatter(randn((W * 4096,), 910 + r, torch.bfloat16), scaling=enc)
+        s = fc.comm_stats(reset=True)["reduce_scatter"]
+        ctx.info[f"rs_ratio_vs_bf16_{enc}"] = round(s["ratio"], 4)
+        assert s["ratio"] >= lo, (enc, s)
+        assert fc.comm_stats() == {}
+    # A Buffer reuses its scratch memory: no allocation on the second call of the same size.
+    buf = fc.Buffer(fmt="e4m3", scaling="fp32")
+    y = randn((W * 300,), 920 + r)
+    o1 = buf.reduce_scatter(y)
+    n_alloc = buf.pool.allocations
+    o2 = buf.reduce_scatter(y)
+    assert buf.pool.allocations == n_alloc > 0 and torch.equal(o1, o2)
+
+
+# ------------------------------------------------------------------------------------- mismatches, bad input
+def expect_error(fn, exc, *fragments) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        for f in fragments:
+            assert f in msg, f"error message lacks {f!r}: {msg}"
+        return msg, time.perf_counter() - t0
+    raise AssertionError(f"no {exc.__name__} raised")
+
+
+def check_mismatch(ctx: Ctx) -> None:
+    """Ranks that disagree get the same clear error on every rank within seconds, not a hang."""
+    r, W = ctx.rank, ctx.world
+    times = {}
+    _, times["numel"] = expect_error(lambda: fc.all_gather(torch.randn(64 + r)), fc.CommMismatchError,
+                                     "numel per rank", str([64 + i for i in range(W)]))
+    _, times["shape"] = expect_error(lambda: fc.reduce_scatter(torch.randn(W * 8 if r else 8, 8 if r else W * 8)),
+                                     fc.CommMismatchError, "different shapes")
+    dt = torch.bfloat16 if r == 0 else torch.float32
+    _, times["dtype"] = expect_error(lambda: fc.reduce_scatter(torch.randn(W * 8).to(dt)), fc.CommMismatchError,
+                                     "input dtype")
+    _, times["option"] = expect_error(lambda: fc.all_reduce(torch.randn(W * 8), fmt="e5m2" if r == 0 else "e4m3"),
+                                      fc.CommMismatchError, "FP8 format")
+    outs = [1] * W
+    if r == 0:
+        outs[W - 1] = 2  # rank 0 expects 2 rows from the last rank, which sends 1
+    _, times["splits"] = expect_error(lambda: fc.all_to_all(torch.randn(W, 16), outs, [1] * W), fc.CommMismatchError,
+                                      "sends 1 rows to rank 0, which expects 2")
+    ins = [1] * W
+    if r == 1:
+        ins[0] = 2  # split sizes that do not add up to the tokens: a local error on rank 1 only
+    frag = "sums to" if r == 1 else "rejected their input"
+    _, times["split_sum"] = expect_error(lambda: fc.all_to_all(torch.randn(W, 16), [1] * W, ins), fc.Fp8CommError,
+                                         frag)
+    nc = torch.randn(16, W * 4).t() if r == 1 else torch.randn(W * 4, 16)
+    frag = "not contiguous" if r == 1 else "rejected their input"
+    _, times["contiguity"] = expect_error(lambda: fc.reduce_scatter(nc), fc.Fp8CommError, frag)
+    _, times["float8"] = expect_error(lambda: fc.all_gather(torch.randn(8).to(torch.float8_e4m3fn)),
+                                      fc.Fp8CommError, "gloo rejects float8")
+    # With the check off, local errors still raise before any collective (every rank passes the same bad input).
+    expect_error(lambda: fc.all_gather(torch.arange(8), check=False), fc.Fp8CommError, "float32, bfloat16")
+    bad_out = torch.empty(W * 8 + 1)
+    _, times["into_size"] = expect_error(lambda: fc.all_gather_into(bad_out, torch.randn(8)), fc.Fp8CommError,
+                                         "output has")
+    ctx.info["seconds_to_error"] = {k: round(v, 3) for k, v in times.items()}
+    # The group is still usable afterwards.
+    x = randn((40,), 950 + r)
+    out = fc.all_gather(x)
+    assert torch.equal(out[r * 40:(r + 1) * 40], qdq(x.view(1, -1), "e4m3", "fp32").view(-1))
+
+
+CHECKS_GRAD = [check_all_gather, check_reduce_scatter, check_rs_magnitudes, check_nonfinite, check_all_reduce,
+               check_async, check_error_feedback, check_sqnr, check_stats, check_mismatch]
+
+from dist_checks_more import CHECKS_MORE  # noqa: E402  (MoE, subgroups, hierarchical)
+
+CHECKS = CHECKS_GRAD + CHECKS_MORE

@@ -1,0 +1,154 @@
+"""Checks for the MoE all-to-all, subgroups of the world and hierarchical (nodes x local ranks) mode."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import fp8comm.comm as fc
+from dist_checks import Ctx, assert_within, bound, gather, out_cast_slack, padded, qdq, randn, rs_reference
+
+H = 160  # not a multiple of 128: every token has a partial block
+
+
+def plain_a2a(x: torch.Tensor, outs, ins, group=None) -> torch.Tensor:
+    out = torch.empty(sum(outs), x.shape[1], dtype=x.dtype)
+    dist.all_to_all_single(out, x.contiguous(), list(outs), list(ins), group=group)
+    return out
+
+
+def split_matrices(W: int):
+    """S[i][j] = tokens rank i sends to rank j: uneven with zeros; the second one has a rank that sends nothing."""
+    a = [[(i + 2 * j) % 3 for j in range(W)] for i in range(W)]
+    b = [[0 if i == W - 1 else (i + j) % 2 + 1 for j in range(W)] for i in range(W)]
+    return [a, b]
+
+
+def check_all_to_all(ctx: Ctx) -> None:
+    """Uneven and zero splits, forward against a bf16 reference, backward bf16 (exact) and FP8, async + autograd."""
+    r, W = ctx.rank, ctx.world
+    for k, S in enumerate(split_matrices(W)):
+        ins, outs = S[r], [S[j][r] for j in range(W)]
+        x = randn((sum(ins), H), 1000 + 10 * k + r, torch.bfloat16, scale=1 + r).requires_grad_(True)
+        y = fc.all_to_all(x, outs, ins)
+        ref = plain_a2a(x.detach(), outs, ins)
+        assert y.shape == ref.shape and y.dtype == torch.bfloat16
+        assert torch.equal(y, qdq(ref, "e4m3", "fp32", torch.bfloat16)), f"splits {k}: not the per-token reference"
+        assert_within(y, ref, bound(ref, "e4m3", "fp32") + out_cast_slack(ref, torch.bfloat16), f"splits {k}")
+        gy = randn(tuple(y.shape), 1100 + 10 * k + r, torch.bfloat16)
+        y.backward(gy)
+        gref = plain_a2a(gy, ins, outs)
+        assert torch.equal(x.grad, gref), f"splits {k}: bf16 backward must be exact"
+        # FP8 backward, and an FP8 combine (the reverse direction) of the dispatched tokens.
+        x.grad = None
+        fc.all_to_all(x, outs, ins, grad_wire="fp8").backward(gy)
+        assert torch.equal(x.grad, qdq(gref, "e4m3", "fp32", torch.bfloat16)), f"splits {k}: FP8 backward"
+        back = fc.all_to_all(y.detach(), ins, outs, wire="bf16")
+        assert torch.equal(back, qdq(x.detach(), "e4m3", "fp32", torch.bfloat16)), "bf16 combine must be lossless"
+        back8 = fc.all_to_all(y.detach(), ins, outs, wire="fp8")
+        xd = x.detach().float()
+        yq = qdq(xd, "e4m3", "fp32", torch.bfloat16)  # what the receivers got for these tokens (checked above)
+        slack = bound(xd, "e4m3", "fp32") + bound(yq, "e4m3", "fp32") + 2 * out_cast_slack(xd, torch.bfloat16)
+        assert_within(back8, xd, slack * 1.01, f"splits {k}: fp8 round trip")
+        # Async: the transfer starts at the call, wait() dequantizes and attaches the backward.
+        x.grad = None
+        h = fc.all_to_all(x, outs, ins, async_op=True)
+        ya = h.wait()
+        assert torch.equal(ya, y) and ya.requires_grad
+        ya.backward(gy)
+        assert torch.equal(x.grad, gref), "async backward"
+    # fp32 tokens: native wire is exact; the default bf16 gradient wire rounds gradients to bf16.
+    ins, outs = [2] * W, [2] * W
+    x = randn((2 * W, H), 1200 + r).requires_grad_(True)
+    assert torch.equal(fc.all_to_all(x.detach(), outs, ins, wire="native"), plain_a2a(x.detach(), outs, ins))
+    gy = randn((2 * W, H), 1210 + r)
+    fc.all_to_all(x, outs, ins).backward(gy)
+    assert torch.equal(x.grad, plain_a2a(gy, ins, outs).to(torch.bfloat16).float())
+    # One inf in one token on one rank: exactly that element of that token is non-finite at the receiver.
+    x = randn((2 * W, H), 1220 + r, torch.bfloat16)
+    if r == 0:
+        x[2 * (W - 1), 131] = float("inf")  # the first token rank 0 sends to the last rank
+    y = fc.all_to_all(x, outs, ins)
+    expect = torch.zeros_like(y, dtype=torch.bool)
+    if r == W - 1:
+        expect[0, 131] = True
+    assert torch.equal(~torch.isfinite(y), expect), "non-finite token element not exactly preserved"
+    s = fc.comm_stats()
+    assert s["all_to_all"]["wire_bytes"] < s["all_to_all"]["dtype_bytes"]
+
+
+def check_subgroup(ctx: Ctx) -> None:
+    """Collectives on a subset of the world; non-members get a clear error, not a hang."""
+    r, W = ctx.rank, ctx.world
+    if W < 3:
+        ctx.info["skipped"] = "needs >= 3 ranks"
+        return
+    members = [0, 2] if W == 3 else [1, 2, 3]
+    g = dist.new_group(members)  # every rank takes part in creating it
+    if r not in members:
+        try:
+            fc.all_gather(torch.randn(4), group=g)
+        except fc.Fp8CommError as e:
+            assert "not a member" in str(e)
+            return
+        raise AssertionError("non-member call did not raise")
+    gr, gw = dist.get_rank(g), len(members)
+    x = randn((3, 50), 1300 + r)
+    out = fc.all_gather(x, group=g)
+    for o in gather(out, g):
+        assert torch.equal(o, out), "subgroup all_gather replicas differ"
+    for j, xj in enumerate(gather(x, g)):
+        assert torch.equal(out[3 * j:3 * j + 3].reshape(1, -1), qdq(xj.reshape(1, -1), "e4m3", "fp32"))
+    y = randn((gw * 64 + 3,), 1310 + r)
+    rs = fc.reduce_scatter(y, group=g, op="avg")
+    acc, _, _ = rs_reference(gather(y, g), gw, gr, "e4m3", "fp32", avg=True)
+    assert torch.equal(rs, acc[:rs.numel()]), "subgroup reduce_scatter"
+    ar = fc.all_reduce(y, group=g)
+    for o in gather(ar, g):
+        assert torch.equal(o, ar)
+    ins = [gr + 1] * gw
+    outs = [j + 1 for j in range(gw)]
+    t = randn((sum(ins), H), 1320 + r, torch.bfloat16)
+    a = fc.all_to_all(t, outs, ins, group=g)
+    assert torch.equal(a, qdq(plain_a2a(t, outs, ins, g), "e4m3", "fp32", torch.bfloat16)), "subgroup all_to_all"
+
+
+def check_hierarchical(ctx: Ctx) -> None:
+    """2 "nodes" x 2 ranks (LOCAL_WORLD_SIZE=2): fp32 inside the node, FP8 only across nodes."""
+    r, W = ctx.rank, ctx.world
+    if W != 4:
+        ctx.info["skipped"] = "runs with 4 ranks as 2 nodes x 2"
+        return
+    nodes, local = 2, 2
+    fc.reset_comm_stats()
+    x = randn((7, 45), 1400 + r, scale=1 + r)
+    out = fc.reduce_scatter(x, hierarchical=True)
+    xs = gather(x)
+    # Exact reference: node partial sums in fp32 (2 terms: order-free), each quantized once per node.
+    pads = [padded(v, W)[0] for v in xs]
+    acc = torch.zeros(pads[0].shape[1])
+    true = torch.zeros(pads[0].shape[1], dtype=torch.float64)
+    bnd = torch.zeros(pads[0].shape[1])
+    for n in range(nodes):
+        part = pads[n * local] + pads[n * local + 1]
+        acc += qdq(part, "e4m3", "fp32")[r]
+        bnd += bound(part, "e4m3", "fp32")[r] + part[r].abs() * 2.0 ** -23
+        true += pads[n * local][r].double() + pads[n * local + 1][r].double()
+    n_out = out.numel()
+    assert torch.equal(out.reshape(-1), acc[:n_out]), "hierarchical reduce_scatter != node-partial reference"
+    assert_within(out.reshape(-1), true[:n_out], bnd[:n_out], "hierarchical reduce_scatter")
+    s = fc.comm_stats()
+    assert s["reduce_scatter.intra"]["wire_bytes"] > 0 and s["reduce_scatter"]["ratio"] > 1.5, s
+    # all_gather: FP8 across nodes, the same bytes inside: bit-identical to the flat all_gather.
+    w = randn((3, 77), 1410 + r, torch.bfloat16)
+    assert torch.equal(fc.all_gather(w, hierarchical=True), fc.all_gather(w)), "hierarchical all_gather"
+    hg = fc.node_groups(local_size=2)
+    assert (hg.nodes, hg.local, hg.node, hg.local_rank) == (2, 2, r // 2, r % 2)
+    ar = fc.all_reduce(x, hierarchical=hg, op="avg")
+    for o in gather(ar):
+        assert torch.equal(o, ar), "hierarchical all_reduce replicas differ"
+    h = fc.reduce_scatter(x, hierarchical=hg, async_op=True)
+    assert torch.equal(h.wait(), out)
+    ctx.info["stats"] = {k: (v["wire_bytes"], v["dtype_bytes"]) for k, v in fc.comm_stats().items()}
+
+
+CHECKS_MORE = [check_all_to_all, check_subgroup, check_hierarchical]

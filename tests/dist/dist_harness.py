@@ -1,0 +1,107 @@
+"""Launch W gloo ranks on 127.0.0.1 once, run many named checks in each, and bring per-check results back.
+
+The parent owns the TCPStore (port 0: no port races). Every rank appends one JSON line per check to its own file
+as it goes, so a hang or crash still tells which check it was in. Every launch has a hard timeout.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# gloo collectives give up after this long; the metadata check must answer far sooner than that.
+PG_TIMEOUT_S = 45
+
+
+def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list[str] | None) -> None:
+    os.environ.update(env)
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # W ranks share 2 cores
+    out = open(Path(outdir) / f"rank{rank}.jsonl", "w", buffering=1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    import dist_checks
+
+    # A separate group for the per-check status exchange: its sequence never mixes with a failed check's ops.
+    status_group = dist.new_group(backend="gloo")
+    checks = [c for c in dist_checks.CHECKS if names is None or c.__name__ in names]
+    for fn in checks:
+        ctx = dist_checks.Ctx(rank, world)
+        out.write(json.dumps({"check": fn.__name__, "state": "started"}) + "\n")
+        t0 = time.perf_counter()
+        try:
+            fn(ctx)
+            rec = {"ok": True}
+        except BaseException as e:  # noqa: BLE001 - every failure is reported by name
+            rec = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        rec.update(check=fn.__name__, state="done", seconds=round(time.perf_counter() - t0, 3), info=ctx.info)
+        out.write(json.dumps(rec, default=str) + "\n")
+        flags = torch.zeros(world, dtype=torch.int64)
+        flags[rank] = 0 if rec["ok"] else 1
+        dist.all_reduce(flags, group=status_group)
+        if int(flags.sum()):
+            # Collectives may now be out of step across ranks; later checks would only report noise.
+            out.write(json.dumps({"check": "*", "state": "stopped", "after": fn.__name__}) + "\n")
+            break
+    dist.barrier(group=status_group)
+    dist.destroy_process_group()
+    out.close()
+
+
+def launch(world: int, outdir: Path, env: dict | None = None, names: list[str] | None = None,
+           timeout: float = 300.0) -> dict:
+    """Run the checks on `world` ranks; returns {"exitcodes", "timed_out", "results": {rank: [records]}}."""
+    import torch.distributed as dist
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    env = dict(env or {})
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, world, store.port, str(outdir), env, names), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    timed_out = any(p.is_alive() for p in procs)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    results = {}
+    for r in range(world):
+        f = outdir / f"rank{r}.jsonl"
+        results[r] = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+    del store
+    return {"exitcodes": [p.exitcode for p in procs], "timed_out": timed_out, "results": results}
+
+
+def failures(run: dict) -> list[str]:
+    """Human-readable failures: failed checks (by rank), checks that never finished, bad exit codes."""
+    msgs = []
+    for r, recs in run["results"].items():
+        started = [x["check"] for x in recs if x.get("state") == "started"]
+        done = {x["check"] for x in recs if x.get("state") == "done"}
+        for x in recs:
+            if x.get("state") == "done" and not x["ok"]:
+                msgs.append(f"rank {r}: {x['check']}: {x['error']}\n{x.get('trace', '')}")
+        for c in started:
+            if c not in done:
+                msgs.append(f"rank {r}: {c} never finished ({'timeout' if run['timed_out'] else 'crash'})")
+    if run["timed_out"]:
+        msgs.append("launch timed out")
+    for r, code in enumerate(run["exitcodes"]):
+        if code != 0:
+            msgs.append(f"rank {r} exited with {code}")
+    return msgs
