@@ -148,6 +148,19 @@ def _timeit(fn, args) -> tuple[float, int]:
     return float(t), iters
 
 
+def _ag_single(out, inp):
+    import torch.distributed as dist
+
+    # all_gather_single / reduce_scatter_single replace the *_tensor names in torch 2.13; older torch lacks them.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp)
+
+
+def _rs_single(out, inp):
+    import torch.distributed as dist
+
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp)
+
+
 def _problem(op: str, count: int, world: int, hidden: int, rank: int):
     """(input bf16, fp8 call, plain call factory, analytic wire bytes for itemsize) for one op at `count`."""
     import torch
@@ -162,7 +175,7 @@ def _problem(op: str, count: int, world: int, hidden: int, rank: int):
 
         def plain(t):
             out = torch.empty(n * world, dtype=t.dtype)
-            return lambda: (dist.all_gather_single(out, t), out)[1]
+            return lambda: (_ag_single(out, t), out)[1]
 
         return x, lambda t, **kw: fc.all_gather(t, **kw), plain, lambda isz: (world - 1) * n * isz
     if op in ("reduce_scatter", "all_reduce"):
@@ -171,7 +184,7 @@ def _problem(op: str, count: int, world: int, hidden: int, rank: int):
         if op == "reduce_scatter":
             def plain(t):
                 out = torch.empty(n // world, dtype=t.dtype)
-                return lambda: (dist.reduce_scatter_single(out, t), out)[1]
+                return lambda: (_rs_single(out, t), out)[1]
 
             return x, lambda t, **kw: fc.reduce_scatter(t, **kw), plain, lambda isz: (world - 1) * n // world * isz
 
@@ -305,7 +318,7 @@ def _ef_table(args) -> None:
     world, rank, T = dist.get_world_size(), dist.get_rank(), args.ef_steps
     g = torch.randn(world * 65536, generator=torch.Generator().manual_seed(77 + rank))
     ref = torch.empty(65536)
-    dist.reduce_scatter_single(ref, g.clone())
+    _rs_single(ref, g.clone())
     _say(f"# error feedback / stochastic rounding: reduce_scatter of a constant fp32 gradient, {T} steps, "
          f"{args.fmt}")
     _say(f"{'option':<28}{'SQNR step 1':>12}{'SQNR mean':>12}")
@@ -333,7 +346,7 @@ def _sqnr_table(args) -> None:
     n = (1 << 20) // world * world
     x = torch.randn(n, generator=torch.Generator().manual_seed(5 + rank))
     ref = torch.empty(n // world)
-    dist.reduce_scatter_single(ref, x.clone())
+    _rs_single(ref, x.clone())
     cols = [(f, e, r) for f in ("e4m3", "e5m2") for e in ("fp32", "e8m0") for r in ("nearest", "stochastic")]
     if world == int(args.sqnr_ranks.split(",")[0]):
         _say("# reduce_scatter SQNR (dB) vs the fp32 sum, 1M-element Gaussian per rank; SUM (AVG is the same "

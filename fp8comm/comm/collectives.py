@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from .buffers import DEFAULT_POOL, Handle, Lease, completed
-from .checks import Fp8CommError, Meta, exchange, group_rank_size, tensor_problem
+from .checks import Meta, exchange, group_rank_size, tensor_problem
 from .core import Call, ag_phase, chunk_rows, gathered_into, rs_phase
-from .hierarchical import HierarchicalGroups, hier_ag_phase, hier_rs_phase, resolve
-from .options import ErrorFeedback, default_check, next_seed, wire_spec
+from .hierarchical import hier_ag_phase, hier_rs_phase, precheck, resolve
+from .options import ErrorFeedback, default_check, next_seed, unknown_options, wire_spec
 from .stats import record
 
 _OPS = {"sum": 0, "avg": 1, dist.ReduceOp.SUM: 0, dist.ReduceOp.AVG: 1}
@@ -24,6 +24,7 @@ _OPS = {"sum": 0, "avg": 1, dist.ReduceOp.SUM: 0, dist.ReduceOp.AVG: 1}
 def _start(op: str, group, meta: Meta, kw: dict) -> Call:
     """Resolve options, validate, run the metadata check (raises on every rank) and lease scratch memory."""
     rank, world = group_rank_size(group)
+    meta.fail(unknown_options(kw))
     try:
         meta.spec = wire_spec(kw.get("fmt", "e4m3"), kw.get("scaling", "fp32"), kw.get("rounding", "nearest"),
                               kw.get("backend", "auto"), kw.get("block_size", 128))
@@ -46,14 +47,11 @@ def _reduce_op(op) -> tuple[int, tuple[str, str] | None]:
     return _OPS[op], None
 
 
-def _hier(hierarchical, group, meta: Meta) -> HierarchicalGroups | None:
-    try:
-        hg = resolve(hierarchical, group)
-    except Fp8CommError as e:
-        meta.fail(("option", str(e)))
-        return None
-    meta.hier = hg.local if hg is not None else 0
-    return hg
+def _hier(hierarchical, group, meta: Meta):
+    """Validate hierarchical mode now; the groups themselves are created only after the metadata check passed."""
+    meta.hier, problem = precheck(hierarchical, group)
+    meta.fail(problem)
+    return lambda: resolve(hierarchical, group)
 
 
 def _run(call: Call, works: list, finish, async_op: bool):
@@ -77,6 +75,7 @@ def all_gather(tensor: torch.Tensor, group=None, *, async_op: bool = False, hier
     meta.fail(tensor_problem(tensor, "tensor"))
     hg = _hier(hierarchical, group, meta)
     call = _start("all_gather", group, meta, kw)
+    hg = hg()
     out = torch.empty((call.world * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
     return _all_gather_flat(call, hg, out, tensor, async_op)
@@ -98,6 +97,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, *, as
             meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
     hg = _hier(hierarchical, group, meta)
     call = _start("all_gather", group, meta, kw)
+    hg = hg()
     return _all_gather_flat(call, hg, output, input, async_op)
 
 
@@ -135,6 +135,7 @@ def reduce_scatter(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool
     meta.fail(p)
     hg = _hier(hierarchical, group, meta)
     call = _start("reduce_scatter", group, meta, kw)
+    hg = hg()
     c, mine = chunk_rows(tensor.shape[0], call.world, call.rank)
     out = torch.empty((mine,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     row = tensor.numel() // tensor.shape[0] if tensor.shape[0] else 0
@@ -160,6 +161,7 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, o
             meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
     hg = _hier(hierarchical, group, meta)
     call = _start("reduce_scatter", group, meta, kw)
+    hg = hg()
     L = chunk_rows(input.numel(), call.world, call.rank)[0]
     return _reduce_scatter_flat(call, hg, output, input, L, meta.reduce_op, error_feedback, async_op)
 
@@ -214,6 +216,7 @@ def all_reduce_into(output: torch.Tensor, input: torch.Tensor, group=None, op="s
                                 f"({input.numel()} on {input.device})"))
     hg = _hier(hierarchical, group, meta)
     call = _start("all_reduce", group, meta, kw)
+    hg = hg()
     n = input.numel()
     out_flat = output.view(-1)
     if n == 0:

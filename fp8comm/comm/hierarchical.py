@@ -71,21 +71,35 @@ def node_groups(group=None, local_size: int | None = None, ranks: list[int] | No
     return _CACHE[key]
 
 
+def precheck(hierarchical, group) -> tuple[int, tuple[str, str] | None]:
+    """(node size, problem) for the metadata check; creates no group, so ranks that disagree cannot deadlock."""
+    if hierarchical is None or hierarchical is False:
+        return 0, None
+    if isinstance(hierarchical, HierarchicalGroups):
+        return hierarchical.local, None
+    if hierarchical is not True:
+        return 0, ("option", f"hierarchical must be None/False, True or HierarchicalGroups, got {hierarchical!r}")
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is None:
+        return 0, ("option", "hierarchical=True needs LOCAL_WORLD_SIZE (set by torchrun) or a HierarchicalGroups "
+                             "from node_groups(local_size=...)")
+    local = int(env)
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if (ranks, local) not in _CACHE:
+            # Creating groups is collective over the whole world; members alone would deadlock.
+            return 0, ("option", "hierarchical=True on a subgroup: call fp8comm.comm.node_groups(group, ranks=...) "
+                                 "on every rank of the world first, or pass hierarchical=<HierarchicalGroups>")
+    return local, None
+
+
 def resolve(hierarchical, group) -> HierarchicalGroups | None:
+    """The groups for a call that passed the metadata check (creates the world's node groups on first use)."""
     if hierarchical is None or hierarchical is False:
         return None
-    if hierarchical is True:
-        if group is not None and dist.get_world_size(group) != dist.get_world_size():
-            ranks = tuple(dist.get_process_group_ranks(group))
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-            if (ranks, local) not in _CACHE:
-                # Creating groups is collective over the whole world; members alone would deadlock.
-                raise Fp8CommError("hierarchical=True on a subgroup: call fp8comm.comm.node_groups(group, ranks=...) "
-                                   "on every rank of the world first, or pass hierarchical=<HierarchicalGroups>")
-        return node_groups(group)
     if isinstance(hierarchical, HierarchicalGroups):
         return hierarchical
-    raise Fp8CommError(f"hierarchical must be None/False, True or HierarchicalGroups, got {hierarchical!r}")
+    return node_groups(group)
 
 
 def hier_rs_phase(call: Call, hg: HierarchicalGroups, x: torch.Tensor, L: int, ef: ErrorFeedback | None,

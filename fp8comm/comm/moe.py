@@ -15,7 +15,7 @@ from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks
 from .buffers import DEFAULT_POOL, Handle, Lease
 from .checks import Meta, as_int_list, exchange, group_rank_size, split_problem, tensor_problem
 from .core import Call
-from .options import WireSpec, default_check, next_seed, wire_spec
+from .options import WireSpec, default_check, next_seed, unknown_options, wire_spec
 from .stats import record
 
 WIRES = ("fp8", "bf16", "native")
@@ -42,6 +42,7 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     rank, world = group_rank_size(group)
     meta = Meta("all_to_all", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
     meta.fail(tensor_problem(tensor, "tokens"))
+    meta.fail(unknown_options(kw))
     ins, outs = _splits(tensor, output_split_sizes, input_split_sizes, world, meta)
     for w, name in ((wire, "wire"), (grad_wire, "grad_wire")):
         if w not in WIRES:

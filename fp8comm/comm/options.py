@@ -59,6 +59,17 @@ def wire_spec(fmt="e4m3", scaling="fp32", rounding="nearest", backend="auto", bl
     return WireSpec(get_format(fmt), get_wire_scaling(scaling, block_size), rounding, backend)
 
 
+OPTIONS = ("fmt", "scaling", "block_size", "rounding", "seed", "backend", "check", "buffer")
+
+
+def unknown_options(kw: dict, extra: tuple[str, ...] = ()) -> tuple[str, str] | None:
+    """An ("option", message) problem for keywords no collective knows (a typo must not be silently ignored)."""
+    bad = sorted(set(kw) - set(OPTIONS) - set(extra))
+    if bad:
+        return "option", f"unknown option(s) {bad}; valid: {', '.join(OPTIONS + extra)}"
+    return None
+
+
 def default_check() -> bool:
     """The metadata check is on unless FP8COMM_CHECK=0 (per call: check=False)."""
     return os.environ.get("FP8COMM_CHECK", "1").strip().lower() not in ("0", "false", "off", "no")

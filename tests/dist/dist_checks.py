@@ -380,6 +380,11 @@ def check_mismatch(ctx: Ctx) -> None:
     bad_out = torch.empty(W * 8 + 1)
     _, times["into_size"] = expect_error(lambda: fc.all_gather_into(bad_out, torch.randn(8)), fc.Fp8CommError,
                                          "output has")
+    _, times["typo"] = expect_error(lambda: fc.reduce_scatter(torch.randn(W * 8), scalling="e8m0"), fc.Fp8CommError,
+                                    "unknown option")
+    # One rank asks for hierarchical mode: no node group is created before the check, so no rank can hang.
+    _, times["hierarchical"] = expect_error(lambda: fc.all_reduce(torch.randn(W * 8), hierarchical=r == 0),
+                                            fc.Fp8CommError)
     ctx.info["seconds_to_error"] = {k: round(v, 3) for k, v in times.items()}
     # The group is still usable afterwards.
     x = randn((40,), 950 + r)
