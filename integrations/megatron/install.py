@@ -1,0 +1,321 @@
+"""install() / uninstall(): validate versions, patched names and settings, then patch Megatron-Core.
+
+Nothing is patched until every check passed, so a failed install leaves Megatron exactly as it was. Every patched
+name is checked at install: the module attribute must exist, and the Megatron function that calls it must still
+reference it by that name (its bytecode's co_names); an upgrade that renames or bypasses a name is an error here,
+never a silently disabled hook.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from . import ddp_hooks, moe_hooks
+from .config import Fp8commConfig, Fp8commMegatronError
+
+logger = logging.getLogger("fp8comm.integrations.megatron")
+
+# Megatron-Core minor series this adapter was read against and tested with (on CPU/gloo: 0.19.2).
+SUPPORTED_SERIES = ((0, 19),)
+ALLOW_UNTESTED_ENV = "FP8COMM_MEGATRON_ALLOW_UNTESTED"
+
+PGB = "megatron.core.distributed.param_and_grad_buffer"
+TD = "megatron.core.transformer.moe.token_dispatcher"
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    """A module attribute fp8comm replaces, and the Megatron functions that must still call it by that name."""
+
+    feature: str  # "ddp" (either DDP hook), "grad", "param" or "moe"
+    module: str
+    name: str  # attribute of `module` (a "Class.method" for methods)
+    users: tuple[str, ...]  # "Class.method" in `module` whose code must reference `name`
+
+
+PATCH_POINTS = (
+    PatchPoint("ddp", PGB, "_coalescing_manager",
+               ("_ParamAndGradBucketGroup.start_grad_sync", "_ParamAndGradBucketGroup.start_param_sync")),
+    PatchPoint("grad", PGB, "dist_reduce_scatter_func", ("_ParamAndGradBucketGroup.start_grad_sync",)),
+    # _ParamAndGradBucketGroup.__init__ rebinds dist_reduce_scatter_func to this name when
+    # ddp_config.reduce_scatter_with_fp32_accumulation is on; patching it keeps FP8 in that mode too.
+    PatchPoint("grad", PGB, "reduce_scatter_with_fp32_accumulation", ("_ParamAndGradBucketGroup.__init__",)),
+    PatchPoint("param", PGB, "dist_all_gather_func", ("_ParamAndGradBucketGroup.start_param_sync",)),
+    PatchPoint("moe", TD, "all_to_all", ("MoEAlltoAllTokenDispatcher.token_dispatch",)),
+    PatchPoint("moe", TD, "MoEAlltoAllTokenDispatcher.token_dispatch", ()),
+)
+
+# DistributedDataParallelConfig fields the checks read (a rename would make a check silently pass).
+DDP_FIELDS = ("use_distributed_optimizer", "num_distributed_optimizer_instances", "fp8_param_gather",
+              "overlap_grad_reduce", "overlap_param_gather", "reduce_scatter_with_fp32_accumulation")
+
+_SAVED: list[tuple[object, str, object]] = []
+_ACTIVE: list[Fp8commConfig] = []
+
+
+def megatron_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001 - a source checkout has no dist metadata; fall back to the package
+        from megatron.core import package_info
+
+        return package_info.__shortversion__
+
+
+def check_version(allow_untested: bool = False) -> str:
+    v = megatron_version()
+    try:
+        series = tuple(int(x) for x in v.split("+")[0].split(".")[:2])
+    except ValueError:
+        series = None
+    if series in SUPPORTED_SERIES:
+        return v
+    if allow_untested or os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0"):
+        logger.warning("fp8comm: megatron-core %s is untested (supported: %s); every patched name was still "
+                       "checked", v, _series_text())
+        return v
+    raise Fp8commMegatronError(f"fp8comm: megatron-core {v} is not a supported version (supported: "
+                               f"{_series_text()}); set {ALLOW_UNTESTED_ENV}=1 or install(..., "
+                               "allow_untested_version=True) to try it (all patched names are still checked)")
+
+
+def _series_text() -> str:
+    return ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_SERIES)
+
+
+def _resolve(module, dotted: str):
+    obj = module
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _code_names(fn) -> set[str]:
+    """Global names a function's code (and its nested functions) references."""
+    fn = getattr(fn, "__wrapped__", fn)
+    code = getattr(fn, "__code__", None)
+    names: set[str] = set()
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    return names
+
+
+def check_patch_points(features=("ddp", "grad", "param", "moe")) -> list[str]:
+    """Problems with the patch points of the given features ([] = every name is present and still used)."""
+    problems = []
+    for p in PATCH_POINTS:
+        if p.feature not in features:
+            continue
+        try:
+            mod = importlib.import_module(p.module)
+        except Exception as e:  # noqa: BLE001 - report any import failure by module
+            problems.append(f"cannot import {p.module}: {type(e).__name__}: {e}")
+            continue
+        try:
+            target = _resolve(mod, p.name)
+        except AttributeError:
+            problems.append(f"{p.module}.{p.name} is missing")
+            continue
+        if "." in p.name:
+            cls, meth = p.name.rsplit(".", 1)
+            if meth not in vars(_resolve(mod, cls)):  # inherited: patching the subclass would shadow, not wrap
+                problems.append(f"{p.module}.{p.name} is no longer defined by {cls} itself")
+                continue
+        if not callable(target):
+            problems.append(f"{p.module}.{p.name} is not callable")
+        for user in p.users:
+            try:
+                fn = _resolve(mod, user)
+            except AttributeError:
+                problems.append(f"{p.module}.{user} (which calls {p.name}) is missing")
+                continue
+            if p.name.split(".")[-1] not in _code_names(fn):
+                problems.append(f"{p.module}.{user} no longer references {p.name}: patching it would do nothing")
+    if "ddp" in features or "grad" in features or "param" in features:
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        missing = [f for f in DDP_FIELDS if f not in DistributedDataParallelConfig.__dataclass_fields__]
+        if missing:
+            problems.append(f"DistributedDataParallelConfig lacks {missing}")
+    return problems
+
+
+@dataclass
+class _Facts:
+    """What the combination checks know about the run (None = unknown; checked at runtime where possible)."""
+
+    dist_opt: bool | None = None
+    instances: int | None = None
+    fsdp: str | None = None
+    te_quantized: str | None = None
+    params_dtype: torch.dtype | None = None
+    moe_known: bool = False  # False: nothing known about MoE (Megatron-Core install without transformer_config)
+    num_experts: int | None = None
+    dispatcher: str | None = None
+    ep: int | None = None
+
+
+def _facts_from_args(args) -> _Facts:
+    g = lambda n, d=None: getattr(args, n, d)  # noqa: E731
+    dtype = g("params_dtype")
+    if not isinstance(dtype, torch.dtype):  # set by validate_args; derive it if validation has not run yet
+        dtype = torch.bfloat16 if g("bf16") else torch.float16 if g("fp16") else torch.float32
+    return _Facts(dist_opt=bool(g("use_distributed_optimizer", False)),
+                  instances=int(g("num_distributed_optimizer_instances", 1) or 1),
+                  fsdp=next((n for n in ("use_megatron_fsdp", "use_custom_fsdp", "use_torch_fsdp2") if g(n)), None),
+                  te_quantized=next((n for n in ("fp8_param_gather", "fp4_param_gather",
+                                                 "reuse_grad_buf_for_mxfp8_param_ag") if g(n)), None),
+                  params_dtype=dtype, moe_known=True, num_experts=g("num_experts"),
+                  dispatcher=g("moe_token_dispatcher_type"),
+                  ep=int(g("expert_model_parallel_size", 1) or 1))
+
+
+def _facts_from_configs(ddp_config, transformer_config, params_dtype) -> _Facts:
+    f = _Facts()
+    if ddp_config is not None:
+        f.dist_opt = bool(ddp_config.use_distributed_optimizer)
+        f.instances = int(ddp_config.num_distributed_optimizer_instances)
+        f.fsdp = next((n for n in ("use_megatron_fsdp", "use_custom_fsdp") if getattr(ddp_config, n, False)), None)
+        f.te_quantized = next((n for n in ("fp8_param_gather", "fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag")
+                               if getattr(ddp_config, n, False)), None)
+    if transformer_config is not None:
+        f.params_dtype = transformer_config.params_dtype
+        f.moe_known = True
+        f.num_experts = transformer_config.num_moe_experts
+        f.dispatcher = transformer_config.moe_token_dispatcher_type
+        f.ep = transformer_config.expert_model_parallel_size
+    if params_dtype is not None:
+        f.params_dtype = params_dtype
+    return f
+
+
+def validate(cfg: Fp8commConfig, f: _Facts) -> list[str]:
+    """Settings that would corrupt training or make a hook silently do nothing."""
+    errs = []
+    ddp = cfg.grad_reduce or cfg.param_gather
+    if ddp and f.fsdp:
+        errs.append(f"{f.fsdp}: fp8comm hooks Megatron's DDP bucket groups, not FSDP; the hooks would do nothing")
+    if ddp and f.instances is not None and f.instances > 1:
+        errs.append(f"num_distributed_optimizer_instances={f.instances}: several distributed optimizer instances "
+                    "add an inter-instance all-reduce on a separate CUDA stream that fp8comm does not cover; use 1")
+    if cfg.grad_reduce and f.dist_opt is False:
+        errs.append("--fp8comm-grad-reduce needs --use-distributed-optimizer: plain DDP reduces gradients with a "
+                    "direct all_reduce, so the reduce-scatter hook would silently do nothing")
+    if cfg.param_gather and f.dist_opt is False:
+        errs.append("--fp8comm-param-gather needs --use-distributed-optimizer (only it all-gathers parameters)")
+    if cfg.param_gather and f.te_quantized:
+        errs.append(f"--fp8comm-param-gather with {f.te_quantized}: Transformer Engine already gathers its "
+                    "quantized parameters (raw FP8 storage in a uint8 buffer); quantizing again would corrupt them")
+    if cfg.param_gather and f.params_dtype == torch.float32:
+        errs.append("--fp8comm-param-gather with fp32 parameters: the distributed optimizer's fp32 master weights "
+                    "are a view of the parameter buffer, so the FP8 gather would overwrite them; use --bf16/--fp16")
+    if cfg.moe_dispatch and f.moe_known:
+        if not f.num_experts:
+            errs.append("--fp8comm-moe-dispatch without MoE layers (--num-experts): nothing to dispatch")
+        elif f.dispatcher is not None and f.dispatcher != "alltoall":
+            errs.append(f"--fp8comm-moe-dispatch hooks MoEAlltoAllTokenDispatcher, but --moe-token-dispatcher-type "
+                        f"is {f.dispatcher!r}: use 'alltoall'")
+        elif f.ep is not None and f.ep == 1:
+            errs.append("--fp8comm-moe-dispatch with --expert-model-parallel-size 1: tokens never leave the rank")
+    if cfg.hierarchical and ddp and not os.environ.get("LOCAL_WORLD_SIZE"):
+        errs.append("--fp8comm-hierarchical needs LOCAL_WORLD_SIZE (ranks per node; torchrun sets it)")
+    if cfg.hierarchical and not ddp:
+        errs.append("--fp8comm-hierarchical applies to the gradient/parameter hooks, and neither is on")
+    return errs
+
+
+def install(args=None, *, ddp_config=None, transformer_config=None, params_dtype=None, grad_reduce=False,
+            param_gather=False, moe_dispatch=False, allow_untested_version=False, **options) -> Fp8commConfig:
+    """Turn the fp8comm hooks on: install(args) after Megatron-LM parses args (add_args) and before the model
+    is built, or install(ddp_config=..., transformer_config=..., grad_reduce=True, ...) for Megatron-Core.
+
+    `options` are Fp8commConfig fields (fmt, grad_fmt, block_size, scaling, rounding, hierarchical, check,
+    moe_grad_wire). Raises Fp8commMegatronError, with nothing patched, on an unsupported version, a missing
+    Megatron name or a combination that would corrupt training or silently do nothing.
+    """
+    if _ACTIVE:
+        raise Fp8commMegatronError("fp8comm: already installed; call uninstall() first")
+    if args is not None:
+        if grad_reduce or param_gather or moe_dispatch or options or ddp_config is not None or \
+                transformer_config is not None or params_dtype is not None:
+            # The args carry both the fp8comm settings and the Megatron facts the checks read: one source only.
+            raise Fp8commMegatronError("fp8comm: pass either args (from add_args) or keywords, not both")
+        cfg = Fp8commConfig.from_args(args)
+        facts = _facts_from_args(args)
+    else:
+        cfg = Fp8commConfig(grad_reduce=bool(grad_reduce), param_gather=bool(param_gather),
+                            moe_dispatch=bool(moe_dispatch), **options)
+        facts = _facts_from_configs(ddp_config, transformer_config, params_dtype)
+    if not cfg.any:
+        _log(cfg.describe())
+        return cfg
+    version = check_version(allow_untested_version)
+    features = ({"ddp"} if cfg.grad_reduce or cfg.param_gather else set()) | \
+               ({"grad"} if cfg.grad_reduce else set()) | ({"param"} if cfg.param_gather else set()) | \
+               ({"moe"} if cfg.moe_dispatch else set())
+    problems = check_patch_points(features)
+    if problems:
+        raise Fp8commMegatronError(f"fp8comm: megatron-core {version} does not match what fp8comm patches:\n  - "
+                                   + "\n  - ".join(problems))
+    errs = validate(cfg, facts)
+    if errs:
+        raise Fp8commMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
+
+    patches = []
+    if features & {"grad", "param"}:
+        pgb = importlib.import_module(PGB)
+        patches.append((pgb, "_coalescing_manager", ddp_hooks.make_coalescing_manager(pgb._coalescing_manager)))
+        if cfg.grad_reduce:
+            patches.append((pgb, "dist_reduce_scatter_func",
+                            ddp_hooks.make_reduce_scatter(pgb.dist_reduce_scatter_func, cfg)))
+            patches.append((pgb, "reduce_scatter_with_fp32_accumulation",
+                            ddp_hooks.make_reduce_scatter(pgb.reduce_scatter_with_fp32_accumulation, cfg)))
+        if cfg.param_gather:
+            patches.append((pgb, "dist_all_gather_func", ddp_hooks.make_all_gather(pgb.dist_all_gather_func, cfg)))
+    if cfg.moe_dispatch:
+        td = importlib.import_module(TD)
+        cls = td.MoEAlltoAllTokenDispatcher
+        patches.append((td, "all_to_all", moe_hooks.make_all_to_all(td.all_to_all, cfg)))
+        patches.append((cls, "token_dispatch", moe_hooks.make_token_dispatch(cls.__dict__["token_dispatch"])))
+    for obj, name, new in patches:
+        _SAVED.append((obj, name, getattr(obj, name) if not isinstance(obj, type) else obj.__dict__[name]))
+        setattr(obj, name, new)
+    _ACTIVE.append(cfg)
+    _log(cfg.describe() + f" [megatron-core {version}]")
+    return cfg
+
+
+def uninstall() -> None:
+    """Restore every patched Megatron name (a no-op when nothing is installed)."""
+    while _SAVED:
+        obj, name, orig = _SAVED.pop()
+        setattr(obj, name, orig)
+    _ACTIVE.clear()
+    ddp_hooks.reset_state()
+    moe_hooks.reset_state()
+
+
+def active_config() -> Fp8commConfig | None:
+    return _ACTIVE[0] if _ACTIVE else None
+
+
+def _log(msg: str) -> None:
+    """One line: through logging when the application configured it, else on stderr from rank 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        logger.info(msg)
+    else:
+        print(msg, file=sys.stderr, flush=True)

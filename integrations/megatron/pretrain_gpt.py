@@ -1,0 +1,166 @@
+"""Example: a Megatron-LM style GPT pretraining entry point with the fp8comm plugin (synthetic data).
+
+    NPROC_PER_NODE=8 launch/torchrun.sh -m fp8comm.integrations.megatron.pretrain_gpt \\
+        --tensor-model-parallel-size 2 --num-layers 4 --hidden-size 1024 --num-attention-heads 16 \\
+        --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 64 \\
+        --train-iters 100 --lr 3e-4 --bf16 --use-distributed-optimizer --overlap-grad-reduce \\
+        --overlap-param-gather --tokenizer-type NullTokenizer --vocab-size 32000 \\
+        --fp8comm-grad-reduce --fp8comm-param-gather
+
+The three fp8comm lines are what a real pretrain script needs: `extra_args_provider=add_args` when parsing,
+`install(args)` after parsing and before the model is built, and (optionally) logging comm_stats(). Everything else
+is plain Megatron-Core: GPTModel, Float16Module, DistributedDataParallel, get_megatron_optimizer and the
+forward-backward schedule. Pipeline parallelism is left out to keep the example short (the hooks do not care).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from fp8comm.comm import comm_stats, format_comm_stats, reset_comm_stats
+from fp8comm.integrations.megatron import add_args, hook_stats, install, uninstall
+
+
+def _init_distributed() -> None:
+    """torch.distributed from whatever launched us (launch/torchrun.sh, launch/mpirun.sh, Slurm, cluster.py)."""
+    try:
+        from fp8comm.distributed import init_distributed  # exports RANK/WORLD_SIZE, which Megatron's args read
+    except ImportError:  # an fp8comm without the launcher helper: torchrun's env:// variables only
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    else:
+        init_distributed()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def model_provider(args, config):
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if args.transformer_impl == "local":
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm)
+    else:
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts,
+                                                          moe_grouped_gemm=args.moe_grouped_gemm)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
+                    position_embedding_type=args.position_embedding_type)
+
+
+def _fields_from_args(cls, args) -> dict:
+    # What Megatron-LM's own builders do: copy every arg whose name is a field of the config class.
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+
+
+def _batches(args, dp_rank: int):
+    """Synthetic learnable sequences t[i+1] = (5 t[i] + 3) mod V, different per data-parallel rank."""
+    g = torch.Generator().manual_seed(args.seed * 1000 + dp_rank)
+    v, s = args.padded_vocab_size, args.seq_length
+    while True:
+        tok = torch.empty(args.micro_batch_size, s + 1, dtype=torch.long)
+        tok[:, 0] = torch.randint(0, v, (args.micro_batch_size,), generator=g)
+        for i in range(s):
+            tok[:, i + 1] = (5 * tok[:, i] + 3) % v
+        yield {"tokens": tok[:, :-1].to(_device()), "labels": tok[:, 1:].to(_device())}
+
+
+def forward_step(data_iterator, model):
+    b = next(data_iterator)
+    s = b["tokens"].shape[1]
+    pos = torch.arange(s, device=b["tokens"].device).unsqueeze(0).expand_as(b["tokens"])
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=b["tokens"].device).tril().logical_not()
+    out = model(b["tokens"], pos, mask, labels=b["labels"])
+
+    def loss_func(output):
+        total = output.float().sum()
+        n = torch.tensor(output.numel(), device=output.device)
+        return total, n.to(torch.int), {"lm loss": torch.stack([total.detach(), n.float()])}
+
+    return out, loss_func
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse (Megatron-LM args + fp8comm), install, build, train args.train_iters steps; returns the history."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
+
+    _init_distributed()  # first: Megatron's argument validation reads RANK / WORLD_SIZE
+    saved_argv = sys.argv
+    if argv is not None:
+        sys.argv = [sys.argv[0]] + list(argv)
+    try:
+        args = parse_and_validate_args(extra_args_provider=add_args)  # 1. the fp8comm argument group
+    finally:
+        sys.argv = saved_argv
+    if args.pipeline_model_parallel_size != 1:
+        raise SystemExit("this example does not set up pipeline stages; use --pipeline-model-parallel-size 1")
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                 expert_model_parallel_size=args.expert_model_parallel_size)
+    model_parallel_cuda_manual_seed(args.seed)
+
+    install(args)  # 2. after argument parsing, before the model (and its DDP buckets) are built
+    try:
+        config = core_transformer_config_from_args(args)
+        model = model_provider(args, config)
+        if not args.use_cpu_initialization and torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        if args.bf16 or args.fp16:
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(**_fields_from_args(DistributedDataParallelConfig, args))
+        model = DistributedDataParallel(config, ddp_config, model)
+        model.broadcast_params()
+        opt_cfg = OptimizerConfig(**_fields_from_args(OptimizerConfig, args))
+        optimizer = get_megatron_optimizer(opt_cfg, [model])
+        config.grad_scale_func = optimizer.scale_loss
+        config.finalize_model_grads_func = finalize_model_grads
+        if ddp_config.overlap_grad_reduce:
+            config.no_sync_func = model.no_sync
+        if ddp_config.overlap_param_gather:
+            config.param_sync_func = model.start_param_sync
+
+        data = _batches(args, ps.get_data_parallel_rank())
+        fb = get_forward_backward_func()
+        history = {"loss": [], "grad_norm": []}
+        reset_comm_stats()
+        for it in range(args.train_iters):
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            out = fb(forward_step_func=forward_step, data_iterator=data, model=[model],
+                     num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+                     micro_batch_size=args.micro_batch_size, forward_only=False)
+            ok, grad_norm, _ = optimizer.step()
+            s = torch.stack([o["lm loss"] for o in out]).sum(0)
+            dist.all_reduce(s, group=ps.get_data_parallel_group())
+            history["loss"].append(float(s[0] / s[1]))
+            history["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
+            if dist.get_rank() == 0 and (it + 1) % args.log_interval == 0:
+                print(f"iteration {it + 1}/{args.train_iters} | lm loss {history['loss'][-1]:.4f} | grad norm "
+                      f"{history['grad_norm'][-1]:.4f} | update {'ok' if ok else 'skipped'}", flush=True)
+        if dist.get_rank() == 0:
+            print(format_comm_stats(), flush=True)  # 3. FP8 bytes moved per collective
+        history["comm_stats"] = comm_stats()
+        history["hook_stats"] = hook_stats()
+        return history
+    finally:
+        uninstall()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Checks run inside mcore_harness launches: real megatron-core on gloo ranks, baseline vs fp8comm hooks.
+
+Tolerances (also in docs/megatron.md):
+- ITERS training iterations from identical weights and data; per-iteration loss within LOSS_RTOL of the baseline.
+  FP8 perturbs every step a little (E4M3 rounds each value within 2^-4 relative) and the runs drift apart
+  chaotically; measured max deviation ~1% at 20 iterations, 2x margin, while a broken hook (stale, zero,
+  misplaced or double-counted gradients, a wrong shard) moves the loss by tens of percent within a few steps.
+- grad norm: the FIRST step (same weights, only the gradient quantization differs) within the E4M3 bound 2^-4;
+  later steps within GNORM_RTOL (the trajectories have diverged; measured <= 10%), and the mean deviation over
+  all steps within GNORM_MEAN_RTOL.
+- bytes: each hook's wire/dtype byte ratio within [ALIGN_SLACK, 1] x the ideal itemsize / (1 + scale/block).
+- parameters bit-identical across data-parallel replicas after training (FP8 gathers decode the same bytes).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import mcore_train as T
+
+ITERS = 20
+E4M3_REL = 2.0 ** -4
+LOSS_RTOL = 0.02
+GNORM_RTOL = 0.2
+GNORM_MEAN_RTOL = 0.06
+ALIGN_SLACK = 0.9  # wire chunks are 16-byte aligned: small buckets pay a little padding
+MOE_LOSS_RTOL = E4M3_REL / 8  # one forward: dispatched tokens carry E4M3 error, the loss averages it down
+MOE_GRAD_RTOL = E4M3_REL  # relative L2 error of all gradients after one backward through FP8-dispatched tokens
+
+
+def _fm():
+    import fp8comm.integrations.megatron as fm
+
+    return fm
+
+
+def _stats():
+    from fp8comm.comm import comm_stats, reset_comm_stats
+
+    return comm_stats, reset_comm_stats
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def run(ddp_kw: dict, hooks: dict | None, iters: int = ITERS, moe: bool = False) -> dict:
+    """Train a fresh model (same seed) with `hooks` installed (None: baseline); stats and params of the run."""
+    comm_stats, reset_comm_stats = _stats()
+    fm = _fm()
+    fm.hook_stats(reset=True)
+    reset_comm_stats()
+    model, opt, config = T.build(T.ddp_kwargs(**ddp_kw), moe=moe)
+    if hooks is not None:
+        fm.install(ddp_config=model.ddp_config, transformer_config=config, **hooks)
+    try:
+        hist = T.train(model, opt, config, iters)
+    finally:
+        fm.uninstall()
+    hist.update(comm=comm_stats(), hooks=fm.hook_stats(reset=True), params=T.param_vector(model),
+                bucket_groups=len(model.bucket_groups), model=model)
+    return hist
+
+
+def check_parity(base: dict, f8: dict, info: dict, tag: str) -> None:
+    lb, l8, gb, g8 = base["loss"], f8["loss"], base["grad_norm"], f8["grad_norm"]
+    assert lb[-1] < lb[0], f"{tag}: baseline did not learn ({lb[0]} -> {lb[-1]})"
+    dl = [_rel(a, b) for a, b in zip(l8, lb)]
+    dg = [_rel(a, b) for a, b in zip(g8, gb)]
+    info[tag] = {"loss_base": [round(x, 4) for x in (lb[0], lb[-1])],
+                 "loss_fp8": [round(x, 4) for x in (l8[0], l8[-1])], "max_loss_rel": round(max(dl), 5),
+                 "gnorm_rel_step1": round(dg[0], 5), "max_gnorm_rel": round(max(dg), 4),
+                 "mean_gnorm_rel": round(sum(dg) / len(dg), 4), "buckets": f8["bucket_groups"],
+                 "comm": {k: {"calls": v["calls"], "wire": v["wire_bytes"], "ratio": round(v["ratio"], 3)}
+                          for k, v in f8["comm"].items()}, "hooks": f8["hooks"]}
+    assert max(dl) <= LOSS_RTOL, f"{tag}: loss deviates by {max(dl):.4f} > {LOSS_RTOL}: {l8} vs {lb}"
+    assert dg[0] <= E4M3_REL, f"{tag}: first-step grad norm deviates by {dg[0]:.4f} > 2^-4"
+    assert max(dg) <= GNORM_RTOL, f"{tag}: grad norm deviates by {max(dg):.4f} > {GNORM_RTOL}: {g8} vs {gb}"
+    assert sum(dg) / len(dg) <= GNORM_MEAN_RTOL, f"{tag}: mean grad norm deviation {sum(dg) / len(dg):.4f}"
+    assert l8 != lb or g8 != gb, f"{tag}: FP8 run is bit-identical to the baseline: no hook changed anything"
+
+
+def check_bytes(f8: dict, op: str, itemsize: int, tag: str) -> None:
+    """The hook moved FP8 bytes, at the saving the wire format promises (payload 1 B + one scale per block)."""
+    s = f8["comm"].get(op)
+    assert s and s["calls"] > 0 and s["wire_bytes"] > 0, f"{tag}: no FP8 {op} recorded: {f8['comm']}"
+    ideal = itemsize / (1 + 4 / 128)  # fp32 scales, 1x128 blocks (the defaults)
+    assert ALIGN_SLACK * ideal <= s["ratio"] <= ideal * (1 + 1e-9), f"{tag}: {op} ratio {s['ratio']} vs {ideal}"
+
+
+def check_replicas_identical(params: torch.Tensor, tag: str) -> None:
+    """Every data-parallel replica (same TP rank) holds bit-identical parameters."""
+    from megatron.core import parallel_state as ps
+
+    g = ps.get_data_parallel_group()
+    allp = [torch.empty_like(params) for _ in range(dist.get_world_size(g))]
+    dist.all_gather(allp, params, group=g)
+    bad = [i for i, p in enumerate(allp) if not torch.equal(p, params)]
+    assert not bad, f"{tag}: parameters differ from data-parallel peers {bad}"
+
+
+def _dense_pair(rank, world, info, tp: int, overlaps=(False, True), hierarchical: bool = False) -> None:
+    T.init_parallel(tp=tp)
+    for ov in overlaps:
+        tag = f"tp{tp}_dp{world // tp}_overlap_{'on' if ov else 'off'}" + ("_hier" if hierarchical else "")
+        kw = dict(overlap_grad_reduce=ov, overlap_param_gather=ov)
+        base = run(kw, None)
+        f8 = run(kw, dict(grad_reduce=True, param_gather=True, hierarchical=hierarchical))
+        check_parity(base, f8, info, tag)
+        if ov:
+            assert f8["bucket_groups"] > 1, f"{tag}: expected several buckets, got {f8['bucket_groups']}"
+        h = f8["hooks"]
+        assert h["grad_reduce_scatter"]["fp8_calls"] > 0 and h["param_all_gather"]["fp8_calls"] > 0, h
+        if not hierarchical:
+            check_bytes(f8, "reduce_scatter", 4, tag)  # grad_reduce_in_fp32: fp32 gradient buckets
+            check_bytes(f8, "all_gather", 2, tag)  # bf16 parameter buffers
+        check_replicas_identical(f8["params"], tag)
+
+
+# ------------------------------------------------------------------------------------------------ 2 ranks
+def gpt_dp2(rank, world, info):
+    """DP=2, distributed optimizer, overlap off (one bucket, Megatron's rule) and on (several buckets)."""
+    _dense_pair(rank, world, info, tp=1)
+
+
+def gpt_dp2_fp32_accumulation(rank, world, info):
+    """reduce_scatter_with_fp32_accumulation=True: Megatron swaps in that name; fp8comm's version must win."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    T.init_parallel(tp=1)
+    kw = dict(overlap_grad_reduce=True, overlap_param_gather=True, reduce_scatter_with_fp32_accumulation=True,
+              grad_reduce_in_fp32=False)
+    # Megatron rebinds the module global dist_reduce_scatter_func for the rest of the process when a bucket group
+    # is built with this flag; a later model without the flag would then drop its reduce-scatter handle.
+    # Restore it so the checks that follow in this process see stock Megatron again.
+    saved = pgb.dist_reduce_scatter_func
+    try:
+        base = run(kw, None)
+        f8 = run(kw, dict(grad_reduce=True))
+    finally:
+        pgb.dist_reduce_scatter_func = saved
+    check_parity(base, f8, info, "fp32_accumulation")
+    assert f8["hooks"]["grad_reduce_scatter"]["fp8_calls"] > 0, f8["hooks"]
+    check_bytes(f8, "reduce_scatter", 2, "fp32_accumulation")  # bf16 gradient buckets
+
+
+def moe_ep2(rank, world, info):
+    """EP=2 MoE: one forward/backward with FP8 dispatch vs bf16 dispatch, then all hooks for ITERS steps."""
+    T.init_parallel(tp=1, ep=2)
+    fm = _fm()
+    comm_stats, reset_comm_stats = _stats()
+    res = {}
+    for name in ("bf16", "fp8"):
+        model, opt, config = T.build(T.ddp_kwargs(), moe=True)
+        if name == "fp8":
+            fm.hook_stats(reset=True)
+            reset_comm_stats()
+            fm.install(ddp_config=model.ddp_config, transformer_config=config, moe_dispatch=True)
+        try:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            model.zero_grad_buffer()
+            out = get_forward_backward_func()(forward_step_func=T.forward_step,
+                                              data_iterator=iter(T.batches(2, 2, rank)), model=[model],
+                                              num_microbatches=2, seq_length=T.SEQ, micro_batch_size=2,
+                                              forward_only=False)
+            s = torch.stack([o["lm loss"] for o in out]).sum(0)
+            grads = torch.cat([p.main_grad.float().reshape(-1) for p in model.parameters()])
+            res[name] = (float(s[0] / s[1]), grads, fm.hook_stats(reset=True), comm_stats())
+        finally:
+            fm.uninstall()
+    (lb, gb, _, _), (l8, g8, hooks, comm) = res["bf16"], res["fp8"]
+    gerr = float((g8 - gb).norm() / gb.norm())
+    info["moe_fwd_bwd"] = {"loss_bf16": round(lb, 5), "loss_fp8": round(l8, 5), "loss_rel": _rel(l8, lb),
+                           "grad_rel_l2": round(gerr, 5), "hooks": hooks,
+                           "all_to_all": comm.get("all_to_all"), "backward": comm.get("all_to_all.backward")}
+    assert hooks.get("moe_dispatch", {}).get("fp8_calls", 0) > 0, f"FP8 dispatch never ran: {hooks}"
+    a2a = comm.get("all_to_all")
+    assert a2a and a2a["wire_bytes"] > 0 and a2a["ratio"] > 1, f"no FP8 token bytes: {comm}"
+    assert _rel(l8, lb) <= MOE_LOSS_RTOL, f"MoE loss {l8} vs {lb}"
+    assert 0 < gerr <= MOE_GRAD_RTOL, f"MoE gradients: relative L2 error {gerr}"
+    # All three hooks together for a full run.
+    hooks = dict(grad_reduce=True, param_gather=True, moe_dispatch=True)
+    kw = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+    base = run(kw, None, moe=True)
+    f8 = run(kw, hooks, moe=True)
+    check_parity(base, f8, info, "moe_ep2_all_hooks")
+    for h in ("grad_reduce_scatter", "param_all_gather", "moe_dispatch"):
+        assert f8["hooks"][h]["fp8_calls"] > 0, f8["hooks"]
+    # Expert-parallel buckets have a data-parallel group of one rank here: passed through, never quantized.
+    assert f8["hooks"]["grad_reduce_scatter"]["passthrough_calls"] > 0, f8["hooks"]
+
+
+def plugin_end_to_end(rank, world, info):
+    """megatron.training parse_and_validate_args(extra_args_provider=add_args) -> install -> train (example)."""
+    from megatron.core import parallel_state as ps
+
+    import fp8comm.integrations.megatron.pretrain_gpt as example
+
+    ps.destroy_model_parallel()
+    common = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+              "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+              "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--transformer-impl", "local",
+              "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
+              "--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
+              "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3", "--log-interval", "1"]
+    hist = example.main(common + ["--train-iters", "4", "--bf16", "--use-distributed-optimizer",
+                                  "--overlap-grad-reduce", "--overlap-param-gather",
+                                  "--fp8comm-grad-reduce", "--fp8comm-param-gather", "--fp8comm-scaling", "e8m0"])
+    info["example"] = {"loss": [round(x, 4) for x in hist["loss"]], "hooks": hist["hook_stats"],
+                       "comm": {k: v["wire_bytes"] for k, v in hist["comm_stats"].items()}}
+    assert hist["hook_stats"]["grad_reduce_scatter"]["fp8_calls"] > 0, hist["hook_stats"]
+    assert hist["hook_stats"]["param_all_gather"]["fp8_calls"] > 0, hist["hook_stats"]
+    assert hist["loss"][-1] < hist["loss"][0], hist["loss"]
+    assert _fm().active_config() is None, "the example must uninstall on exit"
+    # Invalid combinations: the parsed args reach install(), which refuses with the reason.
+    from megatron.training.arguments import parse_args
+
+    errors = {}
+    for extra, needle in ((["--bf16", "--fp8comm-grad-reduce"], "--use-distributed-optimizer"),
+                          (["--use-distributed-optimizer", "--fp8comm-param-gather"], "master weights"),
+                          (["--bf16", "--use-distributed-optimizer", "--fp8comm-moe-dispatch"], "--num-experts")):
+        import sys
+
+        saved, sys.argv = sys.argv, ["pretrain_gpt.py"] + common + extra
+        try:
+            args = parse_args(extra_args_provider=_fm().add_args)
+        finally:
+            sys.argv = saved
+        try:
+            _fm().install(args)
+        except _fm().Fp8commMegatronError as e:
+            errors[" ".join(extra)] = str(e)
+            assert needle in str(e), f"error for {extra} does not mention {needle!r}: {e}"
+        else:
+            raise AssertionError(f"install accepted the invalid combination {extra}")
+        assert _fm().active_config() is None
+    info["errors"] = errors
+
+
+# ------------------------------------------------------------------------------------------------ 4 ranks
+def gpt_tp2_dp2(rank, world, info):
+    """TP=2 x DP=2, distributed optimizer, overlap off and on."""
+    _dense_pair(rank, world, info, tp=2)
+
+
+def gpt_dp4_hierarchical(rank, world, info):
+    """DP=4 as 2 nodes x 2 ranks (LOCAL_WORLD_SIZE=2): fp32 inside a node, FP8 across nodes."""
+    _dense_pair(rank, world, info, tp=1, overlaps=(True,), hierarchical=True)
+    c = info["tp1_dp4_overlap_on_hier"]["comm"]
+    assert c.get("reduce_scatter.intra", {}).get("calls", 0) > 0 and c["reduce_scatter"]["wire"] > 0, c

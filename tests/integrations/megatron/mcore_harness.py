@@ -1,0 +1,117 @@
+"""Launch W gloo ranks once, run a list of named checks (mcore_checks) in each, bring per-check results back.
+
+Megatron-Core takes ~10 s of CPU to import per process, so each scenario group is ONE launch that runs several
+checks. Each rank appends a JSON line per check as it goes (a hang or crash still names the check); the parent
+owns the TCPStore (port 0: no port races) and kills the launch at a hard timeout.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+PG_TIMEOUT_S = 60  # gloo gives up on a stuck collective after this long
+
+
+def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list[str]) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % int(env.get(
+        "LOCAL_WORLD_SIZE", world))), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron.core's __version__ would otherwise run git
+    warnings.filterwarnings("ignore")  # Megatron's deprecation warnings drown the report
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # W ranks share 2 cores
+    out = open(Path(outdir) / f"rank{rank}.jsonl", "w", buffering=1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    import mcore_cpu
+
+    mcore_cpu.install()
+    import mcore_checks
+
+    status_group = dist.new_group(backend="gloo")
+    for name in names:
+        info: dict = {}
+        out.write(json.dumps({"check": name, "state": "started"}) + "\n")
+        t0 = time.perf_counter()
+        try:
+            getattr(mcore_checks, name)(rank, world, info)
+            rec = {"ok": True}
+        except BaseException as e:  # noqa: BLE001 - every failure is reported by name
+            rec = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
+        finally:
+            import fp8comm.integrations.megatron as fm
+
+            fm.uninstall()  # a failed check must not leave hooks on for the next one
+        rec.update(check=name, state="done", seconds=round(time.perf_counter() - t0, 2), info=info)
+        out.write(json.dumps(rec, default=str) + "\n")
+        flags = torch.zeros(world, dtype=torch.int64)
+        flags[rank] = 0 if rec["ok"] else 1
+        dist.all_reduce(flags, group=status_group)
+        if int(flags.sum()):
+            out.write(json.dumps({"check": "*", "state": "stopped", "after": name}) + "\n")
+            break  # collectives may be out of step now; later checks would only report noise
+    dist.barrier(group=status_group)
+    dist.destroy_process_group()
+    out.close()
+
+
+def launch(world: int, names: list[str], outdir: Path, env: dict | None = None, timeout: float = 240.0) -> dict:
+    import torch.distributed as dist
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, world, store.port, str(outdir), dict(env or {}), names),
+                         daemon=True) for r in range(world)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(0.0, t0 + timeout - time.monotonic()))
+    timed_out = any(p.is_alive() for p in procs)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    results = {}
+    for r in range(world):
+        f = outdir / f"rank{r}.jsonl"
+        results[r] = [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+    del store
+    return {"exitcodes": [p.exitcode for p in procs], "timed_out": timed_out, "results": results,
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def failures(run: dict, names: list[str]) -> list[str]:
+    """Failed checks (by rank), checks that never ran or never finished, bad exit codes, a timeout."""
+    msgs = []
+    for r, recs in run["results"].items():
+        done = {x["check"]: x for x in recs if x.get("state") == "done"}
+        for n in names:
+            if n not in done:
+                msgs.append(f"rank {r}: {n} did not finish ({'timeout' if run['timed_out'] else 'crash/stop'})")
+            elif not done[n]["ok"]:
+                msgs.append(f"rank {r}: {n}: {done[n]['error']}\n{done[n].get('trace', '')}")
+    if run["timed_out"]:
+        msgs.append("launch timed out")
+    msgs += [f"rank {r} exited with {c}" for r, c in enumerate(run["exitcodes"]) if c != 0]
+    return msgs
+
+
+def info(run: dict, name: str, rank: int = 0) -> dict:
+    for x in run["results"].get(rank, []):
+        if x.get("check") == name and x.get("state") == "done":
+            return x.get("info", {})
+    return {}

@@ -1,0 +1,245 @@
+"""fp8comm's Megatron-Core integration against real megatron-core: names, settings, plugin, and gloo training.
+
+The single-process tests need only `import megatron.core`; the two launches (2 and 4 gloo ranks) run the training
+checks in mcore_checks.py, each printing its measured deviations and byte counts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (see docs/megatron.md: install)")
+
+import importlib  # noqa: E402
+
+import fp8comm.integrations.megatron as fm  # noqa: E402
+
+inst = importlib.import_module("fp8comm.integrations.megatron.install")  # the module (the package exports the function)
+
+PGB = inst.PGB
+TD = inst.TD
+
+
+def _module(name):
+    return importlib.import_module(name)
+
+
+def _snapshot() -> dict:
+    """Current value of every patchable name (identity), to prove install/uninstall touch exactly these."""
+    out = {}
+    for p in fm.PATCH_POINTS:
+        mod = _module(p.module)
+        if "." in p.name:
+            cls, meth = p.name.split(".")
+            out[p.name] = getattr(mod, cls).__dict__[meth]
+        else:
+            out[p.name] = getattr(mod, p.name)
+    return out
+
+
+def _ddp(**kw):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(**{"use_distributed_optimizer": True, **kw})
+
+
+def _moe_tc(**kw):
+    base = dict(params_dtype=torch.bfloat16, num_moe_experts=4, moe_token_dispatcher_type="alltoall",
+                expert_model_parallel_size=2)
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    fm.uninstall()
+    yield
+    fm.uninstall()
+
+
+# ------------------------------------------------------------------------------------- names and versions
+def test_every_patched_name_exists_and_is_still_used():
+    """Fails when a megatron-core upgrade renames or stops calling a patched name (the hook would do nothing)."""
+    assert fm.check_patch_points() == []
+    assert fm.check_version()  # the installed version is a supported one
+    for p in fm.PATCH_POINTS:
+        for user in p.users:
+            fn = inst._resolve(_module(p.module), user)
+            assert p.name.split(".")[-1] in inst._code_names(fn), f"{user} does not call {p.name}"
+
+
+@pytest.mark.parametrize("point", inst.PATCH_POINTS, ids=lambda p: p.name)
+def test_missing_name_is_an_install_error(point, monkeypatch):
+    mod = _module(point.module)
+    if "." in point.name:
+        cls, meth = point.name.split(".")
+        monkeypatch.delattr(getattr(mod, cls), meth)
+    else:
+        monkeypatch.delattr(mod, point.name)
+    feature = {"ddp": "grad_reduce", "grad": "grad_reduce", "param": "param_gather", "moe": "moe_dispatch"}
+    with pytest.raises(fm.Fp8commMegatronError, match=point.name.split(".")[-1]):
+        fm.install(ddp_config=_ddp(), transformer_config=_moe_tc(), **{feature[point.feature]: True})
+    assert fm.active_config() is None
+
+
+def test_call_site_that_bypasses_a_name_is_an_install_error(monkeypatch):
+    """A start_grad_sync that no longer goes through dist_reduce_scatter_func must be caught, not patched."""
+    mod = _module(PGB)
+
+    def start_grad_sync(self, force_all_reduce=False):  # an "upgraded" version calling torch directly
+        torch.distributed.reduce_scatter_tensor(None, None)
+
+    monkeypatch.setattr(mod._ParamAndGradBucketGroup, "start_grad_sync", start_grad_sync)
+    before = _snapshot()
+    with pytest.raises(fm.Fp8commMegatronError, match="no longer references dist_reduce_scatter_func"):
+        fm.install(ddp_config=_ddp(), grad_reduce=True)
+    assert _snapshot() == before  # nothing patched
+
+
+def test_unsupported_version_is_refused_unless_allowed(monkeypatch):
+    monkeypatch.setattr(inst, "megatron_version", lambda: "0.99.0")
+    monkeypatch.delenv(inst.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(fm.Fp8commMegatronError, match="0.99.0 is not a supported version"):
+        fm.install(ddp_config=_ddp(), grad_reduce=True)
+    cfg = fm.install(ddp_config=_ddp(), grad_reduce=True, allow_untested_version=True)
+    assert cfg.grad_reduce and fm.active_config() == cfg
+
+
+# ------------------------------------------------------------------------------------- install/uninstall
+def test_install_patches_and_uninstall_restores_everything():
+    before = _snapshot()
+    cfg = fm.install(ddp_config=_ddp(), transformer_config=_moe_tc(), grad_reduce=True, param_gather=True,
+                     moe_dispatch=True, fmt="e5m2", scaling="e8m0", block_size=64)
+    after = _snapshot()
+    assert all(after[k] is not before[k] for k in before), "every patch point is replaced"
+    assert (cfg.fmt, cfg.scaling, cfg.block_size) == ("e5m2", "e8m0", 64)
+    with pytest.raises(fm.Fp8commMegatronError, match="already installed"):
+        fm.install(ddp_config=_ddp(), grad_reduce=True)
+    fm.uninstall()
+    assert all(_snapshot()[k] is before[k] for k in before), "uninstall restores the original objects"
+    fm.uninstall()  # idempotent
+    assert fm.active_config() is None
+
+
+def test_only_requested_hooks_are_patched():
+    before = _snapshot()
+    fm.install(ddp_config=_ddp(), grad_reduce=True)
+    after = _snapshot()
+    changed = {k for k in before if after[k] is not before[k]}
+    assert changed == {"_coalescing_manager", "dist_reduce_scatter_func", "reduce_scatter_with_fp32_accumulation"}
+
+
+def test_nothing_enabled_is_a_logged_no_op(capsys):
+    before = _snapshot()
+    cfg = fm.install(ddp_config=_ddp())
+    assert not cfg.any and _snapshot() == before and fm.active_config() is None
+    assert "no hook enabled" in capsys.readouterr().err
+
+
+def test_one_log_line_says_what_is_active(capsys):
+    fm.install(ddp_config=_ddp(), grad_reduce=True, param_gather=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "FP8 grad reduce-scatter, param all-gather active" in err[0], err
+
+
+# ------------------------------------------------------------------------------------- invalid combinations
+@pytest.mark.parametrize("kwargs, ddp_kw, match", [
+    (dict(grad_reduce=True), dict(use_distributed_optimizer=False), "needs --use-distributed-optimizer"),
+    (dict(param_gather=True), dict(use_distributed_optimizer=False), "only it all-gathers"),
+    (dict(grad_reduce=True), dict(num_distributed_optimizer_instances=2), "several distributed optimizer"),
+    (dict(param_gather=True), dict(fp8_param_gather=True), "Transformer Engine"),
+    (dict(param_gather=True, params_dtype=torch.float32), {}, "master weights"),
+    (dict(grad_reduce=True), dict(use_megatron_fsdp=True), "not FSDP"),
+    (dict(moe_dispatch=True, transformer_config=_moe_tc(num_moe_experts=None)), {}, "without MoE layers"),
+    (dict(moe_dispatch=True, transformer_config=_moe_tc(moe_token_dispatcher_type="allgather")), {}, "alltoall"),
+    (dict(moe_dispatch=True, transformer_config=_moe_tc(expert_model_parallel_size=1)), {}, "never leave"),
+    (dict(moe_dispatch=True, transformer_config=_moe_tc(), hierarchical=True), {}, "neither is on"),
+])
+def test_invalid_combination_is_refused_with_the_reason(kwargs, ddp_kw, match):
+    before = _snapshot()
+    with pytest.raises(fm.Fp8commMegatronError, match=match):
+        fm.install(ddp_config=_ddp(**ddp_kw), **kwargs)
+    assert _snapshot() == before and fm.active_config() is None
+
+
+def test_hierarchical_needs_local_world_size(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(fm.Fp8commMegatronError, match="LOCAL_WORLD_SIZE"):
+        fm.install(ddp_config=_ddp(), grad_reduce=True, hierarchical=True)
+
+
+def test_fp32_param_buffer_is_refused_at_runtime():
+    """Megatron-Core users who gave no params_dtype: the first gather into an fp32 buffer raises, never writes."""
+    from fp8comm.integrations.megatron import ddp_hooks
+
+    gather = ddp_hooks.make_all_gather(lambda *a, **k: pytest.fail("original called"), fm.Fp8commConfig())
+    out = torch.zeros(8)
+    with pytest.raises(fm.Fp8commMegatronError, match="master weights"):
+        gather(out, out[:4], group=None, async_op=False)
+    assert torch.equal(out, torch.zeros(8))
+
+
+def test_bad_option_values_are_refused():
+    for kw, match in ((dict(fmt="e3m4"), "fmt"), (dict(block_size=0), "block_size"), (dict(check="sometimes"), "check"),
+                      (dict(moe_grad_wire="fp4"), "moe_grad_wire"), (dict(scaling="int8"), "scaling")):
+        with pytest.raises(fm.Fp8commMegatronError, match=match):
+            fm.install(ddp_config=_ddp(), grad_reduce=True, **kw)
+
+
+# ------------------------------------------------------------------------------------- argument plugin
+def test_add_args_defaults_match_the_config_and_parse():
+    p = fm.add_args(argparse.ArgumentParser())
+    args = p.parse_args([])
+    assert fm.Fp8commConfig.from_args(args) == fm.Fp8commConfig()
+    args = p.parse_args(["--fp8comm-grad-reduce", "--fp8comm-param-gather", "--fp8comm-moe-dispatch",
+                         "--fp8comm-format", "e5m2", "--fp8comm-grad-format", "e5m2", "--fp8comm-block-size", "32",
+                         "--fp8comm-scaling", "pow2", "--fp8comm-rounding", "stochastic", "--fp8comm-hierarchical",
+                         "--fp8comm-check", "always", "--fp8comm-moe-grad-wire", "fp8"])
+    cfg = fm.Fp8commConfig.from_args(args)
+    assert cfg == fm.Fp8commConfig(True, True, True, "e5m2", "e5m2", 32, "pow2", "stochastic", True, "always", "fp8")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--fp8comm-format", "int8"])
+
+
+def test_install_from_args_without_add_args_is_an_error():
+    with pytest.raises(fm.Fp8commMegatronError, match="extra_args_provider"):
+        fm.install(argparse.Namespace(use_distributed_optimizer=True))
+
+
+def test_install_from_args_checks_megatron_args():
+    args = fm.add_args(argparse.ArgumentParser()).parse_args(["--fp8comm-grad-reduce", "--fp8comm-param-gather"])
+    args.use_distributed_optimizer, args.bf16 = True, True
+    fm.install(args)
+    assert fm.active_config().grad_reduce and fm.active_config().param_gather
+    fm.uninstall()
+    args.use_distributed_optimizer = False
+    with pytest.raises(fm.Fp8commMegatronError, match="--use-distributed-optimizer"):
+        fm.install(args)
+
+
+# ------------------------------------------------------------------------------------- gloo training
+def _launch(world, names, tmp_path, env=None, timeout=300):
+    import mcore_harness as H
+
+    run = H.launch(world, names, tmp_path, env=env, timeout=timeout)
+    for n in names:
+        print(f"[{world} ranks, {run['seconds']} s] {n}: {json.dumps(H.info(run, n))}")
+    fails = H.failures(run, names)
+    assert not fails, "\n".join(fails)
+    return run
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_ranks_dp2_moe_ep2_and_plugin(tmp_path):
+    _launch(2, ["gpt_dp2", "gpt_dp2_fp32_accumulation", "moe_ep2", "plugin_end_to_end"], tmp_path)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_four_ranks_tp2_dp2_and_hierarchical(tmp_path):
+    # 4 ranks = 2 simulated nodes x 2 (LOCAL_WORLD_SIZE) for the hierarchical check.
+    _launch(4, ["gpt_tp2_dp2", "gpt_dp4_hierarchical"], tmp_path, env={"LOCAL_WORLD_SIZE": "2"})
