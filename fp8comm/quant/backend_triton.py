@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -24,12 +25,13 @@ name = "triton"
 # to GPU_FIT elements (128x128) are reduced inside one program, larger ones take the two-pass path.
 GPU_TILE = 4096
 GPU_FIT = 16384
+GPU_WARPS = None  # None: from the tile size (see _Plan.num_warps); launch/device_check.py sweeps it
 # The interpreter pays per program, not per element: one big tile. Tests lower INTERP_FIT to reach the two-pass path.
 INTERP_TILE = 1 << 16
 INTERP_FIT = 1 << 16
 MAX_GRID_1 = 65535  # CUDA's limit on grid dimension 1
 
-# kernel name -> the last compiled kernel launched on CUDA (launch/device_check.py inspects its PTX)
+# kernel name -> {id: compiled kernel} of every variant launched on CUDA (launch/device_check.py inspects the PTX)
 LAUNCHED: dict = {}
 _TABLES: dict = {}
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -37,6 +39,20 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _hw(device: torch.device) -> bool:
+    """Use the hardware fp8 conversions (compiled, sm_90+): single-rounding RTNE fp32->fp8, exact fp8->fp32.
+    Verified bit-exact on an H200; sm_89 has a double-rounding report (platform.md), so it keeps the integer path
+    that the interpreter uses (the interpreter's own fp8 casts are wrong)."""
+    if _interpreting() or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _p2(n: int) -> int:
@@ -77,6 +93,8 @@ class _Plan:
 
     @property
     def num_warps(self) -> int:
+        if GPU_WARPS and not _interpreting():
+            return GPU_WARPS
         return min(8, max(1, self.r * self.nb * self.segw // 1024))
 
 
@@ -85,7 +103,12 @@ def _limits() -> tuple[int, int]:
 
 
 def _plan(m: int, k: int, br: int, bc: int) -> _Plan:
-    tile, fit_limit = _limits()
+    # host time per launch matters for small collectives: plans are cached (the limits are part of the key)
+    return _plan_cached(m, k, br, bc, *_limits())
+
+
+@lru_cache(maxsize=1024)
+def _plan_cached(m: int, k: int, br: int, bc: int, tile: int, fit_limit: int) -> _Plan:
     if _p2(br) * _p2(bc) <= fit_limit:
         seg, segw = bc, _p2(bc)
         nseg = _cdiv(k, seg)
@@ -111,9 +134,10 @@ def _launch(kernel, grid, *args, num_warps: int = 4, **meta) -> None:
     # The interpreter drops launch options it does not know.
     compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **meta)
     if not _interpreting() and compiled is not None:
-        LAUNCHED[kernel.fn.__name__] = compiled
+        LAUNCHED.setdefault(kernel.fn.__name__, {})[id(compiled)] = compiled
 
 
+@lru_cache(maxsize=256)
 def _quant_meta(fmt: Fp8Format, scaling: Scaling, rounding: str) -> dict:
     fm, fk = math.frexp(fmt.max)
     return dict(FMAX=float(fmt.max), MBITS=fmt.mantissa_bits, MIN_SUB=fmt.min_subnormal_exp, HAS_INF=fmt.has_inf,
@@ -121,17 +145,24 @@ def _quant_meta(fmt: Fp8Format, scaling: Scaling, rounding: str) -> dict:
                 MARGIN_MUL=float(2.0 ** scaling.margin), FM_FRAC=int((2 * fm - 1) * 2 ** 23), FK=fk)
 
 
-def _dec_meta(fmt: Fp8Format) -> dict:
+def _dec_meta(fmt: Fp8Format, device: torch.device) -> dict:
+    return dict(_fmt_meta(fmt), HW=_hw(device))
+
+
+@lru_cache(maxsize=16)
+def _fmt_meta(fmt: Fp8Format) -> dict:
     return dict(MBITS=fmt.mantissa_bits, BIAS=1 - fmt.min_normal_exp, MIN_SUB_MUL=float(2.0 ** fmt.min_subnormal_exp),
                 HAS_INF=fmt.has_inf)
 
 
 def _as_input(x2: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(contiguous kernel input, IN_BF16): bf16 travels as its int16 bits; fp32/fp16 load natively (exact upcast);
-    anything else goes through .float() as in the reference."""
+    """(contiguous kernel input, IN_BF16): under the interpreter bf16 travels as its int16 bits (its bf16 upcast
+    loses subnormals); fp32/fp16 (and bf16 when compiled) load natively, exactly; others go through .float()."""
     x = x2 if x2.dtype in (torch.float32, torch.bfloat16, torch.float16) else x2.float()
     x = x.contiguous()
-    return (x.view(torch.int16), True) if x.dtype == torch.bfloat16 else (x, False)
+    if x.dtype == torch.bfloat16 and _interpreting():
+        return x.view(torch.int16), True
+    return x, False
 
 
 def _out_target(out: torch.Tensor):
@@ -139,7 +170,8 @@ def _out_target(out: torch.Tensor):
     if out.dtype not in _OUT_DTYPES:
         raise TypeError(f"triton backend: output dtype must be one of {_OUT_DTYPES}, got {out.dtype}")
     o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    bf16 = o.dtype == torch.bfloat16  # rounded in integers by the kernel: the interpreter's bf16 cast truncates
+    # the interpreter's fp32->bf16 cast truncates: there the kernel rounds in integers and stores int16 bits
+    bf16 = o.dtype == torch.bfloat16 and _interpreting()
     return o, (o.view(torch.int16) if bf16 else o), bf16
 
 
@@ -165,7 +197,9 @@ def _amax_big(x: torch.Tensor, bf16: bool, amax: torch.Tensor, m: int, k: int, b
     mb, kb = amax.shape
     tc = min(_p2(bc), tile)
     tr = max(1, min(_p2(br), tile // tc))
-    nsr, nsc = _cdiv(br, tr), _cdiv(bc, tc)
+    # a single block-row or block-column never needs sub-tiles beyond the tensor's edge
+    nsr = _cdiv(min(br, m) if mb == 1 else br, tr)
+    nsc = _cdiv(min(bc, k) if kb == 1 else bc, tc)
     if kb * nsc > MAX_GRID_1:
         raise ValueError(f"triton backend: {kb * nsc} column tiles exceed CUDA's grid limit; use the reference backend")
     _launch(tk._amax_kernel, (mb * nsr, kb * nsc), x, amax.view(torch.int32), m, k, br, bc, kb, nsr, nsc,
@@ -192,7 +226,7 @@ def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: st
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
     _launch(tk._quant_kernel, p.grid, x, codes, s_out, amax, codes, codes, codes, 0, m, k, br, bc, kb,
             _i32(index_base), _i32(key), SCALE_GIVEN=given, PACK=False, SCALE_BYTES=4, NCH_STEPS=0,
-            K16=k % 16 == 0, PADC=1, IN_BF16=bf16, num_warps=p.num_warps, **p.meta(),
+            K16=k % 16 == 0, PADC=1, IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
             **_quant_meta(fmt, scaling, rounding))
     return codes, (scale if given else s_out), amax
 
@@ -211,7 +245,7 @@ def dequantize_2d(codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scal
     o, ov, bf16 = _out_target(out)
     p = _plan(m, k, br, bc)
     _launch(tk._dequant_kernel, p.grid, c, s, ov, c, c, c, 0, 0, m, k, br, bc, kb, MODE=0, SCALE_BYTES=4,
-            NCH_STEPS=0, K16=k % 16 == 0, OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt))
+            NCH_STEPS=0, K16=k % 16 == 0, OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt, c.device))
     return o
 
 
@@ -234,7 +268,7 @@ def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding:
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
     _launch(tk._quant_kernel, p.grid, x, out, starts, amax, starts, offs, pbytes, n, m, k, 1, bc, kb, 0, _i32(key),
             SCALE_GIVEN=False, PACK=True, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=(n - 1).bit_length(),
-            K16=k % 16 == 0, PADC=min(_p2(n), 64), IN_BF16=bf16, num_warps=p.num_warps, **p.meta(),
+            K16=k % 16 == 0, PADC=min(_p2(n), 64), IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
             **_quant_meta(fmt, layout.scaling, rounding))
     return out
 
@@ -250,7 +284,7 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: t
     p = _plan(m, k, 1, layout.block)
     _launch(tk._dequant_kernel, p.grid, buf, buf, ov, starts, offs, pbytes, n, 0, m, k, 1, layout.block, layout.kb,
             MODE=1, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=(n - 1).bit_length(), K16=k % 16 == 0,
-            OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt))
+            OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt, buf.device))
     if o is not out:
         out.copy_(o)
     return out
@@ -267,7 +301,7 @@ def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torc
     p = _plan(rows, k, 1, layout.block)
     _launch(tk._dequant_kernel, p.grid, buf, buf, ov, pbytes, pbytes, pbytes, n, layout.chunk_bytes[0], rows, k, 1,
             layout.block, layout.kb, MODE=2, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=0, K16=k % 16 == 0,
-            OUT_BF16=False, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt))
+            OUT_BF16=False, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt, buf.device))
     if o is not out:
         out.copy_(o)
     return out

@@ -1,9 +1,11 @@
 """Triton kernels for the FP8 quantizer and the packed wire format, bit-exact with quant/reference.py.
 
 Every float step is exact or correctly rounded fp32: x / scale and amax / max use div_rn (Triton's plain `/` is
-div.full.f32, ~2 ulp, on CUDA), power-of-two factors are built from exponent bits, and FP8 codes and bf16 outputs
-are assembled from integer bit fields, never by a float->fp8/bf16 cast (the interpreter's casts are wrong and the
-compiled fp32->e4m3 path has been reported to double-round; see shared/notes/platform.md).
+div.full.f32, ~2 ulp, on CUDA); a power-of-two scale divides by multiplying with its exact reciprocal; powers of
+two come from exponent bits. Rounding onto the FP8 grid: with HW (compiled for sm_90+) nearest rounding is the
+hardware's single-rounding cvt.rn.satfinite of the fp32 quotient and decoding is the exact fp8->f16->f32 cvt;
+otherwise (the interpreter, whose fp32->fp8/bf16 casts are wrong, and stochastic rounding) codes and bf16 outputs
+are assembled from integer bit fields. launch/device_check.py checks the HW path bit for bit on a GPU.
 
 Tiles are [R rows, NB segments, SEGW columns]. With FIT, one segment is one 1xB block (or one block-row slice of a
 2-D block when ROWS2D), so block amax is a reduction inside the tile and the whole quantization is one pass.
@@ -20,11 +22,16 @@ def _max2(a, b):
     return tl.maximum(a, b)
 
 
+# The interpreter reduces with numpy only when the combine function IS triton's _elementwise_max (any other runs
+# element by element in Python); our own combine is the fallback should a Triton version rename it.
+_MAX_COMBINE = getattr(getattr(tl, "standard", None), "_elementwise_max", None) or _max2
+
+
 @triton.jit
 def _rmax(x, axis: tl.constexpr):
-    """tl.max without triton's standard library: its @jit helpers are interpreted or compiled depending on
-    TRITON_INTERPRET when triton was first imported, ours when this module was (tests rely on the latter)."""
-    return tl.reduce(x, axis, _max2)
+    """tl.max without calling triton's standard library directly: its @jit helpers are interpreted or compiled
+    depending on TRITON_INTERPRET when triton was first imported, ours when this module was (tests rely on it)."""
+    return tl.reduce(x, axis, _MAX_COMBINE)
 
 
 @triton.jit
@@ -44,10 +51,15 @@ def _mix32(h):
 
 
 @triton.jit
-def _finite_abs(x):
-    """|x| with inf/NaN replaced by 0 (the amax ignores non-finite values)."""
-    finite = (x.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
-    return tl.where(finite, tl.abs(x), 0.0)
+def _isfinite(x):
+    return (x.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+
+
+@triton.jit
+def _recip_pow2(s):
+    """1/s, exact, for s = 2**E with E in [-126, 127] (2**-127 is the one subnormal result)."""
+    eb = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.where(eb == 254, 0x00400000, (254 - eb) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -55,7 +67,7 @@ def _scale_from_amax(amax, FMAX: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.co
                      MARGIN_MUL: tl.constexpr, FM_FRAC: tl.constexpr, FK: tl.constexpr):
     """scaling.scale_from_amax for fp32 amax >= 0: amax == 0 -> 1.0; else amax/max (fp32) or 2**E (pow2/e8m0)."""
     bits = amax.to(tl.int32, bitcast=True)
-    pos = bits > 0  # integer test: a subnormal amax counts as > 0 even if a compare were flushed to zero
+    pos = bits > 0  # integer test: a subnormal amax counts as > 0 even where compares flush to zero
     if POW2:
         # frexp(amax) = m * 2**k from the bits; a subnormal amax is renormalised by an exact int->fp32 conversion
         ex = (bits >> 23) & 0xFF
@@ -76,39 +88,58 @@ def _scale_from_amax(amax, FMAX: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.co
 
 
 @triton.jit
-def _encode(x, s, idx, key, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr,
-            HAS_INF: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """reference.encode: uint8 FP8 codes of fp32 x / s (s > 0), rounded nearest-even or stochastically."""
-    xb = x.to(tl.int32, bitcast=True)
-    neg = xb < 0
-    finite = (xb & 0x7F800000) != 0x7F800000
-    s = tl.broadcast_to(s, x.shape)  # div_rn's operands must have one shape on every Triton version
-    a = tl.minimum(tl.math.div_rn(tl.where(finite, tl.abs(x), 0.0), s), FMAX)
-    # grid spacing 2**sp around a (reference.grid_exponent); r = a / 2**sp is exact
-    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -126)
-    sp = tl.maximum(e - MBITS, MIN_SUB)
-    r = a * _pow2(-sp)
-    i = r.to(tl.int32)  # r >= 0 and < 2**(MBITS+2): truncation is floor
-    frac = r - i.to(tl.float32)
-    if STOCHASTIC:
-        u = (_mix32(idx ^ key) >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-        q = i + (u < frac).to(tl.int32)
+def _encode(x, finite, s, r, idx, key, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr,
+            HAS_INF: tl.constexpr, STOCHASTIC: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr):
+    """reference.encode: uint8 FP8 codes of fp32 x / s (s > 0), rounded nearest-even or stochastically.
+
+    POW2: s is a power of two and r its exact reciprocal, so x * r is the correctly rounded x / s (one multiply
+    instead of a division). HW (CUDA, sm_90+): nearest rounding by the hardware's single-rounding fp32->fp8 cvt;
+    its .satfinite saturates finite overflow (and the inf of an overflowed quotient) to +-max, which is the
+    reference's clamp. Otherwise the FP8 code is built from integer bit fields."""
+    neg = x.to(tl.int32, bitcast=True) < 0
+    xf = x if (HW and not STOCHASTIC) else tl.where(finite, x, 0.0)  # non-finite lanes are replaced below
+    if POW2:
+        y = xf * tl.broadcast_to(r, x.shape)
     else:
-        q = i + ((frac > 0.5) | ((frac == 0.5) & ((i & 1) == 1))).to(tl.int32)
-    # codes are monotonic in magnitude: binade offset + integer multiple of the spacing (a carry of q into the
-    # next binade lands on the right code, subnormals have sp == MIN_SUB)
-    code = (((sp - MIN_SUB) << MBITS) + q) | (neg.to(tl.int32) << 7)
-    isnan = x != x
+        y = tl.math.div_rn(xf, tl.broadcast_to(s, x.shape))  # operands of one shape on every Triton version
+    if HW and not STOCHASTIC:
+        if HAS_INF:
+            code = y.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            code = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        a = tl.minimum(tl.abs(y), FMAX)
+        # grid spacing 2**sp around a (reference.grid_exponent); r = a / 2**sp is exact
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -126)
+        sp = tl.maximum(e - MBITS, MIN_SUB)
+        t = a * _pow2(-sp)
+        i = t.to(tl.int32)  # t >= 0 and < 2**(MBITS+2): truncation is floor
+        frac = t - i.to(tl.float32)
+        if STOCHASTIC:
+            u = (_mix32(idx ^ key) >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+            q = i + (u < frac).to(tl.int32)
+        else:
+            q = i + ((frac > 0.5) | ((frac == 0.5) & ((i & 1) == 1))).to(tl.int32)
+        # codes are monotonic in magnitude: binade offset + integer multiple of the spacing (a carry of q into
+        # the next binade lands on the right code, subnormals have sp == MIN_SUB)
+        code = (((sp - MIN_SUB) << MBITS) + q) | (neg.to(tl.int32) << 7)
+    # non-finite inputs: E5M2 keeps +-inf (0x7C/0xFC); every NaN, and E4M3's inf (it has none), is NaN 0x7F
     if HAS_INF:
-        special = tl.where(isnan, 0x7F, tl.where(neg, 0xFC, 0x7C))
+        special = tl.where(x != x, 0x7F, tl.where(neg, 0xFC, 0x7C))
     else:
-        special = tl.where(isnan, 0x7F, tl.where(neg, 0xFF, 0x7F))
+        special = 0x7F
     return tl.where(finite, code, special).to(tl.uint8)
 
 
 @triton.jit
-def _decode(code, MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.constexpr, HAS_INF: tl.constexpr):
-    """FP8 codes -> fp32, with the same NaN bits as torch's cast (quiet bit set, payload kept)."""
+def _decode(code, MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.constexpr, HAS_INF: tl.constexpr,
+            HW: tl.constexpr):
+    """FP8 codes -> fp32 (exact). HW: the hardware's fp8->f16->f32 conversions (NaN payloads are the hardware's);
+    otherwise from the bit fields, with the same NaN bits as torch's CPU cast (quiet bit set, payload kept)."""
+    if HW:
+        if HAS_INF:
+            return code.to(tl.float8e5, bitcast=True).to(tl.float32)
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     c = code.to(tl.int32)
     mag = c & 0x7F
     ex = mag >> MBITS
@@ -213,7 +244,7 @@ def _amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.conste
     col = kb * BC + ci
     mask = ((ri < BR) & (row < M))[:, None] & ((ci < BC) & (col < K))[None, :]
     x = _load_x(x_ptr + row.to(tl.int64)[:, None] * K + col[None, :], mask, IN_BF16)
-    m = _rmax(_rmax(_finite_abs(x), 1), 0)
+    m = _rmax(_rmax(tl.where(_isfinite(x), tl.abs(x), 0.0), 1), 0)
     tl.atomic_max(amax_bits_ptr + mb * KB + kb, m.to(tl.int32, bitcast=True))
 
 
@@ -225,7 +256,7 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
                   SCALE_BYTES: tl.constexpr, NCH_STEPS: tl.constexpr, K16: tl.constexpr, PADC: tl.constexpr,
                   FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
                   STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr, MARGIN_MUL: tl.constexpr,
-                  FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr):
+                  FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr, HW: tl.constexpr):
     """Block amax + scale + round + store in one pass. PACK=False: codes [M, K], scales and amax [MB, KB] to
     their own tensors. PACK=True (1xB blocks): codes and wire scales into the chunked uint8 buffer, plus the
     zero padding of every chunk (program (0, 0)), so the buffer matches the reference byte for byte."""
@@ -234,9 +265,10 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
     row, seg, col, rmask, mask = _coords(pid0, pid1, M, K, RSTEP, SEG, R, NB, SEGW)
     row64 = row.to(tl.int64)
     x = _load_x(x_ptr + (row64 * K)[:, None, None] + col, mask, IN_BF16)
+    finite = _isfinite(x)  # one predicate for amax and encode
 
     if FIT:
-        amax = _rmax(_finite_abs(x), 2)  # [R, NB]
+        amax = _rmax(tl.where(finite, tl.abs(x), 0.0), 2)  # [R, NB]
         if ROWS2D:  # one block-row per program: the block spans the tile's rows too
             amax = tl.broadcast_to(_rmax(amax, 0)[None, :], (R, NB))
             brow = tl.full([R], 0, tl.int32) + pid0
@@ -250,6 +282,9 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
         else:
             s = _scale_from_amax(amax, FMAX, POW2, MARGIN, MARGIN_MUL, FM_FRAC, FK)
         s3 = s[:, :, None]
+        r3 = s3
+        if POW2:  # exact reciprocal of a power of two, once per block
+            r3 = _recip_pow2(s)[:, :, None]
     else:
         bidx3 = (row64 // BR)[:, None, None] * KB + col // BC
         if SCALE_GIVEN:
@@ -257,13 +292,16 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
         else:
             s3 = _scale_from_amax(tl.load(amax_ptr + bidx3, mask=mask, other=0.0), FMAX, POW2, MARGIN, MARGIN_MUL,
                                   FM_FRAC, FK)
+        r3 = s3
+        if POW2:
+            r3 = _recip_pow2(s3)
         first = mask & ((row % BR) == 0)[:, None, None] & ((col % BC) == 0)
 
     idx = None
     if STOCHASTIC:  # the SR counter is the element's flat index (+ index_base), mod 2**32
         idx = (index_base.to(tl.uint32, bitcast=True) + row.to(tl.uint32)[:, None, None] * K + col.to(tl.uint32))
         key = key.to(tl.uint32, bitcast=True)
-    codes = _encode(x, s3, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC)
+    codes = _encode(x, finite, s3, r3, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
 
     if PACK:
         c = _chunk_of(row, starts_ptr, nchunks, NCH_STEPS)
@@ -309,7 +347,8 @@ def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_pt
                     RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr,
                     ROWS2D: tl.constexpr, FIT: tl.constexpr, MODE: tl.constexpr, SCALE_BYTES: tl.constexpr,
                     NCH_STEPS: tl.constexpr, K16: tl.constexpr, OUT_BF16: tl.constexpr,
-                    MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.constexpr, HAS_INF: tl.constexpr):
+                    MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.constexpr, HAS_INF: tl.constexpr,
+                    HW: tl.constexpr):
     """code * scale in fp32, stored as out's dtype. MODE 0: codes [M, K] + fp32 scales [MB, KB] (any block shape).
     MODE 1: every chunk of a wire buffer -> out [M, K]. MODE 2: `nchunks` equal chunks (stride chunk_stride bytes,
     M rows each) summed in chunk order from +0.0 -> fp32 out [M, K]; launch without FMA contraction."""
@@ -329,7 +368,7 @@ def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_pt
             s = tl.load(scale_ptr + brow[:, None] * KB + seg[None, :], mask=bmask, other=1.0)[:, :, None]
         else:
             s = tl.load(scale_ptr + (row64 // BR)[:, None, None] * KB + col // BC, mask=mask, other=1.0)
-        v = _decode(code, MBITS, BIAS, MIN_SUB_MUL, HAS_INF) * s
+        v = _decode(code, MBITS, BIAS, MIN_SUB_MUL, HAS_INF, HW) * s
     else:
         if MODE == 1:
             c = _chunk_of(row, starts_ptr, nchunks, NCH_STEPS)
@@ -355,7 +394,7 @@ def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_pt
                                       SCALE_BYTES)[:, :, None]
             else:
                 s = _scale_from_bytes(src_ptr, sbase[:, None, None] + (col // BC) * SCALE_BYTES, mask, SCALE_BYTES)
-            q = _decode(code, MBITS, BIAS, MIN_SUB_MUL, HAS_INF) * s
+            q = _decode(code, MBITS, BIAS, MIN_SUB_MUL, HAS_INF, HW) * s
             if MODE == 1:
                 v = q
             else:
