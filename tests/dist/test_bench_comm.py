@@ -12,13 +12,13 @@ pytestmark = pytest.mark.dist
 
 def test_bench_comm_prints_ratios():
     cmd = [sys.executable, "-m", "fp8comm.cli", "bench", "comm", "--nproc", "2", "--max-size", "64K",
-           "--ops", "all_gather,reduce_scatter,all_to_all", "--iters", "1", "--target-s", "0", "--ef-steps", "2",
+           "--ops", "all_gather,reduce_scatter", "--iters", "1", "--target-s", "0", "--ef-steps", "2",
            "--hidden", "1024", "--timeout", "150"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
     print(out)
-    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+    for op in ("all_gather", "reduce_scatter"):
         for variant in ("bf16", "fp32", "fp8", "fp8-e8m0"):
             assert re.search(rf"^{op}\s+65536\s+32768\s+{variant}\s", out, re.M), (op, variant)
     # 2 / (1 + 4/128) = 1.9394 and 4 / (1 + 4/128) = 3.8788 with fp32 scales; 1.9845 / 3.9690 with byte scales.
