@@ -38,5 +38,9 @@ def pack_chunks(x2, layout, fmt, rounding, seed, out):
     return _ref.pack_chunks(x2, layout, fmt, rounding, seed, out, quantize_fn=quantize_2d)
 
 
-unpack_chunks = _ref.unpack_chunks
-unpack_sum = _ref.unpack_sum
+def unpack_chunks(buf, layout, fmt, out):
+    return _ref.unpack_chunks(buf, layout, fmt, out, dequantize_fn=_dequant)
+
+
+def unpack_sum(buf, layout, fmt, out):
+    return _ref.unpack_sum(buf, layout, fmt, out, dequantize_fn=_dequant)

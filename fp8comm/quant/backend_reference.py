@@ -31,24 +31,24 @@ def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding:
     return out
 
 
-def _chunk(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, c: int) -> torch.Tensor:
+def _chunk(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, c: int, dequantize_fn) -> torch.Tensor:
     rows, k, o = layout.rows[c], layout.k, layout.offsets[c]
     codes = buf[o:o + rows * k].reshape(rows, k)
     pb = layout.payload_bytes(c)
     nsb = rows * layout.kb * layout.scaling.scale_bytes
     scale = decode_scales(buf[o + pb:o + pb + nsb], layout.scaling).reshape(rows, layout.kb)
-    return ref.dequantize_2d(codes, scale, fmt, layout.scaling)
+    return dequantize_fn(codes, scale, fmt, layout.scaling)
 
 
-def unpack_chunks(buf, layout, fmt, out):
+def unpack_chunks(buf, layout, fmt, out, dequantize_fn=ref.dequantize_2d):
     for c, rows in enumerate(layout.rows):
         r0 = layout.row_starts[c]
-        out[r0:r0 + rows] = _chunk(buf, layout, fmt, c).to(out.dtype)
+        out[r0:r0 + rows] = _chunk(buf, layout, fmt, c, dequantize_fn).to(out.dtype)
     return out
 
 
-def unpack_sum(buf, layout, fmt, out):
+def unpack_sum(buf, layout, fmt, out, dequantize_fn=ref.dequantize_2d):
     out.zero_()
     for c in range(len(layout.rows)):
-        out += _chunk(buf, layout, fmt, c)
+        out += _chunk(buf, layout, fmt, c, dequantize_fn)
     return out

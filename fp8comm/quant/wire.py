@@ -77,10 +77,10 @@ class ChunkLayout:
         return ChunkLayout(tuple(int(r) for r in rows), self.k, self.scaling)
 
 
-def _backend(name: str, device: torch.device):
+def _backend(name: str, device: torch.device, numel: int):
     from .api import resolve_backend
 
-    return resolve_backend(name, device)
+    return resolve_backend(name, device, numel)
 
 
 def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding: str = "nearest", seed: int = 0,
@@ -92,7 +92,7 @@ def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding:
         out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x2.device)
     elif out.dtype != torch.uint8 or out.numel() < layout.total_bytes or not out.is_contiguous():
         raise ValueError(f"pack_chunks: out must be contiguous uint8 with >= {layout.total_bytes} bytes")
-    return _backend(backend, x2.device).pack_chunks(x2, layout, fmt, rounding, seed, out)
+    return _backend(backend, x2.device, x2.numel()).pack_chunks(x2, layout, fmt, rounding, seed, out)
 
 
 def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, dtype: torch.dtype = torch.float32,
@@ -101,7 +101,7 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, dtype:
     _check_buf(buf, layout)
     if out is None:
         out = torch.empty(layout.total_rows, layout.k, dtype=dtype, device=buf.device)
-    return _backend(backend, buf.device).unpack_chunks(buf, layout, fmt, out)
+    return _backend(backend, buf.device, buf.numel()).unpack_chunks(buf, layout, fmt, out)
 
 
 def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torch.Tensor | None = None,
@@ -115,7 +115,7 @@ def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torc
         out = torch.empty(rows, layout.k, dtype=torch.float32, device=buf.device)
     elif out.dtype != torch.float32 or tuple(out.shape) != (rows, layout.k):
         raise ValueError(f"unpack_sum: out must be fp32 {(rows, layout.k)}")
-    return _backend(backend, buf.device).unpack_sum(buf, layout, fmt, out)
+    return _backend(backend, buf.device, buf.numel()).unpack_sum(buf, layout, fmt, out)
 
 
 def _check_buf(buf: torch.Tensor, layout: ChunkLayout) -> None:
