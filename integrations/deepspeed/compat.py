@@ -1,0 +1,230 @@
+"""Which DeepSpeed versions and configurations the hooks support, checked before anything is patched.
+
+DeepSpeed has no comm-hook API: the hooks replace module globals and methods that DeepSpeed looks up at call time.
+A release that renames one, changes its signature or stops calling it would turn the hook into a silent no-op, so
+every target is checked at install: it exists, its parameters are the ones the hook was written for, and the
+function that should call it still refers to it by that name. Any failure is an error naming what changed.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import types
+from dataclasses import dataclass
+
+from .config import Fp8CommConfig
+
+# Tested: 0.19.8. Older 0.19.x releases predate the compact gradient-partition buffers the ZeRO-1/2 hook feeds.
+SUPPORTED_MIN = "0.19.8"
+SUPPORTED_BELOW = "0.20"
+ANY_VERSION_ENV = "FP8COMM_DEEPSPEED_ANY_VERSION"  # =1: let the per-target checks alone decide (untested release)
+
+
+class UnsupportedError(RuntimeError):
+    """This DeepSpeed version or configuration cannot run with the requested fp8_comm hooks; nothing was patched."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One patched name: where it lives, the parameters the hook mirrors, and who must call it by that name."""
+
+    key: str
+    module: str
+    attr: str  # "name" or "Class.name"
+    params: tuple[str, ...]
+    callers: tuple[str, ...] = ()  # "Class.method" (or "function") in `module` whose code must refer to attr's name
+    caller_module: str | None = None
+    role: str = ""
+
+
+PP = "deepspeed.runtime.zero.partition_parameters"
+S3 = "deepspeed.runtime.zero.stage3"
+S12 = "deepspeed.runtime.zero.stage_1_and_2"
+MOE = "deepspeed.moe.sharded_moe"
+
+TARGETS = {
+    t.key: t for t in (
+        Target("zero3.param_gather", PP, "_dist_allgather_fn", ("input_tensor", "output_tensor", "group"),
+               ("Init._convert_to_deepspeed_param",), role="weights"),
+        Target("zero3.grad_reduce", S3, "reduce_scatter_coalesced", ("tensors", "group"),
+               ("DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",),
+               role="gradients"),
+        Target("zero3.grad_reduce_qgz", S3, "all_to_all_quant_reduce", ("tensors", "groups"),
+               ("DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",),
+               role="gradients"),
+        Target("zero12.grad_reduce", S12, "DeepSpeedZeroOptimizer.allreduce_and_scatter",
+               ("self", "bucket", "communication_data_type", "numel_per_bucket", "log", "divide", "process_group"),
+               ("DeepSpeedZeroOptimizer.average_tensor",), role="gradients"),
+        Target("zero12.param_gather", S12, "all_gather_dp_groups",
+               ("groups_flat", "partitioned_param_groups", "dp_process_group", "start_alignment_factor",
+                "allgather_bucket_size"), ("DeepSpeedZeroOptimizer.step", "DeepSpeedZeroOptimizer.update_lp_params"),
+               role="weights"),
+        Target("moe.all_to_all", MOE, "_AllToAll.forward", ("ctx", "group", "input"), ("MOELayer.forward",),
+               role="moe"),
+        Target("moe.layer_forward", MOE, "MOELayer.forward", ("self", "input", "kwargs"), role="moe"),
+    )
+}
+# Methods the ZeRO-1/2 hook calls on the optimizer (it replaces one method and keeps DeepSpeed's bookkeeping).
+ZERO12_HELPERS = ("_add_to_grad_partition_buffer", "dp_process_group", "gradient_average", "sequence_parallel_size")
+
+
+def _resolve(module: str, dotted: str):
+    obj = importlib.import_module(module)
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _refers_to(code: types.CodeType, name: str) -> bool:
+    """True if `code` or any code object nested in it (closures, inner functions) looks up `name`."""
+    if name in code.co_names or name in code.co_freevars:
+        return True
+    return any(isinstance(c, types.CodeType) and _refers_to(c, name) for c in code.co_consts)
+
+
+def _unwrap(fn):
+    """The function under decorators, including DeepSpeed's instrument_w_nvtx (a closure without __wrapped__)."""
+    for _ in range(8):
+        fn = inspect.unwrap(fn)
+        kinds = [p.kind for p in inspect.signature(fn).parameters.values()]
+        inner = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
+                 if callable(getattr(c, "cell_contents", None)) and not isinstance(c.cell_contents, type)]
+        if kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD] and len(inner) == 1:
+            fn = inner[0]
+            continue
+        return fn
+    return fn
+
+
+def deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+def check_version() -> str:
+    """The installed DeepSpeed version; UnsupportedError outside the supported range (unless overridden)."""
+    from packaging.version import Version
+
+    try:
+        v = deepspeed_version()
+    except ImportError as e:
+        raise UnsupportedError(f"fp8_comm needs DeepSpeed ({SUPPORTED_MIN} <= version < {SUPPORTED_BELOW}); "
+                               f"import failed: {e}. Install: pip install deepspeed=={SUPPORTED_MIN}") from e
+    ok = Version(SUPPORTED_MIN) <= Version(v) < Version(SUPPORTED_BELOW)
+    if not ok and os.environ.get(ANY_VERSION_ENV, "") != "1":
+        raise UnsupportedError(f"DeepSpeed {v} is outside the range fp8comm supports ({SUPPORTED_MIN} <= version < "
+                               f"{SUPPORTED_BELOW}). Install deepspeed=={SUPPORTED_MIN}, or set {ANY_VERSION_ENV}=1 "
+                               "to let the per-hook signature checks decide (untested).")
+    return v
+
+
+def check_target(t: Target) -> None:
+    """UnsupportedError unless `t` exists with the expected parameters and its callers still use it by name."""
+    where = f"{t.module}.{t.attr}"
+    try:
+        obj = _resolve(t.module, t.attr)
+    except (ImportError, AttributeError) as e:
+        raise UnsupportedError(f"fp8_comm hook {t.key}: {where} not found in DeepSpeed {deepspeed_version()} "
+                               f"({e}); this release is not supported") from e
+    fn = obj if callable(obj) and not isinstance(obj, type) else None
+    if fn is None:
+        raise UnsupportedError(f"fp8_comm hook {t.key}: {where} is not a function")
+    fn = _unwrap(fn)
+    params = tuple(inspect.signature(fn).parameters)
+    if params != t.params:
+        raise UnsupportedError(f"fp8_comm hook {t.key}: {where} has parameters {params}, the hook was written for "
+                               f"{t.params} (DeepSpeed {deepspeed_version()}); not supported")
+    name = t.attr.rsplit(".", 1)[-1]
+    if name == "forward" and "." in t.attr:  # a class used as a whole (autograd Function): callers name the class
+        name = t.attr.split(".")[0]
+    for c in t.callers:
+        caller = _unwrap(_resolve(t.caller_module or t.module, c))
+        code = getattr(caller, "__code__", None)
+        if code is None or not _refers_to(code, name):
+            raise UnsupportedError(f"fp8_comm hook {t.key}: {t.module}.{c} no longer calls {name!r} in DeepSpeed "
+                                   f"{deepspeed_version()}; the hook would be a silent no-op, so this release is "
+                                   "not supported")
+
+
+def targets_for(cfg: Fp8CommConfig) -> list[Target]:
+    want = {"weights": cfg.weights.enabled, "gradients": cfg.gradients.enabled, "moe": cfg.moe.enabled}
+    return [t for t in TARGETS.values() if want.get(t.role, False)]
+
+
+def check_targets(cfg: Fp8CommConfig) -> None:
+    for t in targets_for(cfg):
+        check_target(t)
+    if cfg.gradients.enabled:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        if not hasattr(DeepSpeedZeroOptimizer, "_add_to_grad_partition_buffer"):
+            raise UnsupportedError("fp8_comm hook zero12.grad_reduce: DeepSpeedZeroOptimizer has no "
+                                   "_add_to_grad_partition_buffer in this DeepSpeed release; not supported")
+
+
+# ------------------------------------------------------------------------------------- configuration combinations
+def _dtype_mode(ds: dict) -> str:
+    for key in ("bf16", "bfloat16"):
+        if ds.get(key, {}).get("enabled", False) is True:
+            return "bf16"
+    if ds.get("fp16", {}).get("enabled", False) is True:
+        return "fp16"
+    return "fp32"
+
+
+def zero_config(ds: dict):
+    """DeepSpeed's own parsed zero_optimization section (defaults filled in, its validation applied)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return DeepSpeedZeroConfig(**ds.get("zero_optimization", {}))
+
+
+def check_combination(ds: dict, cfg: Fp8CommConfig, model=None) -> dict:
+    """UnsupportedError for DeepSpeed settings the enabled hooks cannot serve; returns a summary for the log."""
+    z = zero_config(ds)
+    stage, mode = int(z.stage), _dtype_mode(ds)
+    problems = []
+    comm = cfg.weights.enabled or cfg.gradients.enabled
+    if comm and stage == 0:
+        problems.append("fp8_comm.weights/gradients hook ZeRO's collectives, but zero_optimization.stage is 0; "
+                        "use stage 1, 2 or 3, or set \"weights\": false, \"gradients\": false")
+    offload = [n for n in ("offload_param", "offload_optimizer") if getattr(z, n) is not None
+               and str(getattr(getattr(z, n), "device", "none")).split(".")[-1].lower() != "none"]
+    if comm and offload:
+        problems.append(f"zero_optimization.{'/'.join(offload)} (CPU/NVMe offload) is not supported with fp8_comm")
+    if comm and getattr(z, "mics_shard_size", -1) > 0:
+        problems.append("MiCS (mics_shard_size) uses its own gather classes; not supported with fp8_comm")
+    if comm and z.zenflow is not None:
+        problems.append("ZenFlow has its own ZeRO optimizer; not supported with fp8_comm")
+    if stage == 3 and cfg.weights.enabled:
+        if z.zero_quantized_weights or z.zero_quantized_nontrainable_weights:
+            problems.append("zero_quantized_weights (ZeRO++ qwZ) and fp8_comm.weights both quantize the weight "
+                            "gather; enable one of them")
+        if z.use_all_reduce_for_fetch_params:
+            problems.append("stage3_use_all_reduce_for_fetch_params fetches weights with an all-reduce, which "
+                            "fp8_comm.weights does not hook; turn it off or set \"weights\": false")
+    if stage in (1, 2) and cfg.gradients.enabled:
+        for flag, why in (("reduce_scatter", "the FP8 reduce-scatter to owners replaces the reduce_scatter path"),
+                          ("contiguous_gradients", "the non-contiguous fallback all-reduces outside the hook"),
+                          ("use_multi_rank_bucket_allreduce", "the per-owner reduce path is not hooked")):
+            if not getattr(z, flag):
+                problems.append(f"zero_optimization.{flag}=false is not supported with fp8_comm.gradients ({why})")
+    grad_accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if stage == 1 and mode == "bf16" and grad_accum in ("fp32", "float32", "float") and comm:
+        problems.append("ZeRO-1 with bf16 and fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, which "
+                        "fp8_comm does not hook; drop data_types.grad_accum_dtype or use stage 2")
+    if comm and ((ds.get("compile") or {}).get("deepcompile")):
+        problems.append("DeepCompile does its own gradient reduction; not supported with fp8_comm")
+    if model is not None:
+        kinds = {type(m).__name__ for m in model.modules()}
+        if "PipelineModule" in kinds or type(model).__name__ == "PipelineModule":
+            problems.append("pipeline parallelism (PipelineModule) is not supported with fp8_comm")
+        if cfg.moe.enabled and "AutoEPMoELayer" in kinds:
+            problems.append("AutoEP MoE layers call all_to_all_single directly; fp8_comm.moe hooks only "
+                            "deepspeed.moe (set \"moe\": false)")
+    if problems:
+        raise UnsupportedError("fp8_comm cannot run with this DeepSpeed config:\n  - " + "\n  - ".join(problems))
+    return {"stage": stage, "dtype": mode, "qgz": bool(z.zero_quantized_gradients),
+            "hpz": int(z.zero_hpz_partition_size)}

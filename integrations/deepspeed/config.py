@@ -1,0 +1,200 @@
+"""The "fp8_comm" section of a DeepSpeed config: schema, defaults and validation.
+
+DeepSpeed ignores unknown top-level keys, so nothing but this module ever checks the section: every unknown key
+and bad value is an error that names the key path and lists what is valid (with a "did you mean" for typos).
+
+    "fp8_comm": {
+        "enabled": true,                      # the section's presence alone also means enabled
+        "mode": "fp8",                        # "measure": hooks only count DeepSpeed's own bytes, change nothing
+        "log": true,                          # the one-line summary on rank 0
+        "weights":   {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest"},
+        "gradients": {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest"},
+        "moe":       {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128,
+                      "combine": "native", "grad": "native"},
+        "gemm":      {"enabled": true, "recipe": "blockwise", "skip_first_blocks": 0, "skip_last_blocks": 0,
+                      "min_features": 16, "backend": "auto", "quant_backend": "auto"},
+        "check": null                         # cross-rank metadata check per collective; null: FP8COMM_CHECK (on)
+    }
+
+A sub-section may also be written as a bare boolean ("gemm": false).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, field
+
+SECTION = "fp8_comm"
+FORMATS = ("e4m3", "e5m2")
+SCALINGS = ("fp32", "pow2", "e8m0")
+ROUNDINGS = ("nearest", "stochastic")
+MODES = ("fp8", "measure")
+# MoE combine / backward wires: "native" keeps DeepSpeed's own all-to-all in the model dtype (bit-exact).
+MOE_WIRES = ("native", "bf16", "fp8")
+GEMM_BACKENDS = ("auto", "emulation", "scaled_mm", "triton")
+QUANT_BACKENDS = ("auto", "reference", "compiled", "triton")
+
+
+class Fp8CommConfigError(ValueError):
+    """The fp8_comm section of a DeepSpeed config is invalid; the message names the key and the valid choices."""
+
+
+@dataclass(frozen=True)
+class WireConfig:
+    """How one kind of traffic is quantized: FP8 format and 1 x block_size block scales (see fp8comm.comm)."""
+
+    enabled: bool = True
+    fmt: str = "e4m3"
+    scaling: str = "fp32"
+    block_size: int = 128
+    rounding: str = "nearest"
+
+    def wire_kwargs(self, check) -> dict:
+        """Keyword options for fp8comm.comm collectives."""
+        return {"fmt": self.fmt, "scaling": self.scaling, "block_size": self.block_size, "rounding": self.rounding,
+                "check": check}
+
+    def describe(self) -> str:
+        return f"{self.fmt} 1x{self.block_size} {self.scaling} scales" + \
+            (", stochastic rounding" if self.rounding == "stochastic" else "")
+
+
+@dataclass(frozen=True)
+class MoeConfig(WireConfig):
+    """MoE all-to-all: the dispatch is FP8; combine and the backward keep the model dtype unless asked."""
+
+    combine: str = "native"
+    grad: str = "native"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """convert_to_fp8(model, recipe, ...) applied before the engine is built."""
+
+    enabled: bool = True
+    recipe: str = "blockwise"
+    skip_first_blocks: int = 0
+    skip_last_blocks: int = 0
+    min_features: int = 16
+    backend: str = "auto"
+    quant_backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class Fp8CommConfig:
+    enabled: bool = False
+    mode: str = "fp8"
+    log: bool = True
+    check: bool | None = None
+    weights: WireConfig = field(default_factory=WireConfig)
+    gradients: WireConfig = field(default_factory=WireConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    gemm: GemmConfig = field(default_factory=GemmConfig)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def measure_only(self) -> bool:
+        return self.mode == "measure"
+
+
+# Per key: (type(s), allowed values or None, extra check or None). bool is checked before int (bool is an int).
+def _positive_pow2(v) -> str | None:
+    return None if v >= 16 and v & (v - 1) == 0 else "must be a power of two >= 16"
+
+
+def _nonneg(v) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+_WIRE = {"enabled": (bool, None, None), "fmt": (str, FORMATS, None), "scaling": (str, SCALINGS, None),
+         "block_size": (int, None, _positive_pow2), "rounding": (str, ROUNDINGS, None)}
+_MOE = {**_WIRE, "combine": (str, MOE_WIRES, None), "grad": (str, MOE_WIRES, None)}
+_GEMM = {"enabled": (bool, None, None), "recipe": (str, None, None),
+         "skip_first_blocks": (int, None, _nonneg), "skip_last_blocks": (int, None, _nonneg),
+         "min_features": (int, None, _nonneg), "backend": (str, GEMM_BACKENDS, None),
+         "quant_backend": (str, QUANT_BACKENDS, None)}
+_TOP = {"enabled": (bool, None, None), "mode": (str, MODES, None), "log": (bool, None, None),
+        "check": ((bool, type(None)), None, None)}
+_SECTIONS = {"weights": (_WIRE, WireConfig), "gradients": (_WIRE, WireConfig), "moe": (_MOE, MoeConfig),
+             "gemm": (_GEMM, GemmConfig)}
+
+
+def _type_name(t) -> str:
+    if isinstance(t, tuple):
+        return " or ".join("null" if x is type(None) else x.__name__ for x in t)
+    return {bool: "true/false", int: "an integer", str: "a string"}.get(t, t.__name__)
+
+
+def _unknown(key: str, where: str, valid) -> Fp8CommConfigError:
+    hint = difflib.get_close_matches(key, list(valid), n=1)
+    did = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return Fp8CommConfigError(f"unknown key '{where}{key}'{did}; valid keys in {where.rstrip('.') or SECTION}: "
+                              f"{', '.join(valid)}")
+
+
+def _check_value(path: str, v, spec) -> None:
+    typ, allowed, extra = spec
+    ok = isinstance(v, typ) and not (typ is int and isinstance(v, bool))
+    if not ok:
+        raise Fp8CommConfigError(f"{path} must be {_type_name(typ)}, got {v!r}")
+    if allowed is not None and v not in allowed:
+        raise Fp8CommConfigError(f"{path} = {v!r} is not valid; valid: {', '.join(map(repr, allowed))}")
+    if extra is not None and (msg := extra(v)):
+        raise Fp8CommConfigError(f"{path} = {v!r} {msg}")
+
+
+def _section(name: str, raw, schema: dict, cls):
+    path = f"{SECTION}.{name}"
+    if isinstance(raw, bool):
+        return cls(enabled=raw)
+    if not isinstance(raw, dict):
+        raise Fp8CommConfigError(f"{path} must be an object or true/false, got {raw!r}")
+    for k, v in raw.items():
+        if k not in schema:
+            raise _unknown(k, path + ".", schema)
+        _check_value(f"{path}.{k}", v, schema[k])
+    return cls(**raw)
+
+
+def parse(ds_config: dict | None) -> Fp8CommConfig:
+    """The validated fp8_comm section of a DeepSpeed config dict (disabled when absent)."""
+    if not ds_config or SECTION not in ds_config:
+        return Fp8CommConfig()
+    raw = ds_config[SECTION]
+    if isinstance(raw, bool):
+        raw = {"enabled": raw}
+    if not isinstance(raw, dict):
+        raise Fp8CommConfigError(f"{SECTION} must be an object or true/false, got {raw!r}")
+    valid = list(_TOP) + list(_SECTIONS)
+    kw = {}
+    for k, v in raw.items():
+        if k in _TOP:
+            _check_value(f"{SECTION}.{k}", v, _TOP[k])
+            kw[k] = v
+        elif k in _SECTIONS:
+            schema, cls = _SECTIONS[k]
+            kw[k] = _section(k, v, schema, cls)
+        else:
+            raise _unknown(k, f"{SECTION}.", valid)
+    kw.setdefault("enabled", True)  # writing the section at all means "on" unless it says otherwise
+    cfg = Fp8CommConfig(**kw)
+    if cfg.gemm.enabled:
+        _check_recipe(cfg.gemm.recipe)
+    return cfg
+
+
+def _check_recipe(name: str) -> None:
+    from fp8comm.gemm import RECIPES
+
+    if name not in RECIPES:
+        hint = difflib.get_close_matches(name, list(RECIPES), n=1)
+        did = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise Fp8CommConfigError(f"{SECTION}.gemm.recipe = {name!r} is not a recipe{did}; valid: "
+                                 f"{', '.join(RECIPES)}")
+
+
+def defaults() -> dict:
+    """Every option with its default (docs and tests use this, so the two never drift apart)."""
+    return Fp8CommConfig(enabled=True).as_dict()
+

@@ -1,0 +1,195 @@
+"""ZeRO-3 hooks: FP8 parameter all-gather and FP8 gradient reduce-scatter (plain and ZeRO++ qgZ paths).
+
+Parameters: every fetch (`all_gather_coalesced` -> `_dist_allgather_fn`, also over the hpZ secondary group) becomes
+fp8comm.comm.all_gather_into, async: DeepSpeed's handle calls wait(), where the bytes are dequantized. The gathered
+copy is a fresh buffer, never the fp32 master partition (checked per call). Exact gathers DeepSpeed does elsewhere
+(GatheredParameters, persistent parameters after a step, checkpoints) are left alone.
+
+Gradients: `reduce_scatter_coalesced` (and qgZ's `all_to_all_quant_reduce`, replaced on any node count) keep their
+contract - this rank's ceil(numel / world) slice of each tensor, averaged - but move FP8 with per-block scales and
+sum in fp32 (one fp8comm.comm.reduce_scatter_into per bucket).
+
+Blocks never straddle two tensors: each tensor's shard is padded to a whole number of blocks on the wire. A
+block's scale then depends only on that tensor's values, not on which tensors DeepSpeed happened to bucket
+together (the first step after building an engine buckets differently from later steps, so without this a run
+resumed from a checkpoint would not repeat the uninterrupted run bit for bit), and a small bias never shares a
+scale with a large weight. The padding costs up to block_size - 1 elements per shard, visible in hook_stats().
+"""
+from __future__ import annotations
+
+import contextvars
+import math
+
+import torch
+import torch.distributed as dist
+
+import fp8comm.comm as fc
+
+from .compat import PP, S3
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# The parameters of the all_gather_coalesced call in progress (set by the per-parameter wrapper below).
+_current: contextvars.ContextVar = contextvars.ContextVar("fp8comm_zero3_params", default=None)
+
+
+def install(patcher, state) -> None:
+    cfg = state.cfg
+    if cfg.weights.enabled:
+        patcher.set(PP, "_dist_allgather_fn", lambda orig: _param_gather(state, orig))
+    if cfg.gradients.enabled:
+        patcher.set(S3, "reduce_scatter_coalesced", lambda orig: _grad_reduce(state, orig, "plain"))
+        patcher.set(S3, "all_to_all_quant_reduce", lambda orig: _grad_reduce(state, orig, "qgz"))
+
+
+def wrap_params(state, module) -> None:
+    """Let the gather hook see which parameters a coalesced fetch holds (their shards' boundaries).
+
+    DeepSpeed attaches `all_gather_coalesced` to every ZeRO-3 parameter; the wrapper records the call's list."""
+    for p in module.parameters():
+        fn = getattr(p, "all_gather_coalesced", None)
+        if fn is None or getattr(fn, "_fp8comm_hook", False):
+            continue
+
+        def wrapped(params, *a, _fn=fn, **k):
+            token = _current.set(list(params))
+            try:
+                return _fn(params, *a, **k)
+            finally:
+                _current.reset(token)
+
+        wrapped._fp8comm_hook = True
+        p.all_gather_coalesced = wrapped
+        state.undo.append(lambda p=p, fn=fn: setattr(p, "all_gather_coalesced", fn))
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _shard_sizes(input_tensor: torch.Tensor) -> tuple[list[int] | None, bool]:
+    """(sizes of the parameter shards concatenated in `input_tensor` as DeepSpeed lays them out, or None;
+    whether they are hpZ secondary shards)."""
+    from deepspeed.runtime.zero.partition_parameters import get_allgather_dtype
+
+    params = _current.get()
+    if not params:
+        return None, False
+    ps = sorted((p for p in params if get_allgather_dtype(p, p.ds_tensor) == input_tensor.dtype),
+                key=lambda p: p.ds_id)
+    if not ps:
+        return None, False
+    sec = ps[0].ds_secondary_tensor is not None
+    sizes = [p.ds_tensor.ds_numel * (p.ds_secondary_tensor_num_of_groups if sec else 1) for p in ps]
+    return (sizes if sum(sizes) == input_tensor.numel() else None), sec
+
+
+class _UnpadHandle:
+    """Async handle: wait() finishes the FP8 gather, then moves each shard from its padded slot to DeepSpeed's."""
+
+    def __init__(self, inner, padded: torch.Tensor, output: torch.Tensor, spans: list, world: int) -> None:
+        self._inner, self._padded, self._out, self._spans, self._world = inner, padded, output, spans, world
+        self._done = False
+
+    def wait(self, *args, **kwargs):
+        if not self._done:
+            self._inner.wait()
+            src = self._padded.view(self._world, -1)
+            dst = self._out.view(self._world, -1)
+            for off, poff, n in self._spans:
+                dst[:, off:off + n].copy_(src[:, poff:poff + n])
+            self._done = True
+        return self._out
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()
+
+
+def _spans(sizes: list[int], block: int) -> tuple[list, int]:
+    """[(offset, padded offset, size)] and the padded total, each size rounded up to whole blocks."""
+    spans, off, poff = [], 0, 0
+    for n in sizes:
+        spans.append((off, poff, n))
+        off += n
+        poff += -(-n // block) * block
+    return spans, poff
+
+
+def _param_gather(state, orig):
+    """The hook keeps DeepSpeed's function for dtypes it does not quantize (e.g. qwZ's int8 codes and scales)."""
+    wire = state.cfg.weights
+    kw = wire.wire_kwargs(state.cfg.check)
+
+    def _dist_allgather_fn(input_tensor, output_tensor, group=None):
+        _, world = _world(group)
+        if input_tensor.dtype not in _FLOATS or output_tensor.dtype != input_tensor.dtype:
+            return orig(input_tensor, output_tensor, group)
+        n = input_tensor.numel() * input_tensor.element_size()
+        if state.cfg.measure_only:
+            state.acct.add("weights", (world - 1) * n, (world - 1) * n, False)
+            return orig(input_tensor, output_tensor, group)
+        state.check_not_master(output_tensor, "ZeRO-3 parameter all-gather")
+        sizes, secondary = _shard_sizes(input_tensor)
+        if secondary:
+            state.acct.hit("zero3.param_gather.hpz_secondary")
+        if sizes is None:
+            # Not called through a wrapped parameter (a parameter created after the engine): one segment.
+            state.acct.hit("zero3.param_gather.unaligned")
+            sizes = [input_tensor.numel()]
+        spans, total = _spans(sizes, wire.block_size)
+        baseline = (world - 1) * n  # DeepSpeed's all-gather of the unpadded shards
+        with state.acct.fp8("weights", baseline=baseline):
+            if total == input_tensor.numel():
+                return fc.all_gather_into(output_tensor, input_tensor, group, async_op=True, **kw)
+            pin = torch.zeros(total, dtype=input_tensor.dtype, device=input_tensor.device)
+            for off, poff, k in spans:
+                pin[poff:poff + k].copy_(input_tensor[off:off + k])
+            pout = torch.empty(world * total, dtype=input_tensor.dtype, device=input_tensor.device)
+            h = fc.all_gather_into(pout, pin, group, async_op=True, **kw)
+        return _UnpadHandle(h, pout, output_tensor, spans, world)
+
+    return _dist_allgather_fn
+
+
+def _grad_reduce(state, orig, path: str):
+    wire = state.cfg.gradients
+    kw = wire.wire_kwargs(state.cfg.check)
+    B = wire.block_size
+
+    def fp8_reduce(tensors, group=None):
+        # qgZ's second argument is its dict of all-to-all groups; it reduces over the whole world (so do we).
+        pg = None if path == "qgz" else group
+        rank, world = _world(pg)
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOATS:
+            raise TypeError(f"fp8comm ZeRO-3 gradient hook: expected one float dtype per bucket, got {dtypes}")
+        dtype = next(iter(dtypes))
+        chunks = [math.ceil(t.numel() / world) for t in tensors]
+        itemsize = tensors[0].element_size()
+        baseline = (world - 1) * sum(chunks) * itemsize  # DeepSpeed's reduce-scatter of the unpadded layout
+        state.acct.hit(f"zero3.grad_reduce.{path}")
+        if state.cfg.measure_only:
+            state.acct.add("gradients", baseline, baseline, False)
+            return orig(tensors, group)
+        spans, L = _spans(chunks, B)
+        # Row r of [world, L] holds rank r's slice of every tensor (DeepSpeed's interleaving), each slice in
+        # whole blocks of its own.
+        flat = torch.zeros(world, L, dtype=dtype, device=tensors[0].device)
+        for t, (_, poff, c) in zip(tensors, spans):
+            v = t.reshape(-1)
+            n = v.numel()
+            full = n // c if c else 0
+            if full:
+                flat[:full, poff:poff + c].copy_(v[:full * c].view(full, c))
+            if full < world and n > full * c:
+                flat[full, poff:poff + n - full * c].copy_(v[full * c:])
+        out = torch.empty(L, dtype=dtype, device=flat.device)
+        with state.acct.fp8("gradients", baseline=baseline):
+            fc.reduce_scatter_into(out, flat.view(-1), pg, op="avg", **kw)
+        result = []
+        for t, (_, poff, c) in zip(tensors, spans):
+            mine = max(0, min(c, t.numel() - rank * c))
+            result.append(out.narrow(0, poff, mine))
+        return result
+
+    fp8_reduce.__name__ = "reduce_scatter_coalesced" if path == "plain" else "all_to_all_quant_reduce"
+    return fp8_reduce

@@ -1,0 +1,359 @@
+"""torchrun worker: runs one scenario's checks against real DeepSpeed (CPU, gloo) and writes a JSON line per check.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 ds_worker.py SCENARIO OUTDIR
+
+After a failed check the ranks stop (collectives may be out of step); the parent reports which check it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fp8comm.integrations.deepspeed import cpu  # noqa: E402
+
+cpu.prepare()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import deepspeed  # noqa: E402
+import fp8comm.comm as fc  # noqa: E402
+import fp8comm.integrations.deepspeed as fd  # noqa: E402
+import ds_train as T  # noqa: E402
+
+STEPS = 30
+# Loss parity: |mean of the last 10 step losses, FP8 vs baseline| / baseline. Stated in docs/deepspeed.md; the
+# measured values are reported by every check (info["rel"]). Trajectories drift apart chaotically at the 0.1-1%
+# level from any perturbation (even DeepSpeed's own state from earlier engines in the process moves the baseline
+# by ~0.3%), so the exact check of the reduction itself is grad_check below, not this.
+TOL_COMM = 0.02
+SMALL_BUCKET = 20000  # elements: several ZeRO-1/2 reduce buckets per step (the tiny GPT has ~110k parameters)
+TOL_GEMM = 0.02
+# Per-tensor relative error of a reduced step-0 gradient: 2 x the unit roundoff of e4m3 (3 mantissa bits: 2^-4),
+# room for FP8 gradients plus FP8-gathered weights in the forward (ZeRO-3) on top of bf16.
+GRAD_BOUND = 2 * 2.0 ** -4
+
+
+def expected_ratio(itemsize: int, block: int, algorithm_factor: int = 1) -> float:
+    """Bytes saved by FP8 + one fp32 scale per block, vs `itemsize` bytes per element (x2 where DeepSpeed
+    all-reduces what fp8comm reduce-scatters)."""
+    return algorithm_factor * itemsize / (1 + 4 / block)
+
+
+_BASELINES: dict = {}  # baseline losses per DeepSpeed config: several checks compare against the same run
+
+
+def baseline(cfg: dict, steps: int = STEPS, model_fn=T.tiny_gpt) -> list:
+    key = json.dumps([cfg, steps, model_fn.__name__], sort_keys=True)
+    if key not in _BASELINES:
+        eng, _ = T.build(cfg, model_fn=model_fn)
+        _BASELINES[key] = T.train(eng, range(steps)).losses
+        T.destroy(eng)
+    return _BASELINES[key]
+
+
+_REFERENCE: dict = {}
+
+
+def reference_grads() -> dict:
+    """Exact step-0 gradients: a plain fp32 copy of the model, each rank's batch, averaged over ranks."""
+    if not _REFERENCE:
+        torch.manual_seed(0)
+        model = T.tiny_gpt()
+        _, loss = model(*T.batch(0, dist.get_rank()))
+        loss.backward()
+        for n, p in model.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            _REFERENCE[n] = (g / dist.get_world_size(), p.grad.clone())
+    return _REFERENCE
+
+
+def grad_check(engine, info: dict) -> None:
+    """Reduced step-0 gradients vs the exact average. A reduction that lost other ranks' contributions would
+    look like this rank's own gradient: its error is computed too and must be far outside the bound."""
+    from deepspeed.utils import safe_get_full_grad
+
+    ref = reference_grads()
+    errs, local = [], []
+    for n, p in engine.module.named_parameters():
+        g = safe_get_full_grad(p).float()  # collective under ZeRO-3: every rank, same order
+        avg, own = ref[n]
+        errs.append(((g - avg).norm() / avg.norm()).item())
+        local.append(((own - avg).norm() / avg.norm()).item())
+    info["grad_rel_err_max"], info["local_grad_rel_err_median"] = max(errs), sorted(local)[len(local) // 2]
+    assert max(errs) <= GRAD_BOUND, f"reduced gradient off by {max(errs):.3f} > {GRAD_BOUND} (relative)"
+    assert info["local_grad_rel_err_median"] > 2 * GRAD_BOUND, "the gradient check could not tell a missing " \
+                                                               "reduction apart"
+
+
+def parity(info: dict, stage: int, dtype: str, fp8: dict | None = None, tol: float = TOL_COMM, init=None,
+           env: dict | None = None, **zero) -> T.Run:
+    # qgZ cannot run on CPU without fp8comm (int4 CUDA kernels): its baseline is the plain reduce-scatter.
+    base = T.Run(losses=baseline(T.ds_config(stage, dtype, **{k: v for k, v in zero.items()
+                                                                if k != "zero_quantized_gradients"})))
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    fc.reset_comm_stats()
+    try:
+        eng, _ = T.build(T.ds_config(stage, dtype, fp8 if fp8 is not None else {"gemm": False}, **zero), init=init)
+        run = T.train(eng, range(STEPS), on_step=lambda step: step == 0 and grad_check(eng, info))
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    comm = fc.comm_stats()  # the collectives' own counters, independent of the integration's accounting
+    digests = T.rank_digests(T.full_params_digest(eng))
+    rel = T.rel_diff(run.losses, base.losses)
+    info["comm_stats"] = {op: round(v["ratio"], 3) for op, v in comm.items() if v["wire_bytes"]}
+    moved = [op for op in ("all_gather", "reduce_scatter", "all_to_all") if comm.get(op, {}).get("wire_bytes")]
+    assert len(moved) >= 2, f"fp8comm.comm_stats() shows no FP8 weight + gradient traffic: {comm}"
+    info.update(stage=stage, dtype=dtype, rel=round(rel, 5), tol=tol, base_final=round(base.losses[-1], 4),
+                fp8_final=round(run.losses[-1], 4), stats=run.stats, summary=fd.summary())
+    assert len(set(digests)) == 1, f"parameters differ across ranks: {digests}"
+    assert run.losses != base.losses, "FP8 run is bit-identical to the baseline: the hooks changed nothing"
+    for r in (base, run):  # both actually trained
+        assert sum(r.losses[-10:]) / 10 < sum(r.losses[:5]) / 5, r.losses
+    assert rel <= tol, f"loss mean over the last 10 steps differs by {rel:.4f} > {tol} ({run.losses[-10:]} vs " \
+                       f"{base.losses[-10:]})"
+    T.destroy(eng)
+    return run
+
+
+def check_ratio(stats: dict, role: str, itemsize: int, block: int = 128, factor: int = 1) -> float:
+    s = stats[role]
+    assert s["fp8_calls"] > 0 and s["wire_bytes"] > 0, f"no FP8 {role} traffic: {s}"
+    want = expected_ratio(itemsize, block, factor)
+    # Slack for the 16-byte alignment of each chunk's scales and for padding rows (small buckets).
+    assert s["ratio"] >= 0.9 * want, f"{role}: bytes ratio {s['ratio']:.3f} < 0.9 x {want:.3f}"
+    return s["ratio"]
+
+
+# --------------------------------------------------------------------------------------------- scenario: zero
+def zero3_bf16_flag(info):
+    """The config flag through plain deepspeed.initialize; uninstall restores it."""
+    orig = fd.engine._ORIG_INIT
+    assert deepspeed.initialize is not orig, "importing the integration did not wrap deepspeed.initialize"
+    run = parity(info, 3, "bf16", init=deepspeed.initialize)
+    assert "zero3.param_gather.unaligned" not in run.stats["hooks"], run.stats["hooks"]
+    info["ratio_w"] = check_ratio(run.stats, "weights", 2)
+    info["ratio_g"] = check_ratio(run.stats, "gradients", 2)
+    fd.uninstall()
+    assert deepspeed.initialize is orig and not fd.is_installed()
+    from deepspeed.runtime.zero import partition_parameters as pp, stage3
+
+    assert not getattr(pp._dist_allgather_fn, "_fp8comm_hook", False)
+    assert not getattr(stage3.reduce_scatter_coalesced, "_fp8comm_hook", False)
+
+
+def _zero(stage, dtype, factor, **zero):
+    def check(info):
+        run = parity(info, stage, dtype, **zero)
+        size = 2 if dtype == "bf16" else 4
+        info["ratio_w"] = check_ratio(run.stats, "weights", size)
+        info["ratio_g"] = check_ratio(run.stats, "gradients", size, factor=factor)
+        hooks = run.stats["hooks"]
+        if stage == 3:
+            assert hooks.get("zero3.grad_reduce.plain", 0) >= STEPS and "zero3.param_gather.unaligned" not in hooks
+        else:
+            assert hooks.get("zero12.grad_reduce", 0) >= STEPS, hooks
+        if zero.get("zero_hpz_partition_size", 1) > 1:  # the backward gathers really used hpZ's secondary shards
+            info["hpz_secondary_gathers"] = hooks.get("zero3.param_gather.hpz_secondary", 0)
+            assert info["hpz_secondary_gathers"] > 0, f"hpZ on, but no gather of secondary shards: {hooks}"
+        fd.uninstall()
+
+    check.__name__ = f"zero{stage}_{dtype}" + "".join(f"_{k}" for k in zero)
+    return check
+
+
+def zero3_bf16_measure_mode(info):
+    """mode "measure": DeepSpeed's own collectives, bytes counted, training bit-identical to the baseline."""
+    baseline(T.ds_config(3, "bf16"))  # before any hooks are installed
+    eng, _ = T.build(T.ds_config(3, "bf16", {"mode": "measure", "gemm": False}))
+    run = T.train(eng, range(STEPS))
+    assert run.losses == baseline(T.ds_config(3, "bf16")), "measure mode changed the numerics"
+    assert run.stats["weights"]["calls"] > 0 and run.stats["weights"]["fp8_calls"] == 0, run.stats
+    info["stats"] = run.stats
+    T.destroy(eng)
+    fd.uninstall()
+
+
+def zero3_bf16_qgz(info):
+    """ZeRO++ qgZ (int4, CUDA-only) replaced: LOCAL_SIZE=1 makes DeepSpeed see 2 nodes and take the qgZ path."""
+    run = parity(info, 3, "bf16", env={"LOCAL_SIZE": "1"}, zero_quantized_gradients=True)
+    info["ratio_g"] = check_ratio(run.stats, "gradients", 2)
+    assert "replaces qgZ" in info["summary"], info["summary"]
+    hooks = run.stats["hooks"]
+    assert hooks.get("zero3.grad_reduce.qgz", 0) >= STEPS and "zero3.grad_reduce.plain" not in hooks, hooks
+    fd.uninstall()
+
+
+# ------------------------------------------------------------------------------------------- scenario: safety
+def _masters(engine):
+    opt = engine.optimizer
+    return opt.fp32_partitioned_groups_flat if engine.zero_optimization_stage() == 3 \
+        else opt.single_partition_of_fp32_groups
+
+
+def _inf_run(cfg, inject_step: int, steps: int = 6):
+    """Train `steps`, with rank 1's gradient of one weight element set to +inf at `inject_step`."""
+    eng, model = T.build(cfg)
+    w = model.h[0].mlp.c_fc.weight
+    rank = dist.get_rank()
+    state = {"step": -1}
+
+    def hook(g):
+        if state["step"] == inject_step and rank == 1:
+            g = g.clone()
+            g.view(-1)[7] = float("inf")
+        return g
+
+    w.register_hook(hook)
+    changed, losses = [], []
+    for step in range(steps):
+        state["step"] = step
+        before = T._digest(_masters(eng))
+        x, y = T.batch(step, rank)
+        _, loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        changed.append(T._digest(_masters(eng)) != before)
+        losses.append(loss.item())
+    flags = torch.tensor([float(c) for c in changed])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # "changed" only if every rank's master moved
+    out = {"skipped": int(eng.skipped_steps), "changed": [bool(f) for f in flags], "losses": losses}
+    T.destroy(eng)
+    return out
+
+
+def _inf(stage, dtype):
+    def check(info):
+        base = _inf_run(T.ds_config(stage, dtype), 2)
+        fp8 = _inf_run(T.ds_config(stage, dtype, {"gemm": False}), 2)
+        info.update(base=base, fp8=fp8)
+        assert not base["changed"][2], f"DeepSpeed itself did not skip the step with an inf gradient: {base}"
+        assert fp8["skipped"] == base["skipped"] and fp8["changed"] == base["changed"], (base, fp8)
+        assert all(x == x and abs(x) != float("inf") for x in fp8["losses"]), fp8["losses"]
+        fd.uninstall()
+
+    check.__name__ = f"inf_skip_zero{stage}_{dtype}"
+    return check
+
+
+def _checkpoint(stage, dtype, fp8):
+    def check(info):
+        cfg = T.ds_config(stage, dtype, fp8)
+        ck = Path(os.environ["FP8COMM_TEST_OUT"]) / f"ckpt_{stage}_{dtype}"
+        eng, _ = T.build(cfg)
+        T.train(eng, range(0, 4))
+        eng.save_checkpoint(str(ck), tag="step4")
+        cont = T.train(eng, range(4, 9))
+        T.destroy(eng)
+        eng2, _ = T.build(cfg, seed=123)  # different initial weights: everything must come from the checkpoint
+        eng2.load_checkpoint(str(ck), tag="step4")
+        resumed = T.train(eng2, range(4, 9))
+        info.update(continued=cont.losses, resumed=resumed.losses, stats=resumed.stats)
+        assert resumed.losses == cont.losses, "resumed training differs from uninterrupted training"
+        assert resumed.stats["weights"]["fp8_calls"] > 0
+        T.destroy(eng2)
+        fd.uninstall()
+
+    check.__name__ = f"checkpoint_zero{stage}_{dtype}" + ("_gemm" if fp8.get("gemm", True) else "")
+    return check
+
+
+def _gemm(stage, **zero):
+    def check(info):
+        recipe = "blockwise"
+        run = parity(info, stage, "bf16", {"gemm": {"recipe": recipe}}, tol=TOL_GEMM, **zero)
+        from fp8comm.gemm import Fp8Linear
+
+        layers = [m for m in run.engine.module.modules() if isinstance(m, Fp8Linear)]
+        assert layers, "no Fp8Linear after conversion"
+        # Every optimizer step must re-quantize the (changed) weight: at least one quantization per step.
+        q = min(m.weight_quantizations for m in layers)
+        info.update(fp8_linears=len(layers), min_weight_quantizations=q)
+        assert q >= STEPS, f"an Fp8Linear quantized its weight only {q} times in {STEPS} steps (stale cache)"
+        fd.uninstall()
+
+    check.__name__ = f"gemm_zero{stage}_bf16" + "".join(f"_{k}" for k in zero)
+    return check
+
+
+# ---------------------------------------------------------------------------------------------- scenario: moe
+def _moe(fp8_extra: dict, name: str):
+    def check(info):
+        moe_cfg = {"gemm": False, "moe": fp8_extra}
+        base = T.Run(losses=baseline(T.ds_config(2, "bf16"), model_fn=T.MoEModel))
+        eng, _ = T.build(T.ds_config(2, "bf16", moe_cfg), model_fn=T.MoEModel)
+        run = T.train(eng, range(STEPS))
+        rel = T.rel_diff(run.losses, base.losses)
+        info.update(rel=round(rel, 5), tol=TOL_COMM, stats=run.stats, summary=fd.summary())
+        assert "MoE layers: 1" in fd.summary(), fd.summary()
+        block = min(128, T.MOE_HIDDEN)  # one scale per token row of `hidden` channels when hidden < 128
+        info["ratio_dispatch"] = check_ratio(run.stats, "moe.dispatch", 2, block)
+        if fp8_extra.get("combine") == "fp8":
+            info["ratio_combine"] = check_ratio(run.stats, "moe.combine", 2, block)
+        else:  # DeepSpeed's own all-to-all, counted
+            assert run.stats["moe.combine"]["fp8_calls"] == 0 and run.stats["moe.combine"]["calls"] > 0
+        if fp8_extra.get("grad") == "fp8":
+            info["ratio_backward"] = check_ratio(run.stats, "moe.backward", 2, block)
+        assert run.losses != base.losses
+        assert sum(run.losses[-10:]) < sum(run.losses[:10]), run.losses
+        assert rel <= TOL_COMM, f"MoE loss differs by {rel:.4f}"
+        T.destroy(eng)
+        fd.uninstall()
+
+    check.__name__ = name
+    return check
+
+
+SCENARIOS = {
+    "zero": [zero3_bf16_flag, _zero(2, "bf16", 2, reduce_bucket_size=SMALL_BUCKET), _zero(1, "bf16", 2),
+             _zero(3, "fp32", 1), _zero(2, "fp32", 2), _zero(1, "fp32", 2),
+             _zero(3, "bf16", 1, zero_hpz_partition_size=2), zero3_bf16_measure_mode, zero3_bf16_qgz,
+             _gemm(3), _gemm(2, reduce_bucket_size=SMALL_BUCKET)],
+    "safety": [_inf(2, "bf16"), _inf(3, "bf16"), _inf(1, "fp32"), _checkpoint(3, "bf16", {"gemm": False}),
+               _checkpoint(2, "bf16", {"gemm": {"recipe": "blockwise"}})],
+    "moe": [_moe({}, "moe_ep2_dispatch_fp8"), _moe({"combine": "fp8", "grad": "fp8"}, "moe_ep2_all_fp8")],
+}
+
+
+def main() -> int:
+    scenario, outdir = sys.argv[1], Path(sys.argv[2])
+    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else None
+    os.environ["FP8COMM_TEST_OUT"] = str(outdir)
+    deepspeed.init_distributed("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    out = open(outdir / f"rank{rank}.jsonl", "w", buffering=1)
+    status = dist.new_group(backend="gloo")
+    plan = [fn for fn in SCENARIOS[scenario] if not only or fn.__name__ in only]
+    out.write(json.dumps({"plan": [fn.__name__ for fn in plan]}) + "\n")
+    for fn in plan:
+        out.write(json.dumps({"check": fn.__name__, "state": "started"}) + "\n")
+        info, t0 = {}, time.perf_counter()
+        try:
+            fn(info)
+            rec = {"ok": True}
+        except BaseException as e:  # noqa: BLE001 - reported by name
+            rec = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
+            fd.uninstall()
+        rec.update(check=fn.__name__, state="done", seconds=round(time.perf_counter() - t0, 2), info=info)
+        out.write(json.dumps(rec, default=str) + "\n")
+        flag = torch.tensor([0 if rec["ok"] else 1])
+        dist.all_reduce(flag, group=status)
+        if int(flag):
+            out.write(json.dumps({"check": "*", "state": "stopped", "after": fn.__name__}) + "\n")
+            break
+    dist.barrier(group=status)
+    out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The fp8_comm section, version/signature checks, unsupported combinations and install/uninstall (one process).
+
+Nothing here needs torch.distributed: every error must fire before DeepSpeed starts anything.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+
+import torch.nn as nn  # noqa: E402
+
+import fp8comm.integrations.deepspeed as fd  # noqa: E402
+from fp8comm.integrations.deepspeed import compat, config  # noqa: E402
+
+BASE = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+
+
+def with_fp8(section, **over):
+    return {**BASE, **over, "fp8_comm": section}
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    fd.uninstall()
+    fd.enable_config_flag()
+    yield
+    fd.uninstall()
+    fd.enable_config_flag()
+
+
+# ------------------------------------------------------------------------------------------------ the section
+def test_defaults_and_enabled():
+    assert not config.parse(BASE).enabled
+    assert not config.parse(with_fp8({"enabled": False})).enabled
+    on = config.parse(with_fp8({"enabled": True}))
+    assert on.enabled and on == config.parse(with_fp8({})) == config.parse(with_fp8(True))
+    d = config.defaults()
+    for sec in ("weights", "gradients", "moe", "gemm"):
+        assert d[sec]["enabled"] is True, sec
+    assert d["weights"]["fmt"] == "e4m3" and d["gemm"]["recipe"] == "blockwise" and d["mode"] == "fp8"
+    assert config.parse(with_fp8({"gemm": False})).gemm.enabled is False
+
+
+@pytest.mark.parametrize("section, key, fragment", [
+    ({"enabeld": True}, "fp8_comm.enabeld", "did you mean 'enabled'"),
+    ({"weigths": {}}, "fp8_comm.weigths", "did you mean 'weights'"),
+    ({"weights": {"fromat": "e4m3"}}, "fp8_comm.weights.fromat", "did you mean 'fmt'"),
+    ({"gradients": {"blocksize": 64}}, "fp8_comm.gradients.blocksize", "did you mean 'block_size'"),
+    ({"moe": {"combin": "fp8"}}, "fp8_comm.moe.combin", "did you mean 'combine'"),
+    ({"gemm": {"recipie": "blockwise"}}, "fp8_comm.gemm.recipie", "did you mean 'recipe'"),
+])
+def test_unknown_key_is_named(section, key, fragment):
+    with pytest.raises(fd.Fp8CommConfigError) as e:
+        config.parse(with_fp8(section))
+    msg = str(e.value)
+    assert key in msg and fragment in msg and "valid keys" in msg, msg
+
+
+@pytest.mark.parametrize("section, fragment", [
+    ({"weights": {"fmt": "e4m4"}}, "'e4m3', 'e5m2'"),
+    ({"gradients": {"scaling": "amax"}}, "'fp32', 'pow2', 'e8m0'"),
+    ({"weights": {"block_size": 100}}, "power of two"),
+    ({"weights": {"block_size": True}}, "an integer"),
+    ({"moe": {"grad": "fp16"}}, "'native', 'bf16', 'fp8'"),
+    ({"gemm": {"recipe": "blockwize"}}, "did you mean 'blockwise'"),
+    ({"mode": "dry"}, "'fp8', 'measure'"),
+    ({"enabled": "yes"}, "true/false"),
+    ({"weights": 3}, "an object or true/false"),
+])
+def test_bad_value_lists_valid(section, fragment):
+    with pytest.raises(fd.Fp8CommConfigError) as e:
+        config.parse(with_fp8(section))
+    assert fragment in str(e.value), str(e.value)
+
+
+def test_typo_fails_through_deepspeed_initialize(tmp_path):
+    """The flag path: plain deepspeed.initialize (dict and JSON file) rejects the typo before starting anything."""
+    cfg = with_fp8({"enabled": True, "gradients": {"fmt": "e4m3", "rounding": "nearest", "blok_size": 64}})
+    with pytest.raises(fd.Fp8CommConfigError, match="fp8_comm.gradients.blok_size"):
+        deepspeed.initialize(model=nn.Linear(4, 4), config=cfg)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(fd.Fp8CommConfigError, match="did you mean 'block_size'"):
+        fd.initialize(model=nn.Linear(4, 4), config=str(path))
+    assert not fd.is_installed()
+
+
+# ------------------------------------------------------------------------------------ unsupported combinations
+@pytest.mark.parametrize("over, fragment", [
+    ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage is 0"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights"),
+    ({"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}}, "all_reduce_for_fetch"),
+    ({"zero_optimization": {"stage": 2, "reduce_scatter": False}}, "reduce_scatter=false"),
+    ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}, "contiguous_gradients=false"),
+    ({"zero_optimization": {"stage": 1, "use_multi_rank_bucket_allreduce": False}}, "use_multi_rank_bucket"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+    ({"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
+])
+def test_unsupported_combination(over, fragment):
+    with pytest.raises(fd.UnsupportedError, match=fragment):
+        fd.install(with_fp8({"gemm": False}, **over))
+    assert not fd.is_installed()
+
+
+def test_stage0_without_comm_is_fine():
+    st = fd.install(with_fp8({"weights": False, "gradients": False, "gemm": False},
+                             zero_optimization={"stage": 0}))
+    assert st is not None and "MoE dispatch FP8" in fd.summary()
+
+
+# ------------------------------------------------------------------------------------------ version and targets
+def test_version_range(monkeypatch):
+    monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
+    with pytest.raises(fd.UnsupportedError, match="outside the range"):
+        fd.install(with_fp8({"gemm": False}))
+    monkeypatch.setenv(compat.ANY_VERSION_ENV, "1")
+    assert fd.install(with_fp8({"gemm": False})) is not None  # the per-target checks alone decide
+
+
+def test_changed_signature_is_an_error_and_patches_nothing(monkeypatch):
+    from deepspeed.runtime.zero import partition_parameters as pp, stage3
+
+    def reduce_scatter_coalesced(tensors, group=None, extra=None):  # a "new release" with another parameter
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(stage3, "reduce_scatter_coalesced", reduce_scatter_coalesced)
+    before = pp._dist_allgather_fn
+    with pytest.raises(fd.UnsupportedError, match="zero3.grad_reduce.*parameters"):
+        fd.install(with_fp8({"gemm": False}))
+    assert pp._dist_allgather_fn is before and not fd.is_installed()
+
+
+def test_caller_that_stopped_calling_is_an_error():
+    t = compat.Target("demo", __name__, "with_fp8", ("section", "over"), ("test_every_target_checks_out",))
+    with pytest.raises(fd.UnsupportedError, match="no longer calls 'with_fp8'"):
+        compat.check_target(t)
+
+
+def test_every_target_checks_out():
+    for t in compat.TARGETS.values():
+        compat.check_target(t)
+
+
+# ------------------------------------------------------------------------------------------ install/uninstall
+def _current(t):
+    """What the name a target patches holds now (the _AllToAll hook replaces the whole class)."""
+    attr = t.attr[:-len(".forward")] if t.attr == "_AllToAll.forward" else t.attr
+    return fd.engine.Patcher._locate(t.module, attr)[2]
+
+
+def test_install_uninstall_restores_everything():
+    targets = list(compat.TARGETS.values())
+    before = {t.key: _current(t) for t in targets}
+    init_before = deepspeed.initialize
+    st = fd.install(with_fp8({"gemm": False}))
+    assert len(st.patcher) == len(targets)
+    for t in targets:
+        now = _current(t)
+        assert now is not before[t.key] and getattr(now, "_fp8comm_hook", False), t.key
+    fd.uninstall()
+    for t in targets:
+        assert _current(t) is before[t.key], t.key
+    assert deepspeed.initialize is not init_before and deepspeed.initialize is fd.engine._ORIG_INIT
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert not getattr(DeepSpeedEngine.__dict__["__init__"], "_fp8comm_hook", False)
+
+
+def test_one_setting_per_process():
+    fd.install(with_fp8({"gemm": False}))
+    with pytest.raises(fd.Fp8CommStateError, match="different fp8_comm settings"):
+        fd.install(with_fp8({"gemm": False, "weights": {"fmt": "e5m2"}}))
+    with pytest.raises(fd.Fp8CommStateError, match="silently get FP8"):
+        deepspeed.initialize(model=nn.Linear(4, 4), config=BASE)
+
+
+def test_engine_guard_catches_a_bypassed_flag():
+    """An engine built with an enabled section but without the hooks (an unwrapped initialize) is refused."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    with pytest.raises(fd.Fp8CommStateError, match="hooks are not installed"):
+        DeepSpeedEngine(args=None, model=nn.Linear(4, 4), config=with_fp8({"gemm": False}))
+
+
+def test_gemm_converts_before_the_engine():
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    fd.install(with_fp8({"gemm": {"recipe": "tensorwise"}}), model)
+    from fp8comm.gemm import Fp8Linear
+
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 2
+    assert "GEMMs FP8 tensorwise (2 linears)" in fd.summary()
+
+
+def test_docs_list_every_option():
+    """docs/deepspeed.md documents every key of the section (and its default)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "deepspeed.md").read_text()
+    d = config.defaults()
+    for key, val in d.items():
+        if isinstance(val, dict):
+            for sub in val:
+                assert f"{key}.{sub}" in doc or (f"`{key}.fmt`, `.scaling`" in doc and sub in
+                                                 ("fmt", "scaling", "block_size", "rounding")) or \
+                    (sub.startswith("skip_") and "gemm.skip_first_blocks" in doc), f"{key}.{sub} not documented"
+        else:
+            assert f"`{key}`" in doc, f"{key} not documented"

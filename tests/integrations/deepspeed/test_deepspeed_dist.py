@@ -1,0 +1,26 @@
+"""Real DeepSpeed (CPU accelerator, gloo, 2 ranks) with fp8_comm on: one torchrun launch per scenario.
+
+zero:   ZeRO-1/2/3 x bf16/fp32 parity over 30 steps, identical parameters across ranks, FP8 bytes and ratio; the
+        flag through plain deepspeed.initialize and its uninstall; hpZ; measure mode; the qgZ path replaced.
+safety: an inf in one rank's gradient skips the step exactly as without fp8comm; checkpoint save/load resumes bit
+        for bit; FP8 GEMMs (convert_to_fp8) with ZeRO-2/3 re-quantize weights after every step.
+moe:    deepspeed.moe with expert parallelism 2: FP8 dispatch (and FP8 combine/backward) with loss parity.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="DeepSpeed not installed (pip install deepspeed==0.19.8 torch==2.13.0)")
+
+from ds_harness import failures, launch, summary  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("scenario", ["zero", "safety", "moe"])
+def test_scenario(scenario, tmp_path):
+    run = launch(scenario, tmp_path / scenario, timeout=360)
+    print(f"\n{scenario}:\n{summary(run)}")
+    problems = failures(run)
+    assert not problems, "\n".join(problems)
+    assert run["results"][0], "no results written"
