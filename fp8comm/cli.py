@@ -1,4 +1,4 @@
-"""The `fp8comm` command: `demo` (the README's main job) and `bench {quant,comm,gemm}`."""
+"""The `fp8comm` command: `demo` (the README's main job: DeepSpeed ZeRO-3 training, BF16 vs FP8) and `bench ...`."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 
 # subcommand -> module with add_args(parser) and run(args); modules are imported only when used.
 BENCHES = {"quant": "fp8comm.bench.quant", "comm": "fp8comm.bench.comm", "gemm": "fp8comm.bench.gemm"}
-DEMO = "fp8comm.bench.quant"
+DEMO = "fp8comm.demo"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,10 +20,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     fi
     "${pip[@]}" -e "$root[$extras]"
     if [ "${FP8COMM_FRAMEWORKS:-1}" = 1 ]; then
-        # The engines the integration tests run against. megatron-core 0.19.x declares Python >= 3.12 but runs on
-        # 3.11 (every module compiles), hence --ignore-requires-python; torch stays pinned in the same command.
+        # The engines the demo and the integration tests run on. megatron-core 0.19.x declares Python >= 3.12 but
+        # runs on 3.11 (every module compiles), hence --ignore-requires-python; torch stays pinned in the same
+        # command so neither package can swap the CPU build for a CUDA one.
         torch_pin="torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
-        "${pip[@]}" --ignore-requires-python "megatron-core==0.19.2" "$torch_pin"
+        "${pip[@]}" --ignore-requires-python "megatron-core==0.19.2" "deepspeed==0.19.8" "$torch_pin"
     fi
     echo "$want" > "$stamp"
 fi
