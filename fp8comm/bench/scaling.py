@@ -1,0 +1,398 @@
+"""Multi-node scaling: FP8 vs bf16 (and fp32 gradients) collectives and training steps on 1..N simulated nodes.
+
+Driven by `launch/cluster.py bench` (which owns the namespaces and rate-limited links); the pieces:
+  python -m fp8comm.bench.scaling worker --out F.json ...   one rank under torchrun: collectives, side by side
+  launch/train_demo.py --modes fp8,bf16,fp32 --json F.json   one rank under torchrun: training steps, side by side
+  python -m fp8comm.bench.scaling report DIR                 tables (markdown) and plots from the JSON files
+
+Every repetition runs every variant once, in rotating order, so slow drifts of the shared machine hit all variants
+alike; each time is the slowest rank's (barrier before, max over ranks after); medians over repetitions. Sizes
+are the per-rank input in bf16 (all-gather: the shard; reduce-scatter: the gradient bucket; all-to-all: the
+tokens); fp32 rows move the same elements. "link MB" are bytes node 0 actually sent on its eth0 (kernel counters,
+TCP/IP overhead included), per call.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+HIDDEN = 4096  # MoE token width for the all-to-all rows
+
+# (key, op, description). FP8 rows quantize inside the timed region: the quantization cost is included.
+VARIANTS = [
+    ("ag.fp8", "all_gather", "fp8comm.all_gather, bf16 in/out (E4M3, 1x128 fp32 scales)"),
+    ("ag.fp8_b4", "all_gather", "the same in 4 buckets issued async, then waited (engine prefetch pattern)"),
+    ("ag.bf16", "all_gather", "torch all_gather_into_tensor, bf16"),
+    ("ag.bf16_b4", "all_gather", "the same in 4 async buckets"),
+    ("rs.fp8", "reduce_scatter", "fp8comm.reduce_scatter, bf16 in/out"),
+    ("rs.fp8_f32", "reduce_scatter", "fp8comm.reduce_scatter, fp32 in/out"),
+    ("rs.fp8_f32_b4", "reduce_scatter", "the same in 4 async buckets (DDP/ZeRO gradient buckets)"),
+    ("rs.fp8_hier", "reduce_scatter", "fp8comm.reduce_scatter hierarchical, fp32 in/out (fp32 inside a node)"),
+    ("rs.bf16", "reduce_scatter", "torch reduce_scatter_tensor, bf16"),
+    ("rs.fp32", "reduce_scatter", "torch reduce_scatter_tensor, fp32"),
+    ("rs.fp32_b4", "reduce_scatter", "the same in 4 async buckets"),
+    ("a2a.fp8", "all_to_all", "fp8comm.all_to_all wire=fp8, bf16 tokens [T, 4096]"),
+    ("a2a.bf16", "all_to_all", "torch all_to_all_single, bf16 tokens"),
+    # No communication: the quantize + dequantize work of the FP8 rows alone, on every rank at once (same CPU
+    # contention), to show how much of each FP8 time is codec rather than wire.
+    ("codec.ag", "codec", "pack own shard + unpack world shards to bf16 (the all-gather's CPU work)"),
+    ("codec.rs", "codec", "pack the fp32 bucket + unpack-and-sum world chunks (the reduce-scatter's CPU work)"),
+    ("codec.a2a", "codec", "pack tokens + unpack tokens (the all-to-all's CPU work)"),
+]
+# Pairs the report turns into speedups: (fp8 key, baseline key).
+RATIOS = [("ag.fp8", "ag.bf16"), ("ag.fp8_b4", "ag.bf16_b4"), ("rs.fp8", "rs.bf16"), ("rs.fp8_f32", "rs.fp32"),
+          ("rs.fp8_f32_b4", "rs.fp32_b4"), ("rs.fp8_hier", "rs.fp32"), ("rs.fp8_hier", "rs.fp8_f32"),
+          ("a2a.fp8", "a2a.bf16")]
+BUCKETS = 4
+
+
+def link_bytes(ifname: str = "eth0") -> tuple[int, int]:
+    """(tx, rx) bytes of `ifname` in this process's network namespace (/proc/net/dev is per namespace)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == ifname:
+            f = rest.split()
+            return int(f[8]), int(f[0])
+    return 0, 0
+
+
+# ------------------------------------------------------------------------------------------------- worker
+def _variants(keys, mib: float, world: int, local: int):
+    """{key: fn} closures over preallocated inputs for one message size."""
+    import torch
+    import torch.distributed as dist
+
+    import fp8comm.comm as fc
+
+    unit = BUCKETS * world * HIDDEN  # bf16 elements per rank, rounded down so buckets, ranks and tokens divide
+    n = int(mib * (1 << 20)) // 2 // unit * unit
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x16 = torch.randn(n, generator=g).to(torch.bfloat16)
+    x32 = torch.randn(n, generator=g)
+    ag_out = torch.empty(world * n, dtype=torch.bfloat16)
+    rs16, rs32 = torch.empty(n // world, dtype=torch.bfloat16), torch.empty(n // world)
+    tok = x16.view(-1, HIDDEN)
+    a2a_out = torch.empty_like(tok)
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    # One Buffer (scratch pool) per variant, reused across repetitions, as an engine would keep per bucket.
+    bufs = {k: fc.Buffer() for k in keys}
+    hier = fc.node_groups(local_size=local) if world > local else None
+    def buckets(fn, xs, outs=None):
+        # Issue every bucket before waiting on any: bucket i+1 is quantized while bucket i is on the wire, and
+        # bucket i is dequantized (in wait) while later ones still travel.
+        hs = [fn(x, None if outs is None else outs[i]) for i, x in enumerate(xs)]
+        for h in hs:
+            h.wait()
+
+    def split(t, k=BUCKETS):
+        return list(t.view(k, -1).unbind(0))
+
+    x16b, x32b, ag_outb, rs32b = split(x16), split(x32), split(ag_out), split(rs32)
+    fns = {
+        "ag.fp8": lambda: bufs["ag.fp8"].all_gather(x16),
+        "ag.fp8_b4": lambda: buckets(lambda x, o: bufs["ag.fp8_b4"].all_gather(x, async_op=True), x16b),
+        "ag.bf16": lambda: ag(ag_out, x16),
+        "ag.bf16_b4": lambda: buckets(lambda x, o: ag(o, x, async_op=True), x16b, ag_outb),
+        "rs.fp8": lambda: bufs["rs.fp8"].reduce_scatter(x16),
+        "rs.fp8_f32": lambda: bufs["rs.fp8_f32"].reduce_scatter(x32),
+        "rs.fp8_f32_b4": lambda: buckets(lambda x, o: bufs["rs.fp8_f32_b4"].reduce_scatter(x, async_op=True),
+                                         x32b),
+        "rs.fp8_hier": lambda: bufs["rs.fp8_hier"].reduce_scatter(x32, hierarchical=hier),
+        "rs.bf16": lambda: rs(rs16, x16),
+        "rs.fp32": lambda: rs(rs32, x32),
+        "rs.fp32_b4": lambda: buckets(lambda x, o: rs(o, x, async_op=True), x32b, rs32b),
+        "a2a.fp8": lambda: bufs["a2a.fp8"].all_to_all(tok, wire="fp8"),
+        "a2a.bf16": lambda: dist.all_to_all_single(a2a_out, tok),
+    }
+    fns.update(_codecs(x16, x32, tok, world))
+    if hier is None:
+        fns.pop("rs.fp8_hier")  # one node: nothing crosses a link, hierarchical == flat
+    return n, {k: fns[k] for k in keys if k in fns}
+
+
+def _codecs(x16, x32, tok, world: int) -> dict:
+    import torch
+
+    from fp8comm.comm.options import wire_spec
+    from fp8comm.quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_sum
+
+    spec = wire_spec()  # the collectives' defaults: E4M3, 1x128 fp32 scales, nearest, backend auto
+    fmt, sc = spec.fmt, spec.scaling
+    n, L = x16.numel(), x16.numel() // world
+
+    def be(numel):
+        return spec.kernel_backend(x16.device, numel)
+
+    one = ChunkLayout((1,), n, sc)
+    ag_send = torch.empty(one.total_bytes, dtype=torch.uint8)
+    ag_recv, ag_dest = ag_send.repeat(world), torch.empty(world, n, dtype=torch.bfloat16)
+    rsl = ChunkLayout((1,) * world, L, sc)
+    rs_send, rs_acc = torch.empty(rsl.total_bytes, dtype=torch.uint8), torch.empty(1, L)
+    tl = ChunkLayout((tok.shape[0] // world,) * world, tok.shape[1], sc)
+    a2a_send, a2a_out = torch.empty(tl.total_bytes, dtype=torch.uint8), torch.empty_like(tok)
+
+    def ag():
+        pack_chunks(x16.view(1, n), one, fmt, "nearest", 0, out=ag_send, backend=be(n))
+        unpack_chunks(ag_recv, one.with_rows((1,) * world), fmt, torch.bfloat16, out=ag_dest, backend=be(world * n))
+
+    def rs():
+        pack_chunks(x32.view(world, L), rsl, fmt, "nearest", 0, out=rs_send, backend=be(n))
+        unpack_sum(rs_send, rsl, fmt, out=rs_acc, backend=be(n))
+
+    def a2a():
+        pack_chunks(tok, tl, fmt, "nearest", 0, out=a2a_send, backend=be(tok.numel()))
+        unpack_chunks(a2a_send, tl, fmt, torch.bfloat16, out=a2a_out, backend=be(tok.numel()))
+
+    return {"codec.ag": ag, "codec.rs": rs, "codec.a2a": a2a}
+
+
+def worker(a) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from fp8comm.distributed import init_distributed
+
+    torch.set_num_threads(a.threads)
+    info = init_distributed(timeout_s=a.timeout)
+    rank, world, local = info.rank, info.world_size, info.local_world_size
+    keys = [k for k, _, _ in VARIANTS if any(k.startswith(p) for p in a.ops.split(","))]
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+    rows = []
+    for mib in [float(s) for s in a.sizes_mib.split(",")]:
+        n, fns = _variants(keys, mib, world, local)
+        names = list(fns)
+        reps = a.reps if mib >= a.full_reps_from_mib else max(3, a.reps // 2)
+        times = {k: [] for k in names}
+        link = {k: [] for k in names}
+        for r in range(a.warmup + reps):
+            order = names[r % len(names):] + names[:r % len(names)]  # rotate: no variant always goes first
+            dt = torch.zeros(len(names), dtype=torch.float64)
+            lb = torch.zeros(len(names), dtype=torch.float64)
+            for k in order:
+                dist.barrier()
+                tx0 = link_bytes()[0]
+                t0 = time.perf_counter()
+                fns[k]()
+                dt[names.index(k)] = time.perf_counter() - t0
+                dist.barrier()  # every rank done: this node's link counter holds the whole op (+ one barrier)
+                lb[names.index(k)] = link_bytes()[0] - tx0
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if r >= a.warmup:
+                for i, k in enumerate(names):
+                    times[k].append(float(dt[i]))
+                    link[k].append(float(lb[i]))
+        for k in names:
+            rows.append({"key": k, "mib": mib, "elements": n, "median_s": statistics.median(times[k]),
+                         "times_s": times[k], "link_tx_bytes": statistics.median(link[k]) if rank == 0 else None})
+        if rank == 0:
+            print(f"[scaling] {world // local} node(s) x {local} ranks, {mib:g} MiB: " +
+                  ", ".join(f"{k} {statistics.median(times[k]) * 1e3:.0f} ms" for k in names), flush=True)
+        del fns
+    if rank == 0:
+        meta = {"nodes": world // local, "ranks_per_node": local, "world": world, "rate": a.rate,
+                "reps": a.reps, "warmup": a.warmup, "threads": a.threads, "machine": machine(),
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "torch": torch.__version__, "load": load}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+def machine() -> str:
+    cpu = ""
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cores {cpu}".strip()
+
+
+# ------------------------------------------------------------------------------------------- driver (root)
+def drive(cluster, argv) -> int:
+    """Run the whole benchmark on `cluster` (a launch/cluster.py Cluster): up, every node count, down, report."""
+    p = argparse.ArgumentParser(prog="cluster.py bench", description="scaling benchmark on the simulated cluster")
+    p.add_argument("--nodes", default="1,2,3", help="node counts (2 ranks each)")
+    p.add_argument("--rate", default="1gbit", help="link rate per direction (tc tbf)")
+    p.add_argument("--sizes-mib", default="1,4,16,32,64")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--ops", default="ag,rs,a2a,codec")
+    p.add_argument("--train-steps", type=int, default=14, help="0: skip the training rows")
+    p.add_argument("--train-dim", type=int, default=2048)
+    p.add_argument("--out-dir", default="bench_out/scaling")
+    p.add_argument("--plots", default="docs/img", help="folder for scaling_nodes.png / scaling_sizes.png")
+    p.add_argument("--timeout", type=float, default=1800, help="per launch (s)")
+    a = p.parse_args(argv)
+    nodes = [int(v) for v in a.nodes.split(",")]
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rc = 0
+    try:
+        cluster.up(max(nodes), a.rate)
+        for k in nodes:
+            rc |= cluster.run(["-m", "fp8comm.bench.scaling", "worker", "--out", str(out / f"coll_n{k}.json"),
+                               "--sizes-mib", a.sizes_mib, "--reps", str(a.reps), "--ops", a.ops, "--rate", a.rate],
+                              nnodes=k, timeout=a.timeout, log_dir=out / f"logs_coll_n{k}")
+            if a.train_steps:
+                rc |= cluster.run([str(Path(__file__).resolve().parents[2] / "launch" / "train_demo.py"), "--modes",
+                                   "fp8,bf16,fp32", "--steps", str(a.train_steps), "--dim", str(a.train_dim),
+                                   "--json", str(out / f"train_n{k}.json")],
+                                  nnodes=k, timeout=a.timeout, log_dir=out / f"logs_train_n{k}")
+    finally:
+        cluster.down(quiet=True)
+    text = report(out, a.plots)
+    (out / "report.md").write_text(text)
+    print(text)
+    return rc
+
+
+# ------------------------------------------------------------------------------------------------- report
+def _load(out: Path, kind: str) -> dict:
+    res = {}
+    for f in sorted(out.glob(f"{kind}_n*.json")):
+        res[int(f.stem.split("_n")[1])] = json.loads(f.read_text())
+    return res
+
+
+def _cv(ts) -> float:
+    return 100 * statistics.pstdev(ts) / statistics.mean(ts) if len(ts) > 1 else 0.0
+
+
+def report(out: Path, plots: str | None = None) -> str:
+    out = Path(out)
+    coll, train = _load(out, "coll"), _load(out, "train")
+    if not coll:
+        return f"no results in {out}"
+    m0 = next(iter(coll.values()))["meta"]
+    lines = [f"Run {m0['date']} on {m0['machine']}, torch {m0['torch']}; links {m0['rate']} per direction (tc tbf "
+             f"on both ends of each node's veth); {m0['ranks_per_node']} ranks per node, {m0['threads']} thread "
+             f"each, all nodes sharing this machine's CPUs. Medians of {m0['reps']} repetitions (sizes < 16 MiB: "
+             f"fewer), each the slowest rank's time, variants interleaved in one run. Load average at start: "
+             f"{m0.get('load', '?')}.", ""]
+    lines += ["| nodes | op | MiB/rank | FP8 variant | ms | baseline | ms | speedup | link MB FP8 / base "
+              "| CV% FP8 / base |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for k, d in sorted(coll.items()):
+        rows = {(r["key"], r["mib"]): r for r in d["rows"]}
+        for mib in sorted({r["mib"] for r in d["rows"]}):
+            if mib < 16:
+                continue
+            for f8, base in RATIOS:
+                a, b = rows.get((f8, mib)), rows.get((base, mib))
+                if not a or not b:
+                    continue
+                la, lb = a.get("link_tx_bytes"), b.get("link_tx_bytes")
+                link = f"{la / 1e6:.1f} / {lb / 1e6:.1f}" if k > 1 and la is not None and lb else "-"
+                size = a["elements"] * 2 / 2**20
+                lines.append(f"| {k} | {_OPS[f8]} | {size:.1f} | {f8} | {a['median_s'] * 1e3:.0f} | {base} | "
+                             f"{b['median_s'] * 1e3:.0f} | **{b['median_s'] / a['median_s']:.2f}x** | {link} | "
+                             f"{_cv(a['times_s']):.0f} / {_cv(b['times_s']):.0f} |")
+    codec = [(k, r) for k, d in sorted(coll.items()) for r in d["rows"] if r["key"].startswith("codec.")
+             and r["mib"] >= 16]
+    if codec:
+        lines += ["", "CPU work of the FP8 rows alone (quantize + dequantize, no communication, every rank at once):",
+                  "", "| nodes | MiB | all-gather codec ms | reduce-scatter codec ms | all-to-all codec ms |",
+                  "|---|---|---|---|---|"]
+        for k in sorted({k for k, _ in codec}):
+            for mib in sorted({r["mib"] for kk, r in codec if kk == k}):
+                got = {r["key"]: r["median_s"] for kk, r in codec if kk == k and r["mib"] == mib}
+                lines.append(f"| {k} | {mib:g} | " + " | ".join(
+                    f"{got[c] * 1e3:.0f}" if c in got else "-" for c in ("codec.ag", "codec.rs", "codec.a2a")) + " |")
+    if train:
+        lines += ["", "Training step (launch/train_demo.py: ZeRO-style, weights all-gathered and gradients "
+                      "reduce-scattered each step, the three modes interleaved in one run):", "",
+                  "| nodes | params | FP8 step ms | bf16 step ms | fp32 step ms | bf16/FP8 | fp32/FP8 | final loss "
+                  "FP8 / bf16 / fp32 |", "|---|---|---|---|---|---|---|---|"]
+        for k, t in sorted(train.items()):
+            ms = {m: v["median_step_s"] for m, v in t["modes"].items()}
+            loss = " / ".join(f"{t['modes'][m]['final_loss']:.4f}" for m in ("fp8", "bf16", "fp32"))
+            lines.append(f"| {k} | {t['params'] / 1e6:.1f}M | {ms['fp8'] * 1e3:.0f} | {ms['bf16'] * 1e3:.0f} | "
+                         f"{ms['fp32'] * 1e3:.0f} | {ms['bf16'] / ms['fp8']:.2f}x | {ms['fp32'] / ms['fp8']:.2f}x | "
+                         f"{loss} |")
+    if plots:
+        made = _plots(coll, Path(plots))
+        lines += ["", *[f"![{n}]({p})" for n, p in made]]
+    return "\n".join(lines) + "\n"
+
+
+_OPS = {k: op for k, op, _ in VARIANTS}
+
+
+def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    groups = [("all_gather", ["ag.fp8", "ag.fp8_b4", "ag.bf16"]),
+              ("reduce_scatter", ["rs.fp8_f32", "rs.fp8_hier", "rs.bf16", "rs.fp32"]),
+              ("all_to_all", ["a2a.fp8", "a2a.bf16"])]
+    made = []
+    rate = next(iter(coll.values()))["meta"]["rate"]
+    big = max(r["mib"] for d in coll.values() for r in d["rows"] if r["mib"] <= 32)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (op, keys) in zip(axes, groups):
+        for key in keys:
+            xs = [(k, r["median_s"]) for k, d in sorted(coll.items()) for r in d["rows"]
+                  if r["key"] == key and r["mib"] == big]
+            if xs:
+                ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=key)
+        ax.set(title=f"{op}, {big:g} MiB per rank", xlabel="nodes (2 ranks each)", ylabel="ms (median)")
+        ax.set_xticks(sorted(coll))
+        ax.legend(fontsize=8)
+    fig.suptitle(f"fp8comm on the simulated cluster: time vs nodes ({rate} links)")
+    fig.tight_layout()
+    fig.savefig(folder / "scaling_nodes.png", dpi=90)
+    made.append(("time vs nodes", str(folder / "scaling_nodes.png")))
+    k = 2 if 2 in coll else max(coll)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (op, keys) in zip(axes, groups):
+        for key in keys:
+            xs = sorted((r["mib"], r["median_s"]) for r in coll[k]["rows"] if r["key"] == key)
+            if xs:
+                ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=key)
+        ax.set(title=f"{op}, {k} nodes", xlabel="MiB per rank (bf16)", ylabel="ms (median)", xscale="log",
+               yscale="log")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"fp8comm on the simulated cluster: time vs message size ({k} nodes x 2 ranks, {rate})")
+    fig.tight_layout()
+    fig.savefig(folder / "scaling_sizes.png", dpi=90)
+    made.append(("time vs message size", str(folder / "scaling_sizes.png")))
+    plt.close("all")
+    return made
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker", help="one rank of the collectives benchmark (under torchrun)")
+    w.add_argument("--out", required=True)
+    w.add_argument("--sizes-mib", default="1,4,16,32,64")
+    w.add_argument("--ops", default="ag,rs,a2a,codec", help="prefixes of variant keys")
+    w.add_argument("--reps", type=int, default=7)
+    w.add_argument("--full-reps-from-mib", type=float, default=16, help="smaller sizes run reps//2 (>= 3)")
+    w.add_argument("--warmup", type=int, default=1)
+    w.add_argument("--threads", type=int, default=1)
+    w.add_argument("--rate", default="?", help="link rate, recorded in the JSON")
+    w.add_argument("--timeout", type=float, default=900, help="collective timeout (s)")
+    r = sub.add_parser("report", help="markdown tables + plots from a results folder")
+    r.add_argument("dir")
+    r.add_argument("--plots", default=None, help="also write plots into this folder")
+    a = p.parse_args(argv)
+    if a.cmd == "worker":
+        return worker(a)
+    print(report(Path(a.dir), a.plots))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
