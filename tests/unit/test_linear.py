@@ -1,0 +1,218 @@
+"""Fp8Linear: forward, dgrad and wgrad of every recipe against float64 references; inf/NaN; zero-size; caching."""
+import pytest
+import torch
+from torch import nn
+
+from fp8comm.gemm import RECIPES, Fp8Linear, Telemetry, backends, get_recipe, telemetry
+from fp8comm.quant import dequantize
+
+# normwise relative error bounds vs the unquantized float64 product (FP8 rounding of both operands):
+# e4m3 keeps 3 mantissa bits (~2.5% rms per element), e5m2 keeps 2 (~5%)
+BOUND = {"e4m3": 0.06, "e5m2": 0.10}
+
+
+def _capture(layer):
+    """Record every (role, primary, Fp8Tensor) that the layer quantizes."""
+    seen = []
+    orig = layer._quantize
+
+    def spy(t, role, primary=True):
+        q = orig(t, role, primary)
+        seen.append((role, primary, q))
+        return q
+    layer._quantize = spy
+    return seen
+
+
+def _deq64(q):
+    return dequantize(q, torch.float64)
+
+
+def _data(m_shape, k, n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*m_shape, k, generator=g) * torch.logspace(-1, 1, k)).to(dtype)
+    w = torch.randn(n, k, generator=g) * 0.05
+    dy = (torch.randn(*m_shape, n, generator=g) * 1e-3).to(dtype)
+    return x, w, dy
+
+
+def _nrel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+CASES = [((37,), 200, 72), ((2, 3, 64), 256, 128), ((130,), 96, 40)]
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=["2d-odd", "3d", "2d-tall"])
+def test_forward_and_gradients_match_float64(recipe, dtype, case):
+    m_shape, k, n = case
+    x, w, dy = _data(m_shape, k, n, dtype)
+    layer = Fp8Linear(k, n, bias=True, recipe=recipe)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(torch.linspace(-1, 1, n))
+    seen = _capture(layer)
+    xr = x.clone().requires_grad_()
+    y = layer(xr)
+    y.backward(dy)
+    assert y.shape == (*m_shape, n) and y.dtype == dtype
+    assert xr.grad.dtype == dtype and layer.weight.grad.dtype == torch.float32
+
+    q = {(role, p): qq for role, p, qq in seen}
+    xq, wq, dyq = q[("input", True)], q[("weight", True)], q[("grad", True)]
+    r = get_recipe(recipe)
+    # 1) exactness: each GEMM equals float64 on the dequantized FP8 operands it was given
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    y64 = _deq64(xq).reshape(-1, k) @ _deq64(wq).t() + layer.bias.double()
+    assert _nrel(y.reshape(-1, n), y64) < tol
+    w_t = backends.transpose(wq) if r.weight.transpose_invariant else q[("weight", False)]
+    dx64 = _deq64(dyq).reshape(-1, n) @ _deq64(w_t).t()
+    assert _nrel(xr.grad.reshape(-1, k), dx64) < tol
+    x_t = backends.transpose(xq) if r.input.transpose_invariant else q[("input", False)]
+    dy_t = backends.transpose(dyq) if r.grad.transpose_invariant else q[("grad", False)]
+    dw64 = _deq64(dy_t) @ _deq64(x_t).t()
+    assert _nrel(layer.weight.grad, dw64) < 1e-5
+    torch.testing.assert_close(layer.bias.grad.double(), dy.double().reshape(-1, n).sum(0), rtol=1e-5,
+                               atol=1e-6)
+
+    # 2) accuracy: within the recipe's FP8 error of the unquantized float64 computation
+    x64, w64, dy64 = x.double().reshape(-1, k), w.double(), dy.double().reshape(-1, n)
+    fx, fw, fg = BOUND[r.input.fmt], BOUND[r.weight.fmt], BOUND[r.grad.fmt]
+    slack = 3.0 if recipe in ("fp8_noscale", "cscale") else 1.0  # no scaling: small values lose bits
+    assert _nrel(y.reshape(-1, n), x64 @ w64.t() + layer.bias.double()) < slack * max(fx, fw)
+    assert _nrel(xr.grad.reshape(-1, k), dy64 @ w64) < slack * max(fg, fw)
+    assert _nrel(layer.weight.grad, dy64.t() @ x64) < slack * max(fg, fx)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise", "rowwise", "mxfp8", "delayed"])
+def test_zero_size_batch(recipe):
+    layer = Fp8Linear(64, 32, recipe=recipe)
+    x = torch.zeros(0, 7, 64, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 7, 32)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(layer.weight.grad, torch.zeros_like(layer.weight))
+    assert torch.equal(layer.bias.grad, torch.zeros_like(layer.bias))
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "fp8_amax", "delayed", "mxfp8"])
+def test_inf_nan_propagate_and_are_counted(recipe):
+    layer = Fp8Linear(128, 64, recipe=recipe)
+    tel = Telemetry().attach(nn.Sequential(layer))
+    telemetry.reset_counters()
+    x = torch.randn(16, 128)
+    x[3, 7] = float("inf")
+    x[9, 0] = float("nan")
+    xr = x.clone().requires_grad_()
+    y = layer(xr)
+    bad = ~torch.isfinite(y)
+    assert bad[3].all() and bad[9].all()
+    if recipe in ("blockwise", "mxfp8"):  # per-token scales: other tokens are untouched
+        assert torch.isfinite(y[[0, 1, 2, 4]]).all()
+    dy = torch.randn_like(y) * 1e-3
+    dy[5, 2] = float("nan")
+    y.backward(torch.where(torch.isfinite(y), dy, torch.zeros_like(dy)))
+    assert not torch.isfinite(xr.grad[5]).all()  # NaN in the gradient reaches dgrad
+    assert not torch.isfinite(layer.weight.grad).all()  # and wgrad
+    assert tel.nonfinite[("0", "input")] == 2 and tel.nonfinite[("0", "grad")] == 1
+    assert telemetry.counters("nonfinite.") == {"nonfinite.grad": 1, "nonfinite.input": 2}
+
+
+def test_weight_quantized_once_per_optimizer_step():
+    layer = Fp8Linear(64, 32, recipe="blockwise")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for step in range(3):
+        for _ in range(4):  # micro-batches with gradient accumulation
+            layer(torch.randn(8, 64)).sum().backward()
+        assert layer.weight_quantizations == step + 1
+        opt.step()
+        opt.zero_grad()
+    layer(torch.randn(8, 64))
+    assert layer.weight_quantizations == 4
+
+
+def test_rowwise_weight_transpose_cached_per_step():
+    layer = Fp8Linear(64, 32, recipe="rowwise")
+    seen = _capture(layer)
+    for _ in range(3):
+        layer(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    assert sum(1 for role, p, _ in seen if role == "weight" and not p) == 1  # W^T quantized once, then cached
+
+
+def test_matches_nn_linear_state_dict_and_from_linear():
+    lin = nn.Linear(48, 24)
+    f = Fp8Linear.from_linear(lin, "tensorwise")
+    assert f.weight is lin.weight and f.bias is lin.bias
+    assert list(f.state_dict()) == list(lin.state_dict()) == ["weight", "bias"]
+    assert "recipe=tensorwise" in repr(f)
+    x = torch.randn(5, 48)
+    assert _nrel(f(x), lin(x)) < 0.06
+
+
+def test_bad_input_raises():
+    layer = Fp8Linear(32, 16)
+    with pytest.raises(ValueError, match="last dim 32"):
+        layer(torch.randn(4, 31))
+    with pytest.raises(TypeError, match="float32/bfloat16"):
+        layer(torch.ones(4, 32, dtype=torch.int64))
+    with pytest.raises(ValueError, match="unknown recipe"):
+        Fp8Linear(32, 16, recipe="fp4")
+    with pytest.raises(ValueError, match="unknown GEMM backend"):
+        Fp8Linear(32, 16, backend="cublas")
+
+
+def test_autocast_output_dtype_like_nn_linear():
+    layer = Fp8Linear(64, 32, recipe="blockwise")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(torch.randn(4, 64))
+    assert y.dtype == torch.bfloat16
+
+
+def test_recipe_validation():
+    from fp8comm.gemm import RoleConfig
+    with pytest.raises(ValueError, match="granularity must be 'tensor'"):
+        RoleConfig("e4m3", "block", source="delayed")
+    with pytest.raises(ValueError, match="unknown FP8 format"):
+        RoleConfig("e3m4")
+    with pytest.raises(ValueError, match="unknown recipe"):
+        get_recipe("nope")
+    assert get_recipe("cscale", constant_bias=3).constant_bias == 3
+    with pytest.raises(Exception):  # frozen
+        get_recipe("blockwise").name = "x"
+    assert "128x128" in get_recipe("blockwise").describe()
+
+
+def test_works_under_torch_compile_fullgraph():
+    """The whole layer (quantizers, GEMM, autograd.Function) traces as one graph; numerics equal eager."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 32, recipe="blockwise", quant_backend="reference")
+    x = torch.randn(16, 64, requires_grad=True)
+    y = layer(x)
+    y.backward(torch.ones_like(y))
+    gx, gw = x.grad.clone(), layer.weight.grad.clone()
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    yc = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    yc.backward(torch.ones_like(yc))
+    torch.testing.assert_close(yc, y, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, gx, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.weight.grad, gw, rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_under_torch_compile_matches_eager():
+    """Delayed scaling mutates its amax history: compile splits the graph there and the results still match."""
+    torch.manual_seed(0)
+    a = Fp8Linear(64, 32, recipe="delayed", quant_backend="reference")
+    b = Fp8Linear(64, 32, recipe="delayed", quant_backend="reference")
+    b.load_state_dict(a.state_dict())
+    cb = torch.compile(b, backend="aot_eager")
+    for i in range(3):
+        x = torch.randn(16, 64) * (i + 1)
+        ya, yb = a(x), cb(x)
+        ya.sum().backward()
+        yb.sum().backward()
+        torch.testing.assert_close(yb, ya, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(b.grad_amax_history, a.grad_amax_history)
+    torch.testing.assert_close(b.input_amax_history, a.input_amax_history)
