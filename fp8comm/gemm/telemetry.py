@@ -31,7 +31,8 @@ def reset_counters() -> None:
 
 @dataclass
 class Record:
-    """One quantization of one tensor: `scale_log2_*` summarize log2 of its dequant scales over blocks."""
+    """One quantization of one tensor: `scale_log2_*` summarize log2 of its dequant scales over the blocks that
+    hold a non-zero value."""
 
     step: int
     layer: str
@@ -97,7 +98,10 @@ class Telemetry:
         lim = expand_scale(q.scale.float(), m, k, q.scaling) * q.fmt.max if x2.numel() else x2
         n_fin = int(finite.sum())
         over = int((finite & (x2.abs() > lim)).sum()) / n_fin if n_fin else 0.0
-        ls = torch.log2(q.scale.float().reshape(-1))
+        ls = q.scale.float().reshape(-1)
+        if q.amax is not None and q.amax.numel() == ls.numel():  # all-zero blocks get scale 1 by convention:
+            ls = ls[q.amax.reshape(-1) > 0]                        # they carry no information, leave them out
+        ls = torch.log2(ls)
         if ls.numel() == 0:
             ls = torch.zeros(1)
         amax = float(q.amax.max()) if q.amax is not None and q.amax.numel() else 0.0

@@ -99,7 +99,7 @@ def test_nonfinite_codes_propagate():
 def test_bad_operands_raise_clear_errors():
     a, b = _operands(8, 8, 64, "tensor")
     with pytest.raises(ValueError, match="contraction dims"):
-        backends.gemm(a, backends.transpose(b)[:, :8] if False else _operands(8, 8, 32, "tensor")[1])
+        backends.gemm(a, _operands(8, 8, 32, "tensor")[1])
     with pytest.raises(ValueError, match="unknown GEMM backend"):
         backends.gemm(a, b, backend="cublas")
     blk = _operands(8, 8, 128, "block_1x128_1x128")[0]
