@@ -159,3 +159,19 @@ def test_bench_gemm_command_prints_ratios(capsys):
     assert "| gemm | 32x48x64 | blockwise | emulation |" in out
     assert "| gemm | 32x48x64 | mxfp8 | scaled_mm | error: NotImplementedError" in out
     assert "| linear | 32x64->16 | blockwise | emulation:3 |" in out
+
+
+def test_failing_backend_is_routed_around_visibly(monkeypatch, caplog):
+    """A backend that raises is recorded, warned about once, counted, and skipped from then on (never bf16)."""
+    a, b = _operands(16, 16, 64, "mx")
+    monkeypatch.setattr(backends, "_candidates", lambda *_: [("scaled_mm", ""), ("emulation", "fallback")])
+    backends._failed.clear()
+    telemetry.reset_counters()
+    with caplog.at_level(logging.WARNING, logger="fp8comm.gemm"):
+        out1 = backends.gemm(a, b)
+        out2 = backends.gemm(a, b)
+    assert torch.equal(out1, backends.emulate(a, b)) and torch.equal(out2, out1)
+    assert telemetry.counters("gemm.") == {"gemm.scaled_mm": 1, "gemm.scaled_mm.failed": 1,
+                                           "gemm.emulation.fallback": 2}
+    assert sum("routing to emulation" in r.getMessage() for r in caplog.records) == 1
+    backends._failed.clear()
