@@ -149,7 +149,7 @@ class Fp8Linear(nn.Linear):
         """The FP8 weight for the forward GEMM, cached until the weight changes (eager mode)."""
         w = self.weight
         if torch.compiler.is_compiling():  # traced graphs cannot read the version counter: quantize inline
-            return self._quantize(w.detach(), "weight", primary=False)
+            return self._quantize(w.detach(), "weight")
         key = (w._version, w.data_ptr(), w.dtype, w.device, w.shape)
         if self._wcache is None or self._wcache[0] != key:
             self._wcache = (key, self._quantize_weight(), None)
