@@ -18,23 +18,14 @@ from pathlib import Path
 PG_TIMEOUT_S = 45
 
 
-def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list[str] | None) -> None:
-    os.environ.update(env)
-    sys.path.insert(0, str(Path(__file__).parent))
+def run_checks(dist_checks, rank: int, world: int, out, names: list[str] | None) -> None:
+    """Run the named checks (default all) on this rank, one JSON line each; stop everywhere after a failure."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # W ranks share 2 cores
-    out = open(Path(outdir) / f"rank{rank}.jsonl", "w", buffering=1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    import dist_checks
-
     # A separate group for the per-check status exchange: its sequence never mixes with a failed check's ops.
     status_group = dist.new_group(backend="gloo")
-    checks = [c for c in dist_checks.CHECKS if names is None or c.__name__ in names]
-    for fn in checks:
+    for fn in [c for c in dist_checks.CHECKS if names is None or c.__name__ in names]:
         ctx = dist_checks.Ctx(rank, world)
         out.write(json.dumps({"check": fn.__name__, "state": "started"}) + "\n")
         t0 = time.perf_counter()
@@ -53,6 +44,22 @@ def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list
             out.write(json.dumps({"check": "*", "state": "stopped", "after": fn.__name__}) + "\n")
             break
     dist.barrier(group=status_group)
+
+
+def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list[str] | None) -> None:
+    os.environ.update(env)
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # W ranks share 2 cores
+    out = open(Path(outdir) / f"rank{rank}.jsonl", "w", buffering=1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    import dist_checks
+
+    run_checks(dist_checks, rank, world, out, names)
     dist.destroy_process_group()
     out.close()
 
