@@ -47,6 +47,19 @@ def _reduce_op(op) -> tuple[int, tuple[str, str] | None]:
     return _OPS[op], None
 
 
+def _meta(name: str, x, what: str, output=None, op=None) -> Meta:
+    """The call's metadata with every local input problem recorded (nothing raises before the cross-rank check)."""
+    meta = Meta(name, dtype=getattr(x, "dtype", None), shape=tuple(getattr(x, "shape", ())))
+    flat = output is not None  # into-buffer variants take flat buffers, so 0-d inputs are fine there
+    meta.fail(tensor_problem(x, what, allow_0d=flat) if flat else tensor_problem(x, what))
+    if flat:
+        meta.fail(tensor_problem(output, "output", allow_0d=True))
+    if op is not None:
+        meta.reduce_op, p = _reduce_op(op)
+        meta.fail(p)
+    return meta
+
+
 def _hier(hierarchical, group, meta: Meta):
     """Validate hierarchical mode now; the groups themselves are created only after the metadata check passed."""
     meta.hier, problem = precheck(hierarchical, group)
@@ -71,8 +84,7 @@ def _guard(call: Call, fn):
 # ---------------------------------------------------------------------------------------------- all-gather
 def all_gather(tensor: torch.Tensor, group=None, *, async_op: bool = False, hierarchical=None, **kw):
     """Concatenation along dim 0 of every rank's tensor, in its dtype; bit-identical on every rank (owner too)."""
-    meta = Meta("all_gather", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
-    meta.fail(tensor_problem(tensor, "tensor"))
+    meta = _meta("all_gather", tensor, "tensor")
     hg = _hier(hierarchical, group, meta)
     call = _start("all_gather", group, meta, kw)
     hg = hg()
@@ -84,9 +96,7 @@ def all_gather(tensor: torch.Tensor, group=None, *, async_op: bool = False, hier
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False,
                     hierarchical=None, **kw):
     """Flat-buffer all-gather: output (world * input.numel() elements, any float dtype) <- every rank's input."""
-    meta = Meta("all_gather", dtype=getattr(input, "dtype", None), shape=tuple(getattr(input, "shape", ())))
-    meta.fail(tensor_problem(input, "input", allow_0d=True))
-    meta.fail(tensor_problem(output, "output", allow_0d=True))
+    meta = _meta("all_gather", input, "input", output)
     if meta.error is None:
         meta.shape = (input.numel(),)  # flat semantics: only the element count must agree across ranks
         world = group_rank_size(group)[1]
@@ -129,10 +139,7 @@ def reduce_scatter(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool
 
     Chunks are padded to c rows, so the last ranks may get fewer (or zero) rows when dim 0 does not divide.
     """
-    meta = Meta("reduce_scatter", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
-    meta.fail(tensor_problem(tensor, "tensor"))
-    meta.reduce_op, p = _reduce_op(op)
-    meta.fail(p)
+    meta = _meta("reduce_scatter", tensor, "tensor", op=op)
     hg = _hier(hierarchical, group, meta)
     call = _start("reduce_scatter", group, meta, kw)
     hg = hg()
@@ -145,11 +152,7 @@ def reduce_scatter(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, op="sum", *, async_op: bool = False,
                         hierarchical=None, error_feedback: ErrorFeedback | None = None, **kw):
     """Flat-buffer reduce-scatter: output <- elements [r*L, r*L + output.numel()) of the sum, L = ceil(N / world)."""
-    meta = Meta("reduce_scatter", dtype=getattr(input, "dtype", None), shape=tuple(getattr(input, "shape", ())))
-    meta.fail(tensor_problem(input, "input", allow_0d=True))
-    meta.fail(tensor_problem(output, "output", allow_0d=True))
-    meta.reduce_op, p = _reduce_op(op)
-    meta.fail(p)
+    meta = _meta("reduce_scatter", input, "input", output, op)
     if meta.error is None:
         meta.shape = (input.numel(),)
         rank, world = group_rank_size(group)
@@ -204,11 +207,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool = F
 def all_reduce_into(output: torch.Tensor, input: torch.Tensor, group=None, op="sum", *, async_op: bool = False,
                     hierarchical=None, error_feedback: ErrorFeedback | None = None, **kw):
     """Flat-buffer all-reduce: output (same numel as input; may BE input) <- sum/mean of every rank's input."""
-    meta = Meta("all_reduce", dtype=getattr(input, "dtype", None), shape=tuple(getattr(input, "shape", ())))
-    meta.fail(tensor_problem(input, "input", allow_0d=True))
-    meta.fail(tensor_problem(output, "output", allow_0d=True))
-    meta.reduce_op, p = _reduce_op(op)
-    meta.fail(p)
+    meta = _meta("all_reduce", input, "input", output, op)
     if meta.error is None:
         meta.shape = (input.numel(),)
         if output.numel() != input.numel() or output.device != input.device:
