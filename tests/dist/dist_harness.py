@@ -65,16 +65,20 @@ def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list
 
 
 def launch(world: int, outdir: Path, env: dict | None = None, names: list[str] | None = None,
-           timeout: float = 300.0) -> dict:
-    """Run the checks on `world` ranks; returns {"exitcodes", "timed_out", "results": {rank: [records]}}."""
+           timeout: float = 300.0, target=None, store_timeout_s: float = 60.0) -> dict:
+    """Run `target(rank, world, port, outdir, env, names)` (default: this module's checks) on `world` ranks.
+
+    Returns {"exitcodes", "timed_out", "seconds", "results": {rank: [JSON-line records]}}.
+    """
     import torch.distributed as dist
 
     outdir.mkdir(parents=True, exist_ok=True)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+                          timeout=datetime.timedelta(seconds=store_timeout_s))
     env = dict(env or {})
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, world, store.port, str(outdir), env, names), daemon=True)
+    t0 = time.monotonic()
+    procs = [ctx.Process(target=target or worker, args=(r, world, store.port, str(outdir), env, names), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -91,7 +95,8 @@ def launch(world: int, outdir: Path, env: dict | None = None, names: list[str] |
         f = outdir / f"rank{r}.jsonl"
         results[r] = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
     del store
-    return {"exitcodes": [p.exitcode for p in procs], "timed_out": timed_out, "results": results}
+    return {"exitcodes": [p.exitcode for p in procs], "timed_out": timed_out, "results": results,
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 def failures(run: dict) -> list[str]:

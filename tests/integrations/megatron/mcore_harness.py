@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -67,31 +66,12 @@ def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list
 
 
 def launch(world: int, names: list[str], outdir: Path, env: dict | None = None, timeout: float = 240.0) -> dict:
-    import torch.distributed as dist
+    """Run the named checks on `world` ranks through the shared launcher in tests/dist/dist_harness.py."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
+    import dist_harness
 
-    outdir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, world, store.port, str(outdir), dict(env or {}), names),
-                         daemon=True) for r in range(world)]
-    t0 = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, t0 + timeout - time.monotonic()))
-    timed_out = any(p.is_alive() for p in procs)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    results = {}
-    for r in range(world):
-        f = outdir / f"rank{r}.jsonl"
-        results[r] = [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
-    del store
-    return {"exitcodes": [p.exitcode for p in procs], "timed_out": timed_out, "results": results,
-            "seconds": round(time.monotonic() - t0, 1)}
+    return dist_harness.launch(world, outdir, env=env, names=names, timeout=timeout, target=worker,
+                               store_timeout_s=120.0)
 
 
 def failures(run: dict, names: list[str]) -> list[str]:
