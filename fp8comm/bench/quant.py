@@ -6,12 +6,12 @@ import json
 import math
 import os
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
+from .gemm import bench
 from ..quant import (BlockScaling, DelayedScaling, MXScaling, RowScaling, Scaling, TensorScaling, get_format,
                      quantize)
 from ..quant import reference as ref
@@ -95,26 +95,16 @@ def view_x(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(view_2d(x.shape))
 
 
-def time_it(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def throughput(numel: int, reps: int) -> list[dict]:
     """Each available path quantizing bf16 -> FP8 + 1x128 scales, as a fraction of a plain copy, same run."""
     x = torch.randn(numel, dtype=torch.float32).to(torch.bfloat16).reshape(-1, 4096)
     rows = []
-    copy = time_it(lambda: x.clone(), reps)
+    copy = bench(lambda: x.clone(), reps, 1, x.device)
     rows.append({"path": "copy (x.clone)", "ms": copy * 1e3, "ratio_to_copy": 1.0})
     paths = ["reference", "compiled"] + (["triton"] if triton_available(x.device) else [])
     for p in paths:
-        t = time_it(lambda: quantize(x, "e4m3", 128, backend=p), reps)
-        rows.append({"path": f"quantize 1x128 [{p}]", "ms": t * 1e3, "ratio_to_copy": copy / t})
+        t = bench(lambda: quantize(x, "e4m3", 128, backend=p), reps, 1, x.device)
+        rows.append({"path": f"quantize 1x128 ({p})", "ms": t * 1e3, "ratio_to_copy": copy / t})
     return rows
 
 
