@@ -1,10 +1,20 @@
-"""torch.compile fast path for CPU: the reference functions compiled by inductor; bit-exact by test."""
+"""torch.compile fast path for CPU: the reference functions compiled by inductor; bit-exact by test.
+
+The wire functions (pack_chunks / unpack_chunks / unpack_sum) run ONE fused graph per chunk that reads the input
+once and writes straight into the destination: quantize writes codes and encoded scales into their places in the
+send buffer (no intermediate codes/scales tensors, no copies), dequantize writes into the caller's output (which may
+be a strided view, e.g. one pipeline piece of a bigger output), unpack_sum sums every chunk in chunk order in one
+pass. Single-threaded on this project's CPU (16 Mi elements): quantize 20 ms vs 49 ms unfused, dequantize to bf16
+17 ms vs 62 ms. Stochastic rounding keeps the unfused path (its seed changes every call).
+"""
 from __future__ import annotations
 
 import torch
 
 from . import backend_reference as _ref
 from . import reference as ref
+from .scaling import scale_from_amax
+from .tensor import encode_scales
 
 name = "compiled"
 
@@ -20,8 +30,6 @@ _dequant = torch.compile(ref.dequantize_2d)
 
 
 def quantize_2d(x2, fmt, scaling, rounding="nearest", seed=0, scale=None, index_base=0):
-    from .scaling import scale_from_amax
-
     amax = _amax(x2, scaling)
     if scale is None:
         scale = scale_from_amax(amax, fmt, scaling)
@@ -33,14 +41,133 @@ def dequantize_2d(codes, scale, fmt, scaling, out_dtype):
     return _dequant(codes, scale, fmt, scaling).to(out_dtype)
 
 
+# ------------------------------------------------------------------------------------------- fused wire graphs
+def _scale_bits(s: torch.Tensor, scaling) -> torch.Tensor:
+    """fp32 scales -> the wire bytes (same as tensor.encode_scales): the fp32 bytes, or the E8M0 exponent byte."""
+    if scaling.encoding == "e8m0":
+        return ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return s.view(torch.uint8)
+
+
+def _scale_values(b: torch.Tensor, scaling) -> torch.Tensor:
+    """Inverse of _scale_bits (tensor.decode_scales): fp32 scales from an fp32 view or E8M0 bytes."""
+    if scaling.encoding == "e8m0":
+        return (b.to(torch.int32) << 23).view(torch.float32)
+    return b
+
+
+def _quant_into(x2, fmt, scaling, codes_out, scale_out):
+    amax = ref.block_amax(x2, scaling)
+    s = scale_from_amax(amax, fmt, scaling)
+    codes_out.copy_(ref.encode(x2, s, scaling, fmt, "nearest", 0))
+    scale_out.copy_(_scale_bits(s, scaling).view(scale_out.shape))  # scale_out: bytes [rows, kb, scale_bytes]
+
+
+def _dequant_rows(codes, scale, fmt, scaling):
+    """ref.dequantize_2d for 1xB blocks with each scale broadcast along its block: the same fp32 products. (The
+    padded blocks view of the reference, copied into an output inside the graph, lost the partial last block.)"""
+    m, k = codes.shape
+    bc = scaling.block_shape(m, k)[1]
+    s = scale.float()[:, :, None].expand(m, scale.shape[1], bc).reshape(m, scale.shape[1] * bc)[:, :k]
+    return ref.decode(codes, fmt) * s
+
+
+def _deq_into(codes, sbytes, fmt, scaling, out):
+    out.copy_(_dequant_rows(codes, _scale_values(sbytes, scaling), fmt, scaling).to(out.dtype))
+
+
+def _sum_into(codes3, sbytes3, fmt, scaling, out):
+    # Same order and arithmetic as the reference (zeros, then += chunk 0, 1, ...). The reference sum can never be
+    # -0 (it starts at +0 and round-to-nearest gives +0 for exact zero sums); inductor compiles with
+    # -fno-signed-zeros, so the sign of zero is restored on the integer bits, where that flag does not apply.
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for c in range(codes3.shape[0]):
+        acc = acc + _dequant_rows(codes3[c], _scale_values(sbytes3[c], scaling), fmt, scaling)
+    bits = acc.view(torch.int32)
+    out.copy_(torch.where(bits == -(2**31), torch.zeros_like(bits), bits).view(torch.float32))
+
+
+_quant_into_c = torch.compile(_quant_into)
+_deq_into_c = torch.compile(_deq_into)
+_sum_into_c = torch.compile(_sum_into)
+
+
+def _scale_view(buf: torch.Tensor, off: int, rows: int, kb: int, scaling, raw: bool = False) -> torch.Tensor:
+    """The scale section of one chunk as [rows, kb] fp32 (4-byte scales; offsets are 16-byte aligned) or E8M0 bytes;
+    raw: as bytes [rows, kb, scale_bytes] (graphs cannot write through a view of another dtype)."""
+    n = rows * kb * scaling.scale_bytes
+    b = buf[off:off + n]
+    if raw:
+        return b.view(rows, kb, scaling.scale_bytes)
+    return (b if scaling.encoding == "e8m0" else b.view(torch.float32)).view(rows, kb)
+
+
+def _split(layout) -> tuple[int, int]:
+    """(columns in whole blocks, whole blocks): the graphs take whole blocks only; a partial last block (< B
+    columns) goes through the reference. (Inductor in torch 2.13 on CPU computed garbage for the columns past the
+    last multiple of 256 of a broadcast-scaled 320-wide row; whole 1xB blocks are what every big buffer has.)"""
+    bc = layout.block
+    kf = layout.k - layout.k % bc
+    return kf, kf // bc
+
+
 def pack_chunks(x2, layout, fmt, rounding, seed, out):
-    """Per-chunk work is the compiled quantizer; byte placement is shared with the reference."""
-    return _ref.pack_chunks(x2, layout, fmt, rounding, seed, out, quantize_fn=quantize_2d)
+    """Quantize straight into the send buffer: codes and encoded scales land in their wire places (one pass)."""
+    if rounding != "nearest":
+        return _ref.pack_chunks(x2, layout, fmt, rounding, seed, out, quantize_fn=quantize_2d)
+    k, kb, sc = layout.k, layout.kb, layout.scaling
+    kf, kbf = _split(layout)
+    for c, rows in enumerate(layout.rows):
+        o, r0, pb = layout.offsets[c], layout.row_starts[c], layout.payload_bytes(c)
+        nsb = rows * kb * sc.scale_bytes
+        if rows and k:
+            x = x2[r0:r0 + rows]
+            codes = out[o:o + rows * k].view(rows, k)
+            sbytes = _scale_view(out, o + pb, rows, kb, sc, raw=True)
+            if kf:
+                _quant_into_c(x[:, :kf], fmt, sc, codes[:, :kf], sbytes[:, :kbf])
+            if kf < k:
+                tc, ts, _ = ref.quantize_2d(x[:, kf:], fmt, sc)
+                codes[:, kf:] = tc
+                sbytes[:, kbf:] = encode_scales(ts.reshape(-1), sc).view(rows, kb - kbf, sc.scale_bytes)
+        out[o + rows * k:o + pb] = 0
+        out[o + pb + nsb:o + layout.chunk_bytes[c]] = 0
+    return out
 
 
 def unpack_chunks(buf, layout, fmt, out):
-    return _ref.unpack_chunks(buf, layout, fmt, out, dequantize_fn=_dequant)
+    k, kb, sc = layout.k, layout.kb, layout.scaling
+    kf, kbf = _split(layout)
+    for c, rows in enumerate(layout.rows):
+        if not rows or not k:
+            continue
+        o, r0 = layout.offsets[c], layout.row_starts[c]
+        codes = buf[o:o + rows * k].view(rows, k)
+        sv = _scale_view(buf, o + layout.payload_bytes(c), rows, kb, sc)
+        dst = out[r0:r0 + rows]
+        if kf:
+            _deq_into_c(codes[:, :kf], sv[:, :kbf], fmt, sc, dst[:, :kf])
+        if kf < k:
+            dst[:, kf:] = ref.dequantize_2d(codes[:, kf:], _scale_values(sv[:, kbf:], sc), fmt, sc).to(out.dtype)
+    return out
 
 
 def unpack_sum(buf, layout, fmt, out):
-    return _ref.unpack_sum(buf, layout, fmt, out, dequantize_fn=_dequant)
+    n, k, kb, sc = len(layout.rows), layout.k, layout.kb, layout.scaling
+    rows = layout.rows[0] if n else 0
+    if not n or not rows or not k:
+        return out.zero_()
+    kf, kbf = _split(layout)
+    cb, pb = layout.chunk_bytes[0], layout.payload_bytes(0)
+    chunks = buf[:n * cb].view(n, cb)
+    codes3 = chunks[:, :rows * k].view(n, rows, k)
+    sb = chunks[:, pb:pb + rows * kb * sc.scale_bytes]
+    sbytes3 = (sb if sc.encoding == "e8m0" else sb.view(torch.float32)).view(n, rows, kb)
+    if kf:
+        _sum_into_c(codes3[:, :, :kf], sbytes3[:, :, :kbf], fmt, sc, out[:, :kf])
+    if kf < k:
+        tail = torch.zeros(rows, k - kf)
+        for c in range(n):
+            tail += ref.dequantize_2d(codes3[c, :, kf:], _scale_values(sbytes3[c, :, kbf:], sc), fmt, sc)
+        out[:, kf:] = tail
+    return out

@@ -1,0 +1,66 @@
+"""The fused torch.compile wire graphs (quantize straight into the send buffer, dequantize into strided outputs,
+one-pass unpack_sum) are bit-exact against the reference backend, specials and signed zeros included."""
+import pytest
+import torch
+
+from fp8comm.quant import BlockScaling, ChunkLayout, MXScaling, Scaling, get_format
+from fp8comm.quant import pack_chunks, unpack_chunks, unpack_sum
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    if t.element_size() == 1:
+        return t.contiguous().view(torch.uint8)
+    t = t.float()
+    return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t).contiguous().view(torch.int32)
+
+
+def nasty(m: int, k: int, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-30, 30, m, base=2.0).unsqueeze(1)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    x[1, :64] = -0.0  # whole-zero (negative) block start: scale 1.0, codes -0
+    x[1, 64:70] = -1e-30  # underflows to -0 codes
+    x[-1, :] = 0.0  # an all-zero row
+    return x.to(dtype)
+
+
+# Each config compiles its own graphs (seconds each): the three scale encodings, a 1x32 and a whole-row block.
+CONFIGS = [("e4m3", BlockScaling(128), torch.bfloat16), ("e5m2", MXScaling(), torch.float32),
+           ("e4m3", Scaling(1, None, "pow2", 2), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("fmt,sc,dtype", CONFIGS, ids=lambda v: getattr(v, "describe", lambda: str(v))())
+def test_fused_wire_graphs_bit_exact(fmt, sc, dtype):
+    f = get_format(fmt)
+    rows, k = (3, 0, 4, 1), 320  # 320: a partial last 128-block
+    x = nasty(sum(rows), 2 * k, dtype, 1)[:, k // 2:k // 2 + k]  # a strided column piece, like a pipeline piece
+    lay = ChunkLayout(rows, k, sc)
+    got = torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8)  # garbage: padding must be zeroed
+    pack_chunks(x, lay, f, out=got, backend="compiled")
+    want = pack_chunks(x, lay, f, backend="reference")
+    assert torch.equal(got, want)
+    # dequantize into a strided slice of a wider output (the rest must stay untouched)
+    for odt in (torch.bfloat16, torch.float32):
+        wide = torch.full((lay.total_rows, k + 7), 5.0, dtype=odt)
+        unpack_chunks(want, lay, f, odt, out=wide[:, 3:3 + k], backend="compiled")
+        ref_out = unpack_chunks(want, lay, f, odt, backend="reference")
+        assert torch.equal(bits(wide[:, 3:3 + k]), bits(ref_out))
+        assert (wide[:, :3] == 5).all() and (wide[:, 3 + k:] == 5).all()
+    # unpack_sum over equal chunks (reduce-scatter receive side), signed zeros and non-finite included
+    eq = ChunkLayout((2,) * 4, k, sc)
+    xs = nasty(8, k, dtype, 2)
+    xs[2:4, 100:110] = -0.0  # -0 in every chunk at the same place: the reference sum gives +0
+    xs[4:6, 100:110] = -0.0
+    xs[6:8, 100:110] = -0.0
+    buf = pack_chunks(xs, eq, f, backend="reference")
+    s_got = unpack_sum(buf, eq, f, out=torch.empty(2, k), backend="compiled")
+    s_want = unpack_sum(buf, eq, f, backend="reference")
+    assert torch.equal(bits(s_got), bits(s_want))
+
+
+def test_fused_pack_stochastic_uses_reference_bits():
+    f, sc = get_format("e5m2"), BlockScaling(128)
+    x = nasty(4, 256, torch.float32, 3)
+    lay = ChunkLayout((2, 2), 256, sc)
+    a = pack_chunks(x, lay, f, "stochastic", 11, backend="compiled")
+    assert torch.equal(a, pack_chunks(x, lay, f, "stochastic", 11, backend="reference"))
