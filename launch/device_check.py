@@ -205,6 +205,21 @@ def bitexact_section(ctx: Ctx) -> dict:
                         Scaling(None, None), Scaling(1, 32, "pow2", 30), Scaling(1, 64, "e8m0", -5))]
     for r in runs:
         t.guard(f"quantize {r[0]} {r[1].name} {r[2].describe()} {r[3]}", lambda r=r: quant(*r))
+
+    def quant_t(dname, fmt, sc, rnd, seed, given):  # per tensor, codes + transposed codes in one pass
+        x = data[dname]
+        scale = torch.tensor([[0.0625 if sc.encoding != "fp32" else 3.7e-3]]) if given else None
+        c, s, a = br.quantize_2d(x, fmt, sc, rnd, seed, scale)
+        got = bt.quantize_2d_t(x.to(dev), fmt, sc, rnd, seed, None if scale is None else scale.to(dev))
+        name = f"quantize_2d_t {dname} {fmt.name} {sc.describe()} {rnd}{' given' if given else ''}"
+        for part, g_, w_ in zip(("codes", "codes_t", "scale", "amax"), got, (c, c.t().contiguous(), s, a)):
+            t.check(f"{name} {part}", g_, w_)
+
+    for d in ("bf16_all", "bf16_rand", "fp32_odd", "fp16", "tiny"):
+        for fmt in (E4M3, E5M2):
+            for c in cases:
+                if c[0].rows is None and c[0].cols is None:
+                    t.guard(f"quantize_2d_t {d} {fmt.name} {c[0].describe()}", lambda r=(d, fmt) + c: quant_t(*r))
     print(f"  quantize: {t.passed} pass, {len(t.failures)} fail ({time.time() - t0:.0f} s)", flush=True)
 
     m, k = (64, 260) if q else (512, 1024)

@@ -82,9 +82,9 @@ def linear_rows(device, quick: bool) -> list[dict]:
             seen = {}
             orig = layer._quantize
 
-            def spy(t, role, primary=True, _o=orig, _s=seen):
-                q = _o(t, role, primary)
-                _s[(role, primary)] = q
+            def spy(t, role, primary=True, with_transpose=False, _o=orig, _s=seen):
+                q = _o(t, role, primary, with_transpose)
+                _s[(role, primary)] = q[0] if with_transpose else q
                 return q
             layer._quantize = spy
             telemetry.reset_counters()

@@ -43,12 +43,14 @@ def scale_kind(q: Fp8Tensor) -> str:
     return "other"
 
 
-def transpose(q: Fp8Tensor) -> Fp8Tensor:
-    """The transposed operand with the same codes (valid for transpose-invariant scaling: tensor or square blocks)."""
+def transpose(q: Fp8Tensor, contiguous: bool = False) -> Fp8Tensor:
+    """The transposed operand with the same codes (valid for transpose-invariant scaling: tensor or square blocks);
+    a view, or with `contiguous` a copy laid out row-major (what _scaled_mm wants)."""
     sc = q.scaling
     if not (sc.rows is None and sc.cols is None) and sc.rows != sc.cols:
         raise ValueError(f"{sc.describe()} scales are not transpose-invariant; quantize the transpose instead")
-    return Fp8Tensor(q.data.t(), q.scale.t(), q.fmt, Scaling(sc.cols, sc.rows, sc.encoding, sc.margin), q.dtype,
+    data = q.data.t().contiguous() if contiguous else q.data.t()
+    return Fp8Tensor(data, q.scale.t(), q.fmt, Scaling(sc.cols, sc.rows, sc.encoding, sc.margin), q.dtype,
                      None if q.amax is None else q.amax.t())
 
 

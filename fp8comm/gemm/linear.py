@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant import Fp8Tensor, quantize, scale_from_amax
+from ..quant import Fp8Tensor, quantize, quantize_with_transpose, scale_from_amax
 from ..quant.formats import get_format
 from . import backends
 from .recipes import ROLES, Fp8Recipe, get_recipe
@@ -34,17 +34,15 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, layer, wq):
         with torch.autocast(x2.device.type, enabled=False):
-            xq = layer._quantize(x2, "input")
+            # keep x in FP8 for wgrad, laid out for it (contraction over tokens): with transpose-invariant
+            # scaling the same codes, transposed in the quantizing pass; else x quantized along the token dim
+            xq, xq_t = layer._quantize_pair(x2, "input", ctx.needs_input_grad[1])
             y = backends.gemm(xq, wq, x2.dtype, layer.backend)
             if bias is not None:
                 y = y + bias.to(y.dtype)
             ctx.layer, ctx.wq, ctx.x_dtype, ctx.w_dtype = layer, wq, x2.dtype, weight.dtype
             ctx.has_bias = bias is not None
-            ctx.xq_t = None
-            if ctx.needs_input_grad[1]:  # keep x in FP8, laid out for wgrad (contraction over tokens)
-                cfg = layer.recipe.input
-                ctx.xq_t = backends.transpose(xq) if cfg.transpose_invariant else \
-                    layer._quantize(x2.t(), "input", primary=False)
+            ctx.xq_t = xq_t
         return y
 
     @staticmethod
@@ -53,12 +51,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.contiguous()
-            dyq = layer._quantize(dy, "grad")
+            dyq, dyq_t = layer._quantize_pair(dy, "grad", ctx.needs_input_grad[1])
             if ctx.needs_input_grad[0]:
                 dx = backends.gemm(dyq, layer._weight_dgrad(ctx.wq), ctx.x_dtype, layer.backend)
             if ctx.needs_input_grad[1]:
-                dyq_t = backends.transpose(dyq) if layer.recipe.grad.transpose_invariant else \
-                    layer._quantize(dy.t(), "grad", primary=False)
                 dw = backends.gemm(dyq_t, ctx.xq_t, ctx.w_dtype, layer.backend)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy.float().sum(0).to(ctx.w_dtype)
@@ -125,25 +121,44 @@ class Fp8Linear(nn.Linear):
             return scale_from_amax(amax.reshape(1, 1), get_format(cfg.fmt), cfg.scaling)
         return None  # current scaling
 
-    def _quantize(self, t: torch.Tensor, role: str, primary: bool = True) -> Fp8Tensor:
+    def _quantize(self, t: torch.Tensor, role: str, primary: bool = True, with_transpose: bool = False):
         """Quantize a 2-D GEMM operand of `role` along its last (contraction) dim; `primary` marks the tensor's
-        first quantization in this step (delayed history and telemetry are updated once per tensor)."""
+        first quantization in this step (delayed history and telemetry are updated once per tensor).
+        with_transpose: return (q, q^T contiguous) (transpose-invariant scaling only)."""
         cfg = self.recipe.role(role)
         # one global state (no grad, no autocast) for every call: compiled quantizers would recompile per state
         with torch.no_grad(), torch.autocast(t.device.type, enabled=False):
-            q = quantize(t.detach(), cfg.fmt, scaling=cfg.scaling, scale=self._scale_for(role),
-                         backend=self.quant_backend)
+            if with_transpose:
+                q, q_t = quantize_with_transpose(t.detach(), cfg.fmt, scaling=cfg.scaling,
+                                                 scale=self._scale_for(role), backend=self.quant_backend)
+            else:
+                q = quantize(t.detach(), cfg.fmt, scaling=cfg.scaling, scale=self._scale_for(role),
+                             backend=self.quant_backend)
         if primary and cfg.source == "delayed" and t.numel():
             _push_history(getattr(self, f"{role}_amax_history"), q.amax)
             self._ready[role] = True
         tel = self.telemetry
         if primary and tel is not None and not torch.compiler.is_compiling() and tel.active(role):
             tel.record(self.fp8_name, role, t, q)
-        return q
+        return (q, q_t) if with_transpose else q
 
-    def _quantize_weight(self) -> Fp8Tensor:
+    def _quantize_pair(self, t: torch.Tensor, role: str, transposed: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+        """(t quantized, t^T quantized as a contiguous operand, or None when not `transposed`). Transpose-invariant
+        scaling: the same codes in both layouts from one quantizing pass (GEMM kernels take only row-major A and
+        column-major B, so a transposed view would be copied before every GEMM); else t^T quantized on its own."""
+        if not transposed:
+            return self._quantize(t, role), None
+        if not self.recipe.role(role).transpose_invariant:
+            return self._quantize(t, role), self._quantize(t.t(), role, primary=False)
+        return self._quantize(t, role, with_transpose=True)
+
+    def _quantize_weight(self) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+        """(W, W^T for dgrad or None): W^T comes with W when grads are on and the scaling is transpose-invariant."""
         self.weight_quantizations += 1
-        return self._quantize(self.weight.detach(), "weight")
+        w = self.weight.detach()
+        if torch.is_grad_enabled() and self.recipe.weight.transpose_invariant:
+            return self._quantize(w, "weight", with_transpose=True)
+        return self._quantize(w, "weight"), None
 
     def _weight_fwd(self) -> Fp8Tensor:
         """The FP8 weight for the forward GEMM, cached until the weight changes (eager mode)."""
@@ -152,13 +167,19 @@ class Fp8Linear(nn.Linear):
             return self._quantize(w.detach(), "weight")
         key = (w._version, w.data_ptr(), w.dtype, w.device, w.shape)
         if self._wcache is None or self._wcache[0] != key:
-            self._wcache = (key, self._quantize_weight(), None)
+            self._wcache = (key, *self._quantize_weight())
+        elif self._wcache[2] is None and torch.is_grad_enabled() and self.recipe.weight.transpose_invariant:
+            self._wcache = (key, self._wcache[1], backends.transpose(self._wcache[1], contiguous=True))  # was no-grad
         return self._wcache[1]
 
     def _weight_dgrad(self, wq: Fp8Tensor) -> Fp8Tensor:
-        """W^T [K, N] for dgrad: the cached codes transposed, or (rows, 1xB blocks) W quantized along N, cached."""
+        """W^T [K, N] for dgrad, cached with W: the same codes transposed (contiguous) for transpose-invariant
+        scaling, else W quantized along N."""
+        c = self._wcache
         if self.recipe.weight.transpose_invariant:
-            return backends.transpose(wq)
+            if c is not None and c[1] is wq and c[2] is not None:
+                return c[2]
+            return backends.transpose(wq)  # compiled graphs and no-grad forwards: a transposed view
         c = self._wcache
         if c is not None and c[1] is wq:
             if c[2] is None:

@@ -91,7 +91,39 @@ def quantize(x: torch.Tensor, fmt: str | Fp8Format = "e4m3", block_size: int | t
     x2 = x.reshape(m, k)
     b = resolve_backend(backend, x.device, x.numel())
     codes, s, amax = b.quantize_2d(x2, fmt, sc, rounding, int(seed), scale)
-    return Fp8Tensor(codes.view(fmt.dtype).reshape(x.shape), s, fmt, sc, x.dtype, amax)
+    # row-major codes whatever x's strides (a transposed x gives transposed codes on the torch paths): GEMMs and
+    # the wire take them as they are, and a 1-byte copy here is cheaper than one of x
+    return Fp8Tensor(codes.contiguous().view(fmt.dtype).reshape(x.shape), s, fmt, sc, x.dtype, amax)
+
+
+def quantize_with_transpose(x: torch.Tensor, fmt: str | Fp8Format = "e4m3", *, scaling: Scaling | str | None = None,
+                            scale: torch.Tensor | float | None = None, rounding: str = "nearest", seed: int = 0,
+                            backend: str = "auto") -> tuple[Fp8Tensor, Fp8Tensor]:
+    """(q, q_t): 2-D `x` [M, K] quantized as quantize() does, and the same codes transposed as a contiguous [K, M]
+    Fp8Tensor (what an FP8 GEMM contracting over M takes). Transpose-invariant scaling only (per tensor, square
+    blocks); per tensor on Triton both layouts come from one pass over x."""
+    check_input(x, "quantize_with_transpose")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_with_transpose needs a 2-D tensor, got shape {tuple(x.shape)}")
+    fmt = get_format(fmt)
+    sc = _scaling_from(None, scaling)
+    if sc.rows != sc.cols:
+        raise ValueError(f"quantize_with_transpose needs transpose-invariant scaling (per tensor or square blocks), "
+                         f"got {sc.describe()} blocks: quantize the transpose separately")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+    m, k = x.shape
+    if scale is not None:
+        scale = check_scale(scale, sc.scale_shape(m, k), sc).to(x.device)
+    b = resolve_backend(backend, x.device, x.numel())
+    if sc.rows is None and hasattr(b, "quantize_2d_t"):
+        codes, codes_t, s, amax = b.quantize_2d_t(x, fmt, sc, rounding, int(seed), scale)
+    else:
+        codes, s, amax = b.quantize_2d(x, fmt, sc, rounding, int(seed), scale)
+        codes_t = codes.t().contiguous()
+    q = Fp8Tensor(codes.view(fmt.dtype), s, fmt, sc, x.dtype, amax)
+    q_t = Fp8Tensor(codes_t.view(fmt.dtype), s.t().contiguous(), fmt, sc, x.dtype, amax.t().contiguous())
+    return q, q_t
 
 
 def dequantize(q: Fp8Tensor, dtype: torch.dtype | None = torch.float32, backend: str = "auto") -> torch.Tensor:

@@ -29,7 +29,13 @@ GPU_WARPS = None  # None: from the tile size (see _Plan.num_warps); launch/devic
 # The interpreter pays per program, not per element: one big tile. Tests lower INTERP_FIT to reach the two-pass path.
 INTERP_TILE = 1 << 16
 INTERP_FIT = 1 << 16
+# quantize_2d_t (per tensor, codes + transposed codes): rows x cols of x per program, and warps; device_check sweeps
+GPU_T_TILE = (64, 128)
+GPU_T_WARPS = 4
 MAX_GRID_1 = 65535  # CUDA's limit on grid dimension 1
+# quantize_2d_t (per tensor, codes + transposed codes): rows x cols of x per program, and warps; device_check sweeps
+GPU_T_TILE = (64, 128)
+GPU_T_WARPS = 4
 
 # kernel name -> {id: compiled kernel} of every variant launched on CUDA (launch/device_check.py inspects the PTX)
 LAUNCHED: dict = {}
@@ -209,6 +215,9 @@ def _amax_big(x: torch.Tensor, bf16: bool, amax: torch.Tensor, m: int, k: int, b
 def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: str = "nearest", seed: int = 0,
                 scale: torch.Tensor | None = None, index_base: int = 0):
     """reference.quantize_2d: (uint8 codes [M, K], fp32 scales [mb, kb], fp32 block amax [mb, kb])."""
+    if scaling.rows is None and scaling.cols is None:  # one scale: a plain elementwise pass after the amax
+        codes, _, s, amax = quantize_2d_t(x2, fmt, scaling, rounding, seed, scale, index_base, transposed=False)
+        return codes, s, amax
     m, k = x2.shape
     br, bc = scaling.block_shape(m, k)
     mb, kb = scaling.scale_shape(m, k)
@@ -229,6 +238,40 @@ def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: st
             K16=k % 16 == 0, PADC=1, IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
             **_quant_meta(fmt, scaling, rounding))
     return codes, (scale if given else s_out), amax
+
+
+def quantize_2d_t(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: str = "nearest", seed: int = 0,
+                  scale: torch.Tensor | None = None, index_base: int = 0, transposed: bool = True):
+    """Per-tensor quantize_2d plus the codes transposed, in one pass over x: (codes [M, K], codes^T [K, M]
+    contiguous (codes again when not `transposed`), fp32 scale [1, 1], fp32 amax [1, 1]). The tensor amax is
+    one read of x before it."""
+    if scaling.rows is not None or scaling.cols is not None:
+        raise ValueError(f"quantize_2d_t is per tensor only, got {scaling.describe()} blocks")
+    m, k = x2.shape
+    dev = x2.device
+    codes = torch.empty(m, k, dtype=torch.uint8, device=dev)
+    codes_t = torch.empty(k, m, dtype=torch.uint8, device=dev) if transposed else codes
+    amax = torch.zeros(1, 1, dtype=torch.float32, device=dev)
+    if m == 0 or k == 0:
+        return codes, codes_t, (scale if scale is not None else scale_from_amax(amax, fmt, scaling)), amax
+    x, bf16 = _as_input(x2)
+    given = scale is not None
+    s_out = scale.to(dev, torch.float32).contiguous() if given else torch.empty(1, 1, dtype=torch.float32, device=dev)
+    _amax_big(x, bf16, amax, m, k, m, k)
+    if _interpreting():  # the interpreter pays per program: one tile of up to INTERP_TILE elements
+        bk = min(_p2(k), INTERP_TILE)
+        bm = max(1, min(_p2(m), INTERP_TILE // bk))
+        warps = 4
+    else:
+        bm, bk = GPU_T_TILE
+        warps = GPU_T_WARPS
+    if _cdiv(k, bk) > MAX_GRID_1:
+        raise ValueError(f"triton backend: {k} columns need {_cdiv(k, bk)} column tiles, over CUDA's grid limit")
+    key = ref.seed_key(seed) if rounding == "stochastic" else 0
+    _launch(tk._quant_tensor_t_kernel, (_cdiv(m, bm), _cdiv(k, bk)), x, codes, codes_t, s_out, amax, m, k,
+            _i32(index_base), _i32(key), BM=bm, BK=bk, SCALE_GIVEN=given, WRITE_T=transposed, IN_BF16=bf16, HW=_hw(dev),
+            num_warps=warps, **_quant_meta(fmt, scaling, rounding))
+    return codes, codes_t, (scale if given else s_out), amax
 
 
 def dequantize_2d(codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scaling: Scaling,

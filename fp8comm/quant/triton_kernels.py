@@ -341,6 +341,49 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
             tl.store(scale_ptr + bidx3, s3, mask=first)
 
 
+@triton.jit(do_not_specialize=["index_base", "key"])
+def _quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K, index_base, key,
+                           BM: tl.constexpr, BK: tl.constexpr, SCALE_GIVEN: tl.constexpr, WRITE_T: tl.constexpr,
+                           FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
+                           STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr,
+                           MARGIN_MUL: tl.constexpr, FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr,
+                           HW: tl.constexpr):
+    """Per-tensor quantization of one BM x BK tile with the one scale (given, or from the finished tensor amax),
+    storing the codes [M, K] and, with WRITE_T, the same codes transposed into out_t [K, M] (what an FP8 GEMM
+    contracting over M needs) from the same registers: one read of x for both layouts."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = _load_x(x_ptr + (rows64 * K)[:, None] + cols[None, :], mask, IN_BF16)
+    finite = _isfinite(x)
+    one = tl.arange(0, 1)
+    if SCALE_GIVEN:
+        s = tl.load(scale_ptr + one)
+    else:  # every program derives the scale from the amax itself: no extra launch, same fp32 bits everywhere
+        s = _scale_from_amax(tl.load(amax_ptr + one), FMAX, POW2, MARGIN, MARGIN_MUL, FM_FRAC, FK)
+    s2 = tl.broadcast_to(s[:, None], (BM, BK))
+    r2 = s2
+    if POW2:
+        r2 = _recip_pow2(s2)
+    idx = None
+    if STOCHASTIC:  # the SR counter is the element's flat index in [M, K] (+ index_base), as in _quant_kernel
+        idx = (index_base.to(tl.uint32, bitcast=True) + rows.to(tl.uint32)[:, None] * K + cols.to(tl.uint32)[None, :])
+        key = key.to(tl.uint32, bitcast=True)
+    codes = _encode(x, finite, s2, r2, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
+    tl.store(out_ptr + (rows64 * K)[:, None] + cols[None, :], codes, mask=mask)
+    if WRITE_T:
+        tmask = cmask[:, None] & rmask[None, :]
+        tl.store(out_t_ptr + (cols.to(tl.int64) * M)[:, None] + rows[None, :], tl.trans(codes), mask=tmask)
+    if not SCALE_GIVEN:
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(scale_ptr + one, s)
+
+
 @triton.jit
 def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks, chunk_stride,
                     M, K, BR, BC, KB,

@@ -16,9 +16,9 @@ def _capture(layer):
     seen = []
     orig = layer._quantize
 
-    def spy(t, role, primary=True):
-        q = orig(t, role, primary)
-        seen.append((role, primary, q))
+    def spy(t, role, primary=True, with_transpose=False):
+        q = orig(t, role, primary, with_transpose)
+        seen.append((role, primary, q[0] if with_transpose else q))
         return q
     layer._quantize = spy
     return seen
@@ -238,3 +238,36 @@ def test_scaled_mm_backend_matches_emulation_in_fp8linear(recipe):
         outs.append((y, xr.grad, layer.weight.grad))
     for a, b in zip(*outs):
         assert _nrel(b, a) < 1e-5
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "fp8_amax", "delayed", "blockwise", "rowwise"])
+def test_gemm_operands_are_contiguous(recipe, monkeypatch):
+    """Every GEMM operand arrives laid out for it (a [rows, K] row-major block of codes): _scaled_mm takes
+    row-major A and column-major B only, so a transposed view would cost a full copy before each GEMM."""
+    seen = []
+    orig = backends.gemm
+
+    def spy(a, b, out_dtype=torch.float32, backend="auto"):
+        seen.append((a.data.stride(-1) == 1, b.data.stride(-1) == 1))  # row-major (rows may be block-padded)
+        return orig(a, b, out_dtype, backend)
+    monkeypatch.setattr(backends, "gemm", spy)
+    layer = Fp8Linear(64, 32, recipe=recipe)
+    for _ in range(2):  # the second step reuses the cached weight (and its transpose)
+        layer(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    assert len(seen) == 6 and all(a and b for a, b in seen), seen
+
+
+def test_transposed_weight_comes_with_weight_and_follows_updates():
+    layer = Fp8Linear(64, 32, recipe="tensorwise")
+    with torch.no_grad():
+        layer(torch.randn(4, 64))  # no-grad forward: no transposed copy yet
+    assert layer._wcache[2] is None
+    layer(torch.randn(4, 64, requires_grad=True)).sum().backward()
+    wq, wq_t = layer._wcache[1], layer._wcache[2]
+    assert wq_t.data.is_contiguous() and torch.equal(wq_t.data.view(torch.uint8), wq.data.view(torch.uint8).t())
+    assert layer.weight_quantizations == 1
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an optimizer step: both layouts are re-made from the new weight
+    layer(torch.randn(4, 64, requires_grad=True)).sum().backward()
+    assert layer.weight_quantizations == 2
+    assert torch.equal(layer._wcache[2].data.view(torch.uint8), layer._wcache[1].data.view(torch.uint8).t())

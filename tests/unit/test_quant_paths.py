@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8comm
-from fp8comm.quant import (BlockScaling, ChunkLayout, MXScaling, RowScaling, Scaling, TensorScaling, get_format,
-                           pack_chunks, unpack_chunks, unpack_sum)
+from fp8comm.quant import (BlockScaling, ChunkLayout, MXScaling, RowScaling, Scaling, TensorScaling, dequantize,
+                           get_format, pack_chunks, quantize, quantize_with_transpose, unpack_chunks, unpack_sum)
 from fp8comm.quant import reference as ref
 
 SCALINGS = [TensorScaling(), TensorScaling("pow2", 3), RowScaling(), BlockScaling(128), MXScaling(),
@@ -143,3 +143,27 @@ def test_wire_bad_input():
         unpack_chunks(torch.zeros(8, dtype=torch.uint8), lay, f)
     with pytest.raises(ValueError, match="1xB"):
         ChunkLayout((1,), 64, Scaling(128, 128))
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled"])
+@pytest.mark.parametrize("sc", [Scaling(None, None), Scaling(128, 128, "pow2")], ids=lambda s: s.describe())
+def test_quantize_with_transpose_is_quantize_plus_transposed_codes(backend, sc):
+    x = torch.randn(200, 300, generator=torch.Generator().manual_seed(0)) * 5
+    q, qt = quantize_with_transpose(x, "e5m2", scaling=sc, backend=backend)
+    ref = quantize(x, "e5m2", scaling=sc, backend="reference")
+    assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(q.scale, ref.scale)
+    assert qt.shape == (300, 200) and qt.data.is_contiguous()
+    assert torch.equal(qt.data.view(torch.uint8), ref.data.view(torch.uint8).t())
+    assert torch.equal(qt.scale, ref.scale.t())
+    assert torch.equal(dequantize(qt), dequantize(ref).t())  # a valid operand: x^T's dequantized values
+
+
+def test_quantize_with_transpose_bad_input():
+    with pytest.raises(ValueError, match="transpose-invariant"):
+        quantize_with_transpose(torch.randn(4, 256), scaling=Scaling(1, 128))
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_with_transpose(torch.randn(2, 4, 8))
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize_with_transpose(torch.arange(4).reshape(2, 2))
+    with pytest.raises(ValueError, match="rounding"):
+        quantize_with_transpose(torch.randn(4, 4), rounding="up")

@@ -143,6 +143,28 @@ def test_stochastic_index_base_wraps(bt):
     assert not torch.equal(other, want[0]), "index_base had no effect on the reference: the test would prove nothing"
 
 
+PER_TENSOR = [(Scaling(None, None), "nearest"), (Scaling(None, None, "pow2", margin=4), "stochastic"),
+              (Scaling(None, None, "e8m0", margin=-3), "nearest")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_quantize_with_transpose_per_tensor(bt, fmt, monkeypatch):
+    """One pass gives codes, the same codes transposed, scale and amax equal to the reference, with caller
+    scales too; a smaller interpreter tile forces several programs and ragged tile edges."""
+    monkeypatch.setattr(bt, "INTERP_TILE", 4096)
+    for shape, dtype in [((1, 1), torch.float32), ((70, 33), torch.bfloat16), ((3, 200), torch.float16),
+                         ((130, 257), torch.float32)]:
+        x = mixed(*shape, seed=shape[0], dtype=dtype)
+        for sc, rnd in PER_TENSOR:
+            for scale in (None, torch.tensor([[3.7e-3 if sc.encoding == "fp32" else 0.0625]])):
+                c, s, a = br.quantize_2d(x, fmt, sc, rnd, 5, scale)
+                got = bt.quantize_2d_t(x, fmt, sc, rnd, 5, scale)
+                for part, g, w in zip(("codes", "codes_t", "scale", "amax"), got, (c, c.t().contiguous(), s, a)):
+                    same(g, w, f"{shape} {dtype} {sc.describe()} {rnd} given={scale is not None} {part}")
+    with pytest.raises(ValueError, match="per tensor only"):
+        bt.quantize_2d_t(torch.ones(4, 128), fmt, Scaling(128, 128))
+
+
 def test_two_pass_path(bt, monkeypatch):
     """Blocks larger than a tile (amax kernel, then per-element block lookup) give the same bits."""
     monkeypatch.setattr(bt, "INTERP_TILE", 1024)
