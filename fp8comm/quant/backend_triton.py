@@ -29,13 +29,11 @@ GPU_WARPS = None  # None: from the tile size (see _Plan.num_warps); launch/devic
 # The interpreter pays per program, not per element: one big tile. Tests lower INTERP_FIT to reach the two-pass path.
 INTERP_TILE = 1 << 16
 INTERP_FIT = 1 << 16
-# quantize_2d_t (per tensor, codes + transposed codes): rows x cols of x per program, and warps; device_check sweeps
-GPU_T_TILE = (64, 128)
+# quantize_2d_t (per tensor, codes + transposed codes): rows x cols of x per program, and warps. (32, 128) x 4 was
+# the fastest of 12 tiles on an H200 (launch/profile_fp8linear.py --sweep, 16384 x 8192 bf16: 0.32 ms, 1.68 TB/s)
+GPU_T_TILE = (32, 128)
 GPU_T_WARPS = 4
 MAX_GRID_1 = 65535  # CUDA's limit on grid dimension 1
-# quantize_2d_t (per tensor, codes + transposed codes): rows x cols of x per program, and warps; device_check sweeps
-GPU_T_TILE = (64, 128)
-GPU_T_WARPS = 4
 
 # kernel name -> {id: compiled kernel} of every variant launched on CUDA (launch/device_check.py inspects the PTX)
 LAUNCHED: dict = {}
