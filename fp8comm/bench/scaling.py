@@ -28,16 +28,22 @@ HIDDEN = 4096  # MoE token width for the all-to-all rows
 VARIANTS = [
     ("ag.fp8", "all_gather", "fp8comm.all_gather, bf16 in/out (E4M3, 1x128 fp32 scales)"),
     ("ag.fp8_b4", "all_gather", "the same in 4 buckets issued async, then waited (engine prefetch pattern)"),
+    ("ag.fp8_out", "all_gather", "fp8comm.all_gather(fp8_out=True): FP8 out (codes + scales), for an FP8 GEMM consumer"),
+    ("ag.fp8_1p", "all_gather", "fp8comm.all_gather, pipeline=False (one piece: codec and wire in sequence)"),
     ("ag.bf16", "all_gather", "torch all_gather_into_tensor, bf16"),
     ("ag.bf16_b4", "all_gather", "the same in 4 async buckets"),
     ("rs.fp8", "reduce_scatter", "fp8comm.reduce_scatter, bf16 in/out"),
     ("rs.fp8_f32", "reduce_scatter", "fp8comm.reduce_scatter, fp32 in/out"),
+    ("rs.fp8_f32_1p", "reduce_scatter", "fp8comm.reduce_scatter, fp32, pipeline=False (one piece)"),
     ("rs.fp8_f32_b4", "reduce_scatter", "the same in 4 async buckets (DDP/ZeRO gradient buckets)"),
     ("rs.fp8_hier", "reduce_scatter", "fp8comm.reduce_scatter hierarchical, fp32 in/out (fp32 inside a node)"),
     ("rs.bf16", "reduce_scatter", "torch reduce_scatter_tensor, bf16"),
     ("rs.fp32", "reduce_scatter", "torch reduce_scatter_tensor, fp32"),
     ("rs.fp32_b4", "reduce_scatter", "the same in 4 async buckets"),
     ("a2a.fp8", "all_to_all", "fp8comm.all_to_all wire=fp8, bf16 tokens [T, 4096]"),
+    ("a2a.fp8_out", "all_to_all", "fp8comm.all_to_all(fp8_out=True): FP8 tokens + 1x128 scales out, for an FP8 "
+                                  "expert GEMM consumer (DeepEP-style dispatch)"),
+    ("a2a.fp8_1p", "all_to_all", "fp8comm.all_to_all wire=fp8, pipeline=False (one piece)"),
     ("a2a.bf16", "all_to_all", "torch all_to_all_single, bf16 tokens"),
     # No communication: the quantize + dequantize work of the FP8 rows alone, on every rank at once (same CPU
     # contention), to show how much of each FP8 time is codec rather than wire.
@@ -46,9 +52,12 @@ VARIANTS = [
     ("codec.a2a", "codec", "pack tokens + unpack tokens (the all-to-all's CPU work)"),
 ]
 # Pairs the report turns into speedups: (fp8 key, baseline key).
-RATIOS = [("ag.fp8", "ag.bf16"), ("ag.fp8_b4", "ag.bf16_b4"), ("rs.fp8", "rs.bf16"), ("rs.fp8_f32", "rs.fp32"),
+RATIOS = [("ag.fp8", "ag.bf16"), ("ag.fp8_1p", "ag.bf16"), ("ag.fp8_b4", "ag.bf16_b4"), ("ag.fp8_out", "ag.bf16"),
+          ("rs.fp8", "rs.bf16"), ("rs.fp8_f32", "rs.fp32"), ("rs.fp8_f32_1p", "rs.fp32"),
           ("rs.fp8_f32_b4", "rs.fp32_b4"), ("rs.fp8_hier", "rs.fp32"), ("rs.fp8_hier", "rs.fp8_f32"),
-          ("a2a.fp8", "a2a.bf16")]
+          ("a2a.fp8", "a2a.bf16"), ("a2a.fp8_1p", "a2a.bf16"), ("a2a.fp8_out", "a2a.bf16")]
+# Rows whose output is FP8 (no dequantization): labelled in every table, never mixed up with the others.
+FP8_OUT = {"ag.fp8_out", "a2a.fp8_out"}
 BUCKETS = 4
 
 
@@ -98,10 +107,13 @@ def _variants(keys, mib: float, world: int, local: int):
     fns = {
         "ag.fp8": lambda: bufs["ag.fp8"].all_gather(x16),
         "ag.fp8_b4": lambda: buckets(lambda x, o: bufs["ag.fp8_b4"].all_gather(x, async_op=True), x16b),
+        "ag.fp8_out": lambda: bufs["ag.fp8_out"].all_gather(x16, fp8_out=True),
+        "ag.fp8_1p": lambda: bufs["ag.fp8_1p"].all_gather(x16, pipeline=False),
         "ag.bf16": lambda: ag(ag_out, x16),
         "ag.bf16_b4": lambda: buckets(lambda x, o: ag(o, x, async_op=True), x16b, ag_outb),
         "rs.fp8": lambda: bufs["rs.fp8"].reduce_scatter(x16),
         "rs.fp8_f32": lambda: bufs["rs.fp8_f32"].reduce_scatter(x32),
+        "rs.fp8_f32_1p": lambda: bufs["rs.fp8_f32_1p"].reduce_scatter(x32, pipeline=False),
         "rs.fp8_f32_b4": lambda: buckets(lambda x, o: bufs["rs.fp8_f32_b4"].reduce_scatter(x, async_op=True),
                                          x32b),
         "rs.fp8_hier": lambda: bufs["rs.fp8_hier"].reduce_scatter(x32, hierarchical=hier),
@@ -109,6 +121,8 @@ def _variants(keys, mib: float, world: int, local: int):
         "rs.fp32": lambda: rs(rs32, x32),
         "rs.fp32_b4": lambda: buckets(lambda x, o: rs(o, x, async_op=True), x32b, rs32b),
         "a2a.fp8": lambda: bufs["a2a.fp8"].all_to_all(tok, wire="fp8"),
+        "a2a.fp8_out": lambda: bufs["a2a.fp8_out"].all_to_all(tok, wire="fp8", fp8_out=True),
+        "a2a.fp8_1p": lambda: bufs["a2a.fp8_1p"].all_to_all(tok, wire="fp8", pipeline=False),
         "a2a.bf16": lambda: dist.all_to_all_single(a2a_out, tok),
     }
     fns.update(_codecs(x16, x32, tok, world))
@@ -290,7 +304,8 @@ def report(out: Path, plots: str | None = None) -> str:
                 la, lb = a.get("link_tx_bytes"), b.get("link_tx_bytes")
                 link = f"{la / 1e6:.1f} / {lb / 1e6:.1f}" if k > 1 and la is not None and lb else "-"
                 size = a["elements"] * 2 / 2**20
-                lines.append(f"| {k} | {_OPS[f8]} | {size:.1f} | {f8} | {a['median_s'] * 1e3:.0f} | {base} | "
+                label = f"{f8} (FP8 out, for an FP8 GEMM consumer)" if f8 in FP8_OUT else f8
+                lines.append(f"| {k} | {_OPS[f8]} | {size:.1f} | {label} | {a['median_s'] * 1e3:.0f} | {base} | "
                              f"{b['median_s'] * 1e3:.0f} | **{b['median_s'] / a['median_s']:.2f}x** | {link} | "
                              f"{_cv(a['times_s']):.0f} / {_cv(b['times_s']):.0f} |")
     codec = [(k, r) for k, d in sorted(coll.items()) for r in d["rows"] if r["key"].startswith("codec.")

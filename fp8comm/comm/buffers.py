@@ -96,6 +96,8 @@ class Handle:
         if not self._done:
             try:
                 for w in self._works:
+                    if getattr(w, "waited_by_finish", False):
+                        continue  # pipelined pieces: finish() waits each right before decoding it
                     w.wait() if timeout is None else w.wait(timeout)
                 self._result = self._finish()
             except BaseException as e:

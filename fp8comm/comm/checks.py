@@ -78,6 +78,7 @@ class Meta:
     shape: tuple[int, ...] = ()
     reduce_op: int = 0  # 0 sum, 1 avg; for all_to_all the wire mode
     hier: int = 0  # node size in hierarchical mode, 0 when flat
+    pipeline: int = 0  # pieces per call (0 auto, 1 none): ranks must cut the same pieces
     in_splits: list[int] = field(default_factory=list)
     out_splits: list[int] = field(default_factory=list)
     error: tuple[str, str] | None = None  # (kind, message) of a local problem
@@ -108,13 +109,15 @@ class Meta:
             v[12] = zlib.crc32(repr(tuple(self.shape[1:])).encode())
             v[13] = self.reduce_op
             v[14] = self.hier
+            v[15] = self.pipeline
             v[_FIXED:_FIXED + len(self.in_splits)] = self.in_splits
             v[_FIXED + world:_FIXED + world + len(self.out_splits)] = self.out_splits
         return torch.tensor(v, dtype=torch.int64)
 
 
 _FIELD_NAMES = {3: "input dtype", 4: "FP8 format", 5: "scale encoding", 6: "block size", 7: "scale margin",
-                8: "rounding", 13: "reduce op / wire mode", 14: "hierarchical node size"}
+                8: "rounding", 13: "reduce op / wire mode", 14: "hierarchical node size",
+                15: "pipeline pieces"}
 
 
 def exchange(meta: Meta, group, rank: int, world: int, check: bool) -> int:

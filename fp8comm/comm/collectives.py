@@ -4,7 +4,10 @@ Common keyword options: fmt ("e4m3" | "e5m2"), scaling ("fp32" | "pow2" | "e8m0"
 or a Scaling with rows=1), rounding ("nearest" | "stochastic"), seed (stochastic rounding; None: a fresh one per
 call), backend (quant kernels), check (cross-rank metadata check; default on, FP8COMM_CHECK=0 turns it off),
 async_op (return a Handle; dequantization and accumulation happen in wait()), hierarchical (True: node groups from
-LOCAL_WORLD_SIZE, or a HierarchicalGroups), buffer (a Buffer owning scratch memory; default: a shared pool).
+LOCAL_WORLD_SIZE, or a HierarchicalGroups), buffer (a Buffer owning scratch memory; default: a shared pool),
+pipeline (None: automatic; False: one piece; n: n pieces; on CPU a big call is cut into column pieces of whole
+blocks, each its own collective, so quantizing, the wire and dequantizing overlap; bit-identical to one piece).
+all_gather(fp8_out=True) returns an Fp8Tensor (codes + scales) for an FP8 GEMM instead of dequantizing.
 """
 from __future__ import annotations
 
@@ -15,28 +18,35 @@ from .buffers import DEFAULT_POOL, Handle, Lease, completed
 from .checks import Meta, exchange, group_rank_size, tensor_problem
 from .core import Call, ag_phase, chunk_rows, gathered_into, rs_phase
 from .hierarchical import hier_ag_phase, hier_rs_phase, precheck, resolve
-from .options import ErrorFeedback, default_check, next_seed, unknown_options, wire_spec
+from .options import ErrorFeedback, default_check, next_seed, pipeline_option, unknown_options, wire_spec
+from ..quant.tensor import Fp8Tensor, view_2d
 from .stats import record
 
 _OPS = {"sum": 0, "avg": 1, dist.ReduceOp.SUM: 0, dist.ReduceOp.AVG: 1}
 
 
-def _start(op: str, group, meta: Meta, kw: dict) -> Call:
-    """Resolve options, validate, run the metadata check (raises on every rank) and lease scratch memory."""
+def _start(op: str, group, meta: Meta, kw: dict, extra=None) -> Call:
+    """Resolve options, validate, run the metadata check (raises on every rank) and lease scratch memory.
+
+    extra(spec) -> problem | None: a further local check that needs the resolved wire spec.
+    """
     rank, world = group_rank_size(group)
     meta.fail(unknown_options(kw))
     try:
         meta.spec = wire_spec(kw.get("fmt", "e4m3"), kw.get("scaling", "fp32"), kw.get("rounding", "nearest"),
                               kw.get("backend", "auto"), kw.get("block_size", 128))
+        meta.pipeline = pipeline_option(kw.get("pipeline"))
     except ValueError as e:
         meta.fail(("option", str(e)))
+    if extra is not None and meta.spec is not None:
+        meta.fail(extra(meta.spec))
     check = default_check() if kw.get("check") is None else bool(kw["check"])
     sent = exchange(meta, group, rank, world, check)
     if sent:
         record(op, 0, 0, 0, check_bytes=sent, calls=0)
     buffer = kw.get("buffer")
     pool = buffer.pool if buffer is not None else DEFAULT_POOL
-    return Call(op, group, rank, world, meta.spec, Lease(pool), next_seed(kw.get("seed"), rank))
+    return Call(op, group, rank, world, meta.spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline)
 
 
 def _reduce_op(op) -> tuple[int, tuple[str, str] | None]:
@@ -82,15 +92,56 @@ def _guard(call: Call, fn):
 
 
 # ---------------------------------------------------------------------------------------------- all-gather
-def all_gather(tensor: torch.Tensor, group=None, *, async_op: bool = False, hierarchical=None, **kw):
-    """Concatenation along dim 0 of every rank's tensor, in its dtype; bit-identical on every rank (owner too)."""
+def all_gather(tensor: torch.Tensor, group=None, *, async_op: bool = False, hierarchical=None,
+               fp8_out: bool = False, **kw):
+    """Concatenation along dim 0 of every rank's tensor, in its dtype; bit-identical on every rank (owner too).
+
+    fp8_out=True: return the gathered FP8 codes and scales as an Fp8Tensor (shape [world * dim0, ...], 1xB scales
+    along the last dim, dtype = the input's) for an FP8 GEMM consumer (fp8comm.gemm, Fp8Linear); nothing is
+    dequantized. Its codes and scales are those the dequantizing call decodes. Needs the last dim (the length of a
+    1-D tensor) to be a multiple of the block size, so flat blocks are row blocks; not in hierarchical mode.
+    """
     meta = _meta("all_gather", tensor, "tensor")
     hg = _hier(hierarchical, group, meta)
-    call = _start("all_gather", group, meta, kw)
+    call = _start("all_gather", group, meta, kw, _fp8_out_problem(tensor, hierarchical) if fp8_out else None)
     hg = hg()
-    out = torch.empty((call.world * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
-                      device=tensor.device)
+    shape = (call.world * tensor.shape[0],) + tuple(tensor.shape[1:])
+    if fp8_out:
+        return _all_gather_fp8(call, shape, tensor, async_op)
+    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     return _all_gather_flat(call, hg, out, tensor, async_op)
+
+
+def _fp8_out_problem(tensor, hierarchical):
+    def check(spec):
+        if hierarchical:
+            return "option", "fp8_out=True is not available with hierarchical=...; use the flat all-gather"
+        b = spec.scaling.cols
+        k = tensor.shape[-1] if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
+        if b is None or k % b:
+            return "shape", (f"fp8_out=True needs the last dim ({k}) to be a multiple of the block size ({b}) so "
+                             f"the wire's flat 1x{b} blocks are the Fp8Tensor's row blocks")
+        return None
+    return check
+
+
+def _all_gather_fp8(call: Call, shape: tuple, x: torch.Tensor, async_op: bool):
+    spec, n, w = call.spec, x.numel(), call.world
+    codes = torch.empty(shape, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(spec.scaling.scale_shape(*view_2d(shape)), dtype=torch.float32, device=x.device)
+    result = Fp8Tensor(codes.view(spec.fmt.dtype), scales, spec.fmt, spec.scaling, x.dtype)
+    if n == 0:
+        call.lease.release()
+        return completed(result) if async_op else result
+    blk = spec.scaling.cols
+    work, fin = _guard(call, lambda: ag_phase(call, x.reshape(-1), (codes.view(w, n), scales.view(w, n // blk)),
+                                               call.group, w, "all_gather", x.dtype))
+
+    def finish():
+        fin()
+        return result
+
+    return _run(call, [work], finish, async_op)
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False,

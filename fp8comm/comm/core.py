@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_sum
+from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_codes, unpack_sum
 from .buffers import Lease
-from .options import ErrorFeedback, WireSpec
+from .options import ErrorFeedback, WireSpec, plan_pieces
 from .stats import record
 
 
@@ -31,6 +31,11 @@ class Call:
     spec: WireSpec
     lease: Lease
     seed: int
+    pipeline: int = 0  # pieces per call (0: auto); see options.plan_pieces
+
+    def pieces(self, k: int, numel: int | None, device: torch.device) -> list[tuple[int, int]]:
+        """Column ranges [a, b) of the K dimension, whole blocks each, that travel as separate pipelined pieces."""
+        return plan_pieces(k, self.spec.scaling.cols, numel, device, self.spec.rounding, self.pipeline)
 
     def kernel(self, device: torch.device, numel: int) -> str:
         b = self.spec.kernel_backend(device, numel)
@@ -84,51 +89,107 @@ def update_residual(call: Call, ef: ErrorFeedback, xin: torch.Tensor, send: torc
     r.masked_fill_(~torch.isfinite(r), 0.0)
 
 
+class Pieces:
+    """The collectives of one pipelined call (one per piece). The call's finish() waits for each piece right before
+    it decodes that piece, so piece i is dequantized while pieces > i are still on the wire; wait() waits all."""
+
+    waited_by_finish = True
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self, timeout=None) -> None:
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _slices(buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, o = [], 0
+    for n in sizes:
+        out.append(buf[o:o + n])
+        o += n
+    return out
+
+
 def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFeedback | None, stats_op: str,
              stats_dtype: torch.dtype, calls: int = 1):
-    """Start an FP8 reduce-scatter of x (<= gsize*L elements) over `group`: returns (work, finish -> fp32 [L] sum)."""
+    """Start an FP8 reduce-scatter of x (<= gsize*L elements) over `group`: returns (work, finish -> fp32 [L] sum).
+
+    Pipelined (CPU, nearest rounding, no error feedback): the [gsize, L] view is cut into column pieces of whole
+    blocks; piece i+1 is quantized while piece i travels (its own all_to_all), and piece i is summed while later
+    ones travel. The blocks, their scales and the fp32 sum order are the same as in one piece: bit-identical.
+    """
     spec, dev = call.spec, x.device
     total = gsize * L
     xin = quantize_input(call, x, total, ef)
-    layout = ChunkLayout((1,) * gsize, L, spec.scaling)
+    pieces = call.pieces(L, total, dev) if ef is None else [(0, L)]
+    lays = [ChunkLayout((1,) * gsize, b - a, spec.scaling) for a, b in pieces]
     kb = call.kernel(dev, total)
-    send = call.lease.take(layout.total_bytes, torch.uint8, dev)
-    pack_chunks(xin.view(gsize, L), layout, spec.fmt, spec.rounding, call.seed, out=send, backend=kb)
-    if ef is not None:
-        update_residual(call, ef, xin, send, layout)
-    recv = call.lease.take(layout.total_bytes, torch.uint8, dev)
-    # Equal chunks, so no split sizes: one all_to_all moves payload and scales together.
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    sizes = [lay.total_bytes for lay in lays]
+    sends = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)
+    recvs = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)
+    x2 = xin.view(gsize, L)
+    works = []
+    for (a, b), lay, send, recv in zip(pieces, lays, sends, recvs):
+        pack_chunks(x2[:, a:b], lay, spec.fmt, spec.rounding, call.seed, out=send, backend=kb)
+        if ef is not None:
+            update_residual(call, ef, xin, send, lay)
+        # Equal chunks, so no split sizes: one all_to_all moves payload and scales together.
+        works.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
     itemsize = torch.empty((), dtype=stats_dtype).element_size()
-    record(stats_op, (gsize - 1) * layout.chunk_bytes[0] if L else 0, (gsize - 1) * L * itemsize, total, calls=calls)
+    record(stats_op, (gsize - 1) * sum(lay.chunk_bytes[0] for lay in lays) if L else 0,
+           (gsize - 1) * L * itemsize, total, calls=calls)
 
     def finish() -> torch.Tensor:
         acc = call.lease.take(L, torch.float32, dev).view(1, L)
-        unpack_sum(recv, layout, spec.fmt, out=acc, backend=call.kernel(dev, total))
+        for (a, b), lay, recv, w in zip(pieces, lays, recvs, works):
+            w.wait()
+            unpack_sum(recv, lay, spec.fmt, out=acc[:, a:b], backend=kb)
         return acc.view(-1)
 
-    return work, finish
+    return Pieces(works), finish
 
 
-def ag_phase(call: Call, src: torch.Tensor, dest: torch.Tensor, group, gsize: int, stats_op: str,
+def ag_phase(call: Call, src: torch.Tensor, dest, group, gsize: int, stats_op: str,
              stats_dtype: torch.dtype, calls: int = 1):
-    """Start an FP8 all-gather of flat src (N elements) into dest [gsize, N]: returns (work, finish -> dest)."""
-    spec, dev, n = call.spec, src.device, src.numel()
-    one = ChunkLayout((1,), n, spec.scaling)
-    send = call.lease.take(one.total_bytes, torch.uint8, dev)
-    pack_chunks(src.reshape(1, n), one, spec.fmt, spec.rounding, call.seed, out=send, backend=call.kernel(dev, n))
-    recv = call.lease.take(gsize * one.total_bytes, torch.uint8, dev)
-    work = all_gather_bytes(recv, send, group, async_op=True)
-    itemsize = torch.empty((), dtype=stats_dtype).element_size()
-    record(stats_op, (gsize - 1) * one.total_bytes, (gsize - 1) * n * itemsize, n, calls=calls)
+    """Start an FP8 all-gather of flat src (N elements) into dest [gsize, N]: returns (work, finish -> dest).
 
-    def finish() -> torch.Tensor:
+    dest may be a pair (codes uint8 [gsize, N], scales fp32 [gsize, N/B]): the FP8 output, nothing dequantized.
+    Pipelined like rs_phase (column pieces of whole blocks, one all_gather each), bit-identical to one piece.
+    """
+    spec, dev, n = call.spec, src.device, src.numel()
+    pieces = call.pieces(n, n, dev)
+    lays = [ChunkLayout((1,), b - a, spec.scaling) for a, b in pieces]
+    sizes = [lay.total_bytes for lay in lays]
+    sends = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)
+    recvs = _slices(call.lease.take(gsize * sum(sizes), torch.uint8, dev), [gsize * t for t in sizes])
+    x2 = src.reshape(1, n)
+    kq = call.kernel(dev, n)
+    works = []
+    for (a, b), lay, send, recv in zip(pieces, lays, sends, recvs):
+        pack_chunks(x2[:, a:b], lay, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
+        works.append(all_gather_bytes(recv, send, group, async_op=True))
+    itemsize = torch.empty((), dtype=stats_dtype).element_size()
+    record(stats_op, (gsize - 1) * sum(sizes), (gsize - 1) * n * itemsize, n, calls=calls)
+    kd = call.kernel(dev, gsize * n)
+    blk = lays[0].block if lays else 1
+
+    def finish():
         # Every rank, the owner included, decodes the same bytes: replicas end bit-identical.
-        layout = one.with_rows((1,) * gsize)
-        unpack_chunks(recv, layout, spec.fmt, dest.dtype, out=dest, backend=call.kernel(dev, gsize * n))
+        for (a, b), lay, recv, w in zip(pieces, lays, recvs, works):
+            w.wait()
+            all_rows = lay.with_rows((1,) * gsize)
+            if isinstance(dest, tuple):
+                codes, scales = dest
+                unpack_codes(recv, all_rows, codes[:, a:b], scales[:, a // blk:a // blk + lay.kb])
+            else:
+                unpack_chunks(recv, all_rows, spec.fmt, dest.dtype, out=dest[:, a:b], backend=kd)
         return dest
 
-    return work, finish
+    return Pieces(works), finish
 
 
 def gathered_into(call: Call, out_flat: torch.Tensor, n_valid: int, L: int, gsize: int) -> torch.Tensor:

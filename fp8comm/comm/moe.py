@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks
+from ..quant.tensor import Fp8Tensor
+from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_codes
 from .buffers import DEFAULT_POOL, Handle, Lease
 from .checks import Meta, as_int_list, exchange, group_rank_size, split_problem, tensor_problem
-from .core import Call
-from .options import WireSpec, default_check, next_seed, unknown_options, wire_spec
+from .core import Call, Pieces, _slices
+from .options import WireSpec, default_check, next_seed, pipeline_option, unknown_options, wire_spec
 from .stats import record
 
 WIRES = ("fp8", "bf16", "native")
@@ -34,10 +35,14 @@ class _Spec:
 
 
 def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None, group=None, *,
-               wire: str = "fp8", grad_wire: str = "bf16", grad_fmt=None, async_op: bool = False, **kw):
+               wire: str = "fp8", grad_wire: str = "bf16", grad_fmt=None, async_op: bool = False,
+               fp8_out: bool = False, **kw):
     """Send rows input_split_sizes[j] of tokens [T, H] to rank j; returns [sum(output_split_sizes), H] (autograd).
 
     wire/grad_wire: "fp8" (1x128 block scales), "bf16" or "native" (the tensor's own dtype). None splits: equal.
+    fp8_out=True (wire="fp8"): return the received tokens as an Fp8Tensor (codes [sum(outs), H] + fp32 scales
+    [sum(outs), ceil(H/B)], DeepEP's FP8 dispatch output) for an FP8 expert GEMM, not dequantized; it has no
+    autograd edge, so the tokens must not require grad (detach them; the combine carries the gradient path).
     """
     rank, world = group_rank_size(group)
     meta = Meta("all_to_all", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
@@ -48,11 +53,17 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         if w not in WIRES:
             meta.fail(("option", f"{name} must be one of {WIRES}, got {w!r}"))
     meta.reduce_op = WIRES.index(wire) if wire in WIRES else 0
+    if fp8_out and wire != "fp8":
+        meta.fail(("option", f"fp8_out=True needs wire='fp8' (got wire={wire!r})"))
+    if fp8_out and isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        meta.fail(("option", "fp8_out=True returns FP8 codes with no autograd edge, but the tokens require grad; "
+                             "pass tokens.detach() (or use the dequantizing path, which has the backward)"))
     spec = grad_spec = None
     try:
         spec = wire_spec(kw.get("fmt", "e4m3"), kw.get("scaling", "fp32"), kw.get("rounding", "nearest"),
                          kw.get("backend", "auto"), kw.get("block_size", 128))
         grad_spec = wire_spec(grad_fmt or spec.fmt, spec.scaling, spec.rounding, spec.backend)
+        meta.pipeline = pipeline_option(kw.get("pipeline"))
     except ValueError as e:
         meta.fail(("option", str(e)))
     meta.spec = spec if wire == "fp8" else None
@@ -61,8 +72,16 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     if sent:
         record("all_to_all", 0, 0, 0, check_bytes=sent, calls=0)
     pool = kw["buffer"].pool if kw.get("buffer") is not None else DEFAULT_POOL
-    call = Call("all_to_all", group, rank, world, spec, Lease(pool), next_seed(kw.get("seed"), rank))
+    call = Call("all_to_all", group, rank, world, spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline)
     s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool)
+    if fp8_out:
+        h = _start(call, tensor, s.out_splits, s.in_splits, wire, "all_to_all", fp8_out=True)
+        if async_op:
+            return Handle([h], h.wait, call.lease)
+        try:
+            return h.wait()
+        finally:
+            call.lease.release()
     if not async_op:
         try:
             return _AllToAll.apply(tensor, call, wire, s)
@@ -98,7 +117,7 @@ class _Pending:
 
     def wait(self, timeout=None):
         if self._out is None:
-            if self._work is not None:
+            if self._work is not None and not getattr(self._work, "waited_by_finish", False):
                 self._work.wait()
             self._out = self._finish()
         return self._out
@@ -107,11 +126,11 @@ class _Pending:
         return self._out is not None or self._work is None or self._work.is_completed()
 
 
-def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str) -> _Pending:
+def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8_out: bool = False) -> _Pending:
     """Start moving rows ins[j] of x to rank j (receiving outs[i] rows from rank i) with `wire` encoding."""
     h, dev, dtype = x.shape[1], x.device, x.dtype
     me = call.rank
-    out = torch.empty(sum(outs), h, dtype=dtype, device=dev)
+    out = None if fp8_out else torch.empty(sum(outs), h, dtype=dtype, device=dev)
     if wire != "fp8":
         wdt = torch.bfloat16 if wire == "bf16" else dtype
         send = x if x.dtype == wdt else x.to(wdt)
@@ -121,20 +140,40 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str) -> 
         record(stats_op, nbytes, (sum(ins) - ins[me]) * h * x.element_size(), 0)
         return _Pending(work, lambda: out if recv is out else out.copy_(recv))
     spec = call.spec
-    lin, lout = ChunkLayout(tuple(ins), h, spec.scaling), ChunkLayout(tuple(outs), h, spec.scaling)
-    send = call.lease.take(lin.total_bytes, torch.uint8, dev)
-    pack_chunks(x, lin, spec.fmt, spec.rounding, call.seed, out=send, backend=call.kernel(dev, x.numel()))
-    recv = call.lease.take(lout.total_bytes, torch.uint8, dev)
-    # Byte splits: each destination's chunk is payload + scales, so one collective carries both.
-    work = dist.all_to_all_single(recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes), group=call.group,
-                                  async_op=True)
-    record(stats_op, lin.total_bytes - lin.chunk_bytes[me], (sum(ins) - ins[me]) * h * x.element_size(),
-           x.numel())
+    # Pipelined on CPU: column pieces of whole 1xB blocks along H, one all_to_all each (see core.rs_phase).
+    pieces = call.pieces(h, None, dev)
+    lins = [ChunkLayout(tuple(ins), b - a, spec.scaling) for a, b in pieces]
+    louts = [lay.with_rows(outs) for lay in lins]
+    sends = _slices(call.lease.take(sum(lay.total_bytes for lay in lins), torch.uint8, dev),
+                    [lay.total_bytes for lay in lins])
+    recvs = _slices(call.lease.take(sum(lay.total_bytes for lay in louts), torch.uint8, dev),
+                    [lay.total_bytes for lay in louts])
+    kq, kd = call.kernel(dev, x.numel()), call.kernel(dev, sum(outs) * h)
+    works = []
+    for (a, b), lin, lout, send, recv in zip(pieces, lins, louts, sends, recvs):
+        pack_chunks(x[:, a:b], lin, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
+        # Byte splits: each destination's chunk is payload + scales, so one collective carries both.
+        works.append(dist.all_to_all_single(recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes),
+                                            group=call.group, async_op=True))
+    record(stats_op, sum(lin.total_bytes - lin.chunk_bytes[me] for lin in lins),
+           (sum(ins) - ins[me]) * h * x.element_size(), x.numel())
+    if fp8_out:
+        codes = torch.empty(sum(outs), h, dtype=torch.uint8, device=dev)
+        scales = torch.empty(spec.scaling.scale_shape(sum(outs), h), dtype=torch.float32, device=dev)
+    blk = lins[0].block
 
     def finish():
-        return unpack_chunks(recv, lout, spec.fmt, dtype, out=out, backend=call.kernel(dev, out.numel()))
+        for (a, b), lout, recv, w in zip(pieces, louts, recvs, works):
+            w.wait()
+            if fp8_out:
+                unpack_codes(recv, lout, codes[:, a:b], scales[:, a // blk:a // blk + lout.kb])
+            else:
+                unpack_chunks(recv, lout, spec.fmt, dtype, out=out[:, a:b], backend=kd)
+        if fp8_out:
+            return Fp8Tensor(codes.view(spec.fmt.dtype), scales, spec.fmt, spec.scaling, dtype)
+        return out
 
-    return _Pending(work, finish)
+    return _Pending(Pieces(works), finish)
 
 
 def _backward(ctx_spec: _Spec, g: torch.Tensor, rank: int, world: int) -> torch.Tensor:

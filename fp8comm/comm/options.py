@@ -59,7 +59,45 @@ def wire_spec(fmt="e4m3", scaling="fp32", rounding="nearest", backend="auto", bl
     return WireSpec(get_format(fmt), get_wire_scaling(scaling, block_size), rounding, backend)
 
 
-OPTIONS = ("fmt", "scaling", "block_size", "rounding", "seed", "backend", "check", "buffer")
+OPTIONS = ("fmt", "scaling", "block_size", "rounding", "seed", "backend", "check", "buffer", "pipeline")
+
+# Pipelining inside one call (CPU): pieces of at least this many elements, at most PIPELINE_MAX of them. Pieces
+# >= 1 Mi elements keep the compiled kernels (COMPILE_MIN_NUMEL); 8 pieces of a 16 Mi-element message measured
+# best on the 2-core machine (docs/benchmarks.md).
+PIPELINE_PIECE = 1 << 21
+PIPELINE_MAX = 8
+
+
+def pipeline_option(v) -> int:
+    """pipeline=None/'auto' (0: pieces from the size), False or 1 (one piece: no pipelining), or a piece count."""
+    if v is None or v == "auto" or v is True:
+        return 0
+    if v is False:
+        return 1
+    if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1024:
+        return v
+    raise ValueError(f"pipeline must be None/'auto', False, or a piece count 1..1024, got {v!r}")
+
+
+def plan_pieces(k: int, block: int | None, numel: int | None, device: torch.device, rounding: str,
+                pipeline: int) -> list[tuple[int, int]]:
+    """Column ranges [a, b) of the K dim that travel as separate pieces: whole blocks each, equal but the last.
+
+    Only on CPU (where the codec costs as much as the wire; a GPU codec takes microseconds) and with nearest
+    rounding (stochastic rounding hashes the element index within one piece's layout). The same on every rank:
+    it depends only on sizes and options the metadata check compares.
+    """
+    if device.type != "cpu" or rounding != "nearest" or k == 0 or block is None:
+        return [(0, k)]
+    # numel None (all-to-all: ranks send different token counts, so only K is common): one piece per 512 columns.
+    auto = min(PIPELINE_MAX, numel // PIPELINE_PIECE if numel is not None else k // 512)
+    p = pipeline or auto
+    nb = -(-k // block)
+    p = max(1, min(p, nb))
+    if p == 1:
+        return [(0, k)]
+    w = -(-nb // p) * block
+    return [(a, min(a + w, k)) for a in range(0, k, w)]
 
 
 def unknown_options(kw: dict, extra: tuple[str, ...] = ()) -> tuple[str, str] | None:

@@ -13,7 +13,7 @@ import torch
 
 from .formats import Fp8Format
 from .scaling import Scaling
-from .tensor import align
+from .tensor import align, decode_scales
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,24 @@ def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torc
     elif out.dtype != torch.float32 or tuple(out.shape) != (rows, layout.k):
         raise ValueError(f"unpack_sum: out must be fp32 {(rows, layout.k)}")
     return _backend(backend, buf.device, buf.numel()).unpack_sum(buf, layout, fmt, out)
+
+
+def unpack_codes(buf: torch.Tensor, layout: ChunkLayout, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """The FP8-out receive side: copy every chunk's codes into `codes` (uint8 [M, K]) and its decoded fp32 scales
+    into `scales` ([M, kb]); nothing is dequantized. Outputs may be strided views (one piece of a bigger tensor)."""
+    _check_buf(buf, layout)
+    m, k, kb = layout.total_rows, layout.k, layout.kb
+    if codes.dtype != torch.uint8 or tuple(codes.shape) != (m, k):
+        raise ValueError(f"unpack_codes: codes must be uint8 {(m, k)}, got {codes.dtype} {tuple(codes.shape)}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (m, kb):
+        raise ValueError(f"unpack_codes: scales must be fp32 {(m, kb)}, got {scales.dtype} {tuple(scales.shape)}")
+    for c, rows in enumerate(layout.rows):
+        if not rows:
+            continue
+        o, r0, pb = layout.offsets[c], layout.row_starts[c], layout.payload_bytes(c)
+        codes[r0:r0 + rows] = buf[o:o + rows * k].view(rows, k)
+        nsb = rows * kb * layout.scaling.scale_bytes
+        scales[r0:r0 + rows] = decode_scales(buf[o + pb:o + pb + nsb], layout.scaling).view(rows, kb)
 
 
 def _check_buf(buf: torch.Tensor, layout: ChunkLayout) -> None:

@@ -151,4 +151,66 @@ def check_hierarchical(ctx: Ctx) -> None:
     ctx.info["stats"] = {k: (v["wire_bytes"], v["dtype_bytes"]) for k, v in fc.comm_stats().items()}
 
 
-CHECKS_MORE = [check_all_to_all, check_subgroup, check_hierarchical]
+def bits16(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def check_pipeline_and_fp8_out(ctx: Ctx) -> None:
+    """Pipelined calls (pieces) are bit-identical to one piece; FP8 outputs carry exactly the codes and scales the
+    dequantizing calls decode and feed fp8comm.gemm; bad FP8-out inputs fail before any bytes move."""
+    from fp8comm.gemm.backends import gemm
+    from fp8comm.quant import Fp8Tensor, quantize
+
+    from dist_checks import expect_error
+
+    r, W = ctx.rank, ctx.world
+    # all-gather of a weight shard [rows, 384] (3 blocks per row): pieces, async, FP8 out
+    w = randn((3, 384), 3000 + r, torch.bfloat16, scale=1 + r)
+    one = fc.all_gather(w, pipeline=False)
+    for p in (2, 3):
+        assert torch.equal(bits16(fc.all_gather(w, pipeline=p)), bits16(one)), f"all_gather pipeline={p}"
+    assert torch.equal(bits16(fc.all_gather(w, pipeline=3, async_op=True).wait()), bits16(one)), "async pieces"
+    for p in (False, 2):
+        q = fc.all_gather(w, fp8_out=True, pipeline=p)
+        assert isinstance(q, Fp8Tensor) and q.shape == (3 * W, 384) and q.scale.shape == (3 * W, 3)
+        assert torch.equal(bits16(q.dequantize(torch.bfloat16, backend="reference")), bits16(one)), "fp8_out deq"
+        full = torch.cat(gather(w))
+        want = quantize(full, "e4m3", 128, backend="reference")  # 1x128 row blocks of the whole weight
+        assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)), "fp8_out codes"
+        assert torch.equal(q.scale, want.scale), "fp8_out scales"
+    # The gathered FP8 weight feeds the FP8 GEMM as is.
+    xq = quantize(randn((5, 384), 3100 + r), "e4m3", 128)
+    assert torch.equal(gemm(xq, q, backend="emulation"), gemm(xq, want, backend="emulation")), "gemm on fp8_out"
+    qa = fc.all_gather(w, fp8_out=True, async_op=True, pipeline=2).wait()
+    assert torch.equal(qa.data.view(torch.uint8), q.data.view(torch.uint8))
+    # reduce-scatter: sizes that do not divide (padding), bf16 and fp32, sum and avg
+    for n, dt, op in ((W * 384 + 200, torch.float32, "sum"), (W * 1024, torch.bfloat16, "avg")):
+        x = randn((n,), 3200 + r, dt, scale=1 + r)
+        a = fc.reduce_scatter(x, op=op, pipeline=False)
+        for p in (2, 5):
+            assert torch.equal(bits16(fc.reduce_scatter(x, op=op, pipeline=p)), bits16(a)), f"rs {n} {dt} p={p}"
+        assert torch.equal(bits16(fc.all_reduce(x, op=op, pipeline=3)), bits16(fc.all_reduce(x, op=op,
+                                                                                          pipeline=False)))
+    # all-to-all: uneven splits, H = 320 (a partial block), pieces and FP8 out
+    S = split_matrices(W)[0]
+    ins, outs = S[r], [S[j][r] for j in range(W)]
+    x = randn((sum(ins), 320), 3300 + r, torch.bfloat16)
+    y1 = fc.all_to_all(x, outs, ins, pipeline=False)
+    assert torch.equal(bits16(fc.all_to_all(x, outs, ins, pipeline=2)), bits16(y1)), "a2a pieces"
+    for p in (False, 2):
+        q = fc.all_to_all(x, outs, ins, fp8_out=True, pipeline=p)
+        assert q.shape == (sum(outs), 320) and q.scale.shape == (sum(outs), 3)
+        assert torch.equal(bits16(q.dequantize(torch.bfloat16, backend="reference")), bits16(y1)), "a2a fp8_out"
+    assert torch.equal(fc.all_to_all(x, outs, ins, fp8_out=True, async_op=True).wait().data.view(torch.uint8),
+                       q.data.view(torch.uint8))
+    # Errors, raised on every rank before any payload moves.
+    expect_error(lambda: fc.all_gather(randn((2, 200), 1), fp8_out=True), fc.Fp8CommError, "multiple of the block")
+    expect_error(lambda: fc.all_to_all(x, outs, ins, wire="bf16", fp8_out=True), fc.Fp8CommError, "wire='fp8'")
+    expect_error(lambda: fc.all_to_all(x.clone().requires_grad_(True), outs, ins, fp8_out=True), fc.Fp8CommError,
+                 "detach")
+    expect_error(lambda: fc.reduce_scatter(randn((W * 256,), 1), pipeline="many"), fc.Fp8CommError, "pipeline")
+    expect_error(lambda: fc.reduce_scatter(randn((W * 256,), 1), pipeline=2 if r == 0 else 1), fc.CommMismatchError,
+                 "pipeline")
+
+
+CHECKS_MORE = [check_all_to_all, check_subgroup, check_hierarchical, check_pipeline_and_fp8_out]
