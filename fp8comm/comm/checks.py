@@ -50,6 +50,40 @@ def tensor_problem(t, what: str, allow_0d: bool = False) -> tuple[str, str] | No
     return None
 
 
+def out_problem(out, shape: tuple, dtype, device, fp8_spec=None) -> tuple[str, str] | None:
+    """Problems of a caller-supplied output: a tensor (shape, dtype, contiguous, device) or, for FP8 outputs
+    (fp8_spec given), an Fp8Tensor whose codes, scales, format and block scaling match what the call produces."""
+    from ..quant.tensor import Fp8Tensor, view_2d
+
+    shape = tuple(shape)
+    if fp8_spec is not None:
+        if not isinstance(out, Fp8Tensor):
+            return "dtype", f"out must be an Fp8Tensor for fp8_out=True, got {type(out).__name__}"
+        want = fp8_spec.scaling.scale_shape(*view_2d(shape))
+        if tuple(out.shape) != shape or tuple(out.scale.shape) != want:
+            return "shape", (f"out has shape {tuple(out.shape)} with scales {tuple(out.scale.shape)}, expected {shape}"
+                             f" with scales {want}")
+        if out.fmt.name != fp8_spec.fmt.name or out.scaling != fp8_spec.scaling:
+            return "option", (f"out is {out.fmt.name} with {out.scaling.describe()} scales, the call produces "
+                              f"{fp8_spec.fmt.name} with {fp8_spec.scaling.describe()}")
+        if out.scale.dtype != torch.float32 or not out.data.is_contiguous() or not out.scale.is_contiguous():
+            return "contiguity", "out needs contiguous codes and contiguous fp32 scales"
+        if out.data.device != device or out.scale.device != device:
+            return "device", f"out is on {out.data.device}, the input on {device}"
+        return None
+    if not isinstance(out, torch.Tensor):
+        return "dtype", f"out must be a torch.Tensor, got {type(out).__name__}"
+    if tuple(out.shape) != shape or out.dtype != dtype:
+        return "shape", f"out is {out.dtype} {tuple(out.shape)}, expected {dtype} {shape}"
+    if not out.is_contiguous():
+        return "contiguity", "out is not contiguous"
+    if out.device != device:
+        return "device", f"out is on {out.device}, the input on {device}"
+    if out.requires_grad:
+        return "option", "out requires grad; outputs written in place cannot carry autograd history"
+    return None
+
+
 def group_rank_size(group) -> tuple[int, int]:
     """(rank in group, group size); clear errors when torch.distributed is not ready or we are not a member."""
     if not dist.is_available() or not dist.is_initialized():

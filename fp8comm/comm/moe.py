@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..quant.tensor import Fp8Tensor
 from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_codes
 from .buffers import DEFAULT_POOL, Handle, Lease
-from .checks import Meta, as_int_list, exchange, group_rank_size, split_problem, tensor_problem
+from .checks import Meta, as_int_list, exchange, group_rank_size, out_problem, split_problem, tensor_problem
 from .core import Call, Pieces, _slices
 from .options import WireSpec, default_check, next_seed, pipeline_option, unknown_options, wire_spec
 from .stats import record
@@ -36,13 +36,15 @@ class _Spec:
 
 def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None, group=None, *,
                wire: str = "fp8", grad_wire: str = "bf16", grad_fmt=None, async_op: bool = False,
-               fp8_out: bool = False, **kw):
+               fp8_out: bool = False, out=None, **kw):
     """Send rows input_split_sizes[j] of tokens [T, H] to rank j; returns [sum(output_split_sizes), H] (autograd).
 
     wire/grad_wire: "fp8" (1x128 block scales), "bf16" or "native" (the tensor's own dtype). None splits: equal.
     fp8_out=True (wire="fp8"): return the received tokens as an Fp8Tensor (codes [sum(outs), H] + fp32 scales
     [sum(outs), ceil(H/B)], DeepEP's FP8 dispatch output) for an FP8 expert GEMM, not dequantized; it has no
     autograd edge, so the tokens must not require grad (detach them; the combine carries the gradient path).
+    out: a preallocated output ([sum(outs), H] in the tokens' dtype, or an Fp8Tensor with fp8_out=True), as
+    DeepEP's Buffer keeps its receive buffers; no autograd edge either (the tokens must not require grad).
     """
     rank, world = group_rank_size(group)
     meta = Meta("all_to_all", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
@@ -66,6 +68,12 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         meta.pipeline = pipeline_option(kw.get("pipeline"))
     except ValueError as e:
         meta.fail(("option", str(e)))
+    if out is not None and meta.error is None:
+        if not fp8_out and tensor.requires_grad and torch.is_grad_enabled():
+            meta.fail(("option", "out= writes in place and has no autograd edge, but the tokens require grad; "
+                                 "pass tokens.detach() or leave out=None"))
+        meta.fail(out_problem(out, (sum(outs), tensor.shape[1]), tensor.dtype, tensor.device,
+                              spec if fp8_out else None))
     meta.spec = spec if wire == "fp8" else None
     check = default_check() if kw.get("check") is None else bool(kw["check"])
     sent = exchange(meta, group, rank, world, check)
@@ -75,7 +83,15 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     call = Call("all_to_all", group, rank, world, spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline)
     s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool)
     if fp8_out:
-        h = _start(call, tensor, s.out_splits, s.in_splits, wire, "all_to_all", fp8_out=True)
+        h = _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all", fp8_out=True, out=out)
+        if async_op:
+            return Handle([h], h.wait, call.lease)
+        try:
+            return h.wait()
+        finally:
+            call.lease.release()
+    if out is not None:
+        h = _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all", out=out)
         if async_op:
             return Handle([h], h.wait, call.lease)
         try:
@@ -126,11 +142,14 @@ class _Pending:
         return self._out is not None or self._work is None or self._work.is_completed()
 
 
-def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8_out: bool = False) -> _Pending:
+def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8_out: bool = False,
+           out=None) -> _Pending:
     """Start moving rows ins[j] of x to rank j (receiving outs[i] rows from rank i) with `wire` encoding."""
     h, dev, dtype = x.shape[1], x.device, x.dtype
     me = call.rank
-    out = None if fp8_out else torch.empty(sum(outs), h, dtype=dtype, device=dev)
+    given = out
+    if not fp8_out and out is None:
+        out = torch.empty(sum(outs), h, dtype=dtype, device=dev)
     if wire != "fp8":
         wdt = torch.bfloat16 if wire == "bf16" else dtype
         send = x if x.dtype == wdt else x.to(wdt)
@@ -157,7 +176,9 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
                                             group=call.group, async_op=True))
     record(stats_op, sum(lin.total_bytes - lin.chunk_bytes[me] for lin in lins),
            (sum(ins) - ins[me]) * h * x.element_size(), x.numel())
-    if fp8_out:
+    if fp8_out and given is not None:
+        codes, scales = given.data.view(torch.uint8), given.scale
+    elif fp8_out:
         codes = torch.empty(sum(outs), h, dtype=torch.uint8, device=dev)
         scales = torch.empty(spec.scaling.scale_shape(sum(outs), h), dtype=torch.float32, device=dev)
     blk = lins[0].block
@@ -170,7 +191,8 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
             else:
                 unpack_chunks(recv, lout, spec.fmt, dtype, out=out[:, a:b], backend=kd)
         if fp8_out:
-            return Fp8Tensor(codes.view(spec.fmt.dtype), scales, spec.fmt, spec.scaling, dtype)
+            return given if given is not None else Fp8Tensor(codes.view(spec.fmt.dtype), scales, spec.fmt,
+                                                             spec.scaling, dtype)
         return out
 
     return _Pending(Pieces(works), finish)

@@ -183,6 +183,16 @@ def check_pipeline_and_fp8_out(ctx: Ctx) -> None:
     assert torch.equal(gemm(xq, q, backend="emulation"), gemm(xq, want, backend="emulation")), "gemm on fp8_out"
     qa = fc.all_gather(w, fp8_out=True, async_op=True, pipeline=2).wait()
     assert torch.equal(qa.data.view(torch.uint8), q.data.view(torch.uint8))
+    # Preallocated outputs (engines keep their gathered buffers): written in place, same bits.
+    o = torch.empty(3 * W, 384, dtype=torch.bfloat16)
+    assert fc.all_gather(w, out=o, pipeline=2) is o and torch.equal(bits16(o), bits16(one)), "all_gather out="
+    keep = fc.all_gather(w * 0, fp8_out=True)
+    got = fc.all_gather(w, fp8_out=True, out=keep, async_op=True).wait()
+    assert got is keep and torch.equal(keep.data.view(torch.uint8), q.data.view(torch.uint8))
+    assert torch.equal(keep.scale, q.scale), "all_gather fp8_out out="
+    expect_error(lambda: fc.all_gather(w, out=torch.empty(3 * W, 383, dtype=torch.bfloat16)), fc.Fp8CommError,
+                 "expected")
+    expect_error(lambda: fc.all_gather(w, fp8_out=True, out=keep, fmt="e5m2"), fc.Fp8CommError, "produces")
     # reduce-scatter: sizes that do not divide (padding), bf16 and fp32, sum and avg
     for n, dt, op in ((W * 384 + 200, torch.float32, "sum"), (W * 1024, torch.bfloat16, "avg")):
         x = randn((n,), 3200 + r, dt, scale=1 + r)
@@ -203,6 +213,14 @@ def check_pipeline_and_fp8_out(ctx: Ctx) -> None:
         assert torch.equal(bits16(q.dequantize(torch.bfloat16, backend="reference")), bits16(y1)), "a2a fp8_out"
     assert torch.equal(fc.all_to_all(x, outs, ins, fp8_out=True, async_op=True).wait().data.view(torch.uint8),
                        q.data.view(torch.uint8))
+    ya = torch.empty(sum(outs), 320, dtype=torch.bfloat16)
+    assert fc.all_to_all(x, outs, ins, out=ya) is ya and torch.equal(bits16(ya), bits16(y1)), "a2a out="
+    qk = fc.all_to_all(x * 0, outs, ins, fp8_out=True)
+    assert fc.all_to_all(x, outs, ins, fp8_out=True, out=qk, pipeline=2) is qk
+    assert torch.equal(qk.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(qk.scale, q.scale)
+    expect_error(lambda: fc.all_to_all(x.clone().requires_grad_(True), outs, ins, out=ya), fc.Fp8CommError,
+                 "detach")
+    expect_error(lambda: fc.all_to_all(x, outs, ins, out=ya.float()), fc.Fp8CommError, "expected")
     # Errors, raised on every rank before any payload moves.
     expect_error(lambda: fc.all_gather(randn((2, 200), 1), fp8_out=True), fc.Fp8CommError, "multiple of the block")
     expect_error(lambda: fc.all_to_all(x, outs, ins, wire="bf16", fp8_out=True), fc.Fp8CommError, "wire='fp8'")
