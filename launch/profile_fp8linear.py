@@ -41,6 +41,33 @@ def sweep_tiles(x: torch.Tensor, dev: torch.device, reps: int) -> None:
     print(f"using tile {best[1]} warps {best[2]}")
 
 
+def sweep_gemm(dev: torch.device, reps: int, s: int = 8192) -> None:
+    """Time the Triton block-scaled GEMM at s^3 per tile config (blockwise, then MX 1x32); keep the fastest."""
+    from fp8comm.bench.gemm import operands
+    from fp8comm.gemm import triton_gemm as tg
+
+    flop = 2.0 * s ** 3
+    for layout, name in (("blockwise", "GPU_CONFIG"), ("mxfp8", "GPU_CONFIG_SMALL_K")):
+        a, b = operands(s, s, s, layout, dev)
+        best = None
+        for bm, bn in ((128, 128), (128, 256), (256, 128), (64, 256)):
+            for warps in (4, 8):
+                for stages in (3, 4):
+                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
+                    setattr(tg, name, cfg)
+                    try:
+                        t = bench(lambda: tg.triton_gemm(a, b, torch.bfloat16), reps, 2, dev)
+                    except Exception as e:  # noqa: BLE001 - a config the GPU cannot run (shared memory)
+                        print(f"gemm {layout} {cfg}: failed: {str(e).splitlines()[0][:100]}", flush=True)
+                        continue
+                    print(f"gemm {layout} {cfg}: {t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s", flush=True)
+                    if best is None or t < best[0]:
+                        best = (t, cfg)
+        setattr(tg, name, best[1])
+        print(f"using {name} = {best[1]} ({flop / best[0] / 1e12:.0f} TFLOP/s)", flush=True)
+        del a, b
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="tensorwise")
@@ -50,12 +77,16 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="first time quantize_with_transpose per tile shape and "
                    "warps, and use the fastest")
+    p.add_argument("--sweep-gemm", action="store_true", help="first time the Triton GEMM per tile config at "
+                   "8192^3 and use the fastest")
     a = p.parse_args()
     dev = torch.device(os.environ.get("PROFILE_DEVICE", "cuda"))
     m, k, n, reps = a.tokens, a.k, a.n, a.reps
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
     if a.sweep:
         sweep_tiles(x.detach(), dev, reps)
+    if a.sweep_gemm:
+        sweep_gemm(dev, reps)
     dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
     ref = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
     lin = Fp8Linear(k, n, bias=False, device=dev, recipe=a.recipe)
@@ -104,8 +135,12 @@ def main() -> int:
         1.5 * mb)
     row("quantize x 1x128 e4m3 (reference point)", lambda: quantize(x.detach(), "e4m3", 128), 1.5 * mb)
     from fp8comm.quant import quantize_with_transpose
-    row("quantize_with_transpose x (input role)",
-        lambda: quantize_with_transpose(x.detach(), r.input.fmt, scaling=r.input.scaling), 2 * mb)
+    if r.input.transpose_invariant:
+        row("quantize_with_transpose x (input role)",
+            lambda: quantize_with_transpose(x.detach(), r.input.fmt, scaling=r.input.scaling), 2 * mb)
+    else:
+        row("quantize x^T (input role, along tokens)",
+            lambda: quantize(x.detach().t(), r.input.fmt, scaling=r.input.scaling), 1.5 * mb)
     row("transpose x codes (torch .t().contiguous())", lambda: xq.data.t().contiguous(), mb)
     row("transpose x codes as uint8", lambda: xq.data.view(torch.uint8).t().contiguous(), mb)
     dyq = quantize(dy, r.grad.fmt, scaling=r.grad.scaling)

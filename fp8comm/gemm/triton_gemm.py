@@ -17,14 +17,27 @@ import triton.language as tl
 from ..quant import Fp8Tensor
 
 
+# Tile configs on CUDA by K tile: >= 64 (per-tensor, rows, 128-blocks) and < 64 (MX 1x32);
+# launch/profile_fp8linear.py --sweep-gemm times alternatives on a GPU
+GPU_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+GPU_CONFIG_SMALL_K = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+
+
 @triton.jit
 def _block_scaled_gemm(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
                        stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
                        stride_sam, stride_sak, stride_sbn, stride_sbk,
                        SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, UPCAST: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # grouped order: GROUP_M row tiles sweep the column tiles together, so their a and b tiles are reused from L2
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -88,13 +101,15 @@ def triton_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float
     sa, sa_r, sa_k, ra = _scale_args(a, kblock)
     sb, sb_r, sb_k, rb = _scale_args(b, kblock)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    bm = block_m or (64 if interp else 128)
-    bn = block_n or (64 if interp else 128)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    kw = {} if interp else dict(num_warps=8, num_stages=3)
+    cfg = dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8) if interp else dict(GPU_CONFIG if kblock >= 64 else
+                                                                        GPU_CONFIG_SMALL_K)
+    if block_m:
+        cfg["BLOCK_M"] = block_m
+    if block_n:
+        cfg["BLOCK_N"] = block_n
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _block_scaled_gemm[grid](a.data, b.data, out, sa, sb, m, n, k,
                              a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
                              out.stride(0), out.stride(1), sa_r, sa_k, sb_r, sb_k,
-                             SA_ROWS=ra, SB_ROWS=rb, UPCAST=a.fmt.name != b.fmt.name,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=kblock, **kw)
+                             SA_ROWS=ra, SB_ROWS=rb, UPCAST=a.fmt.name != b.fmt.name, BLOCK_K=kblock, **cfg)
     return out
