@@ -347,6 +347,10 @@ def report(out: Path, plots: str | None = None) -> str:
 _OPS = {k: op for k, op, _ in VARIANTS}
 
 
+def _label(key: str) -> str:
+    return f"{key} (FP8 out, FP8 GEMM consumer)" if key in FP8_OUT else key
+
+
 def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
     try:
         import matplotlib
@@ -356,9 +360,9 @@ def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
     except ImportError:
         return []
     folder.mkdir(parents=True, exist_ok=True)
-    groups = [("all_gather", ["ag.fp8", "ag.fp8_b4", "ag.bf16"]),
+    groups = [("all_gather", ["ag.fp8", "ag.fp8_out", "ag.fp8_b4", "ag.bf16"]),
               ("reduce_scatter", ["rs.fp8_f32", "rs.fp8_hier", "rs.bf16", "rs.fp32"]),
-              ("all_to_all", ["a2a.fp8", "a2a.bf16"])]
+              ("all_to_all", ["a2a.fp8", "a2a.fp8_out", "a2a.bf16"])]
     made = []
     rate = next(iter(coll.values()))["meta"]["rate"]
     big = max(r["mib"] for d in coll.values() for r in d["rows"] if r["mib"] <= 32)
@@ -368,7 +372,7 @@ def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
             xs = [(k, r["median_s"]) for k, d in sorted(coll.items()) for r in d["rows"]
                   if r["key"] == key and r["mib"] == big]
             if xs:
-                ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=key)
+                ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=_label(key))
         ax.set(title=f"{op}, {big:g} MiB per rank", xlabel="nodes (2 ranks each)", ylabel="ms (median)")
         ax.set_xticks(sorted(coll))
         ax.legend(fontsize=8)
@@ -382,7 +386,7 @@ def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
         for key in keys:
             xs = sorted((r["mib"], r["median_s"]) for r in coll[k]["rows"] if r["key"] == key)
             if xs:
-                ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=key)
+                ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=_label(key))
         ax.set(title=f"{op}, {k} nodes", xlabel="MiB per rank (bf16)", ylabel="ms (median)", xscale="log",
                yscale="log")
         ax.legend(fontsize=8)

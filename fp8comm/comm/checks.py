@@ -116,6 +116,14 @@ class Meta:
     in_splits: list[int] = field(default_factory=list)
     out_splits: list[int] = field(default_factory=list)
     error: tuple[str, str] | None = None  # (kind, message) of a local problem
+    table: list | None = None  # every rank's descriptor after a checked exchange (None when the check is off)
+
+    def max_tokens(self, world: int) -> tuple[int, int] | None:
+        """(max over ranks of tokens sent, of tokens received) from the exchanged splits; None without a check."""
+        if self.table is None:
+            return None
+        return (max(sum(r[_FIXED:_FIXED + world]) for r in self.table),
+                max(sum(r[_FIXED + world:_FIXED + 2 * world]) for r in self.table))
 
     def fail(self, problem: tuple[str, str] | None) -> None:
         if problem is not None and self.error is None:
@@ -167,6 +175,7 @@ def exchange(meta: Meta, group, rank: int, world: int, check: bool) -> int:
     _all_gather_flat(table, mine.to(dev), group)
     rows = table.view(world, -1).cpu().tolist()  # the host sync this check costs on GPU
     _compare(meta, rows, rank, name)
+    meta.table = rows
     return mine.numel() * 8 * (world - 1)
 
 

@@ -32,6 +32,7 @@ class Call:
     lease: Lease
     seed: int
     pipeline: int = 0  # pieces per call (0: auto); see options.plan_pieces
+    size_hint: int | None = None  # all-to-all: elements of the largest rank's message (all ranks agree), if known
 
     def pieces(self, k: int, numel: int | None, device: torch.device) -> list[tuple[int, int]]:
         """Column ranges [a, b) of the K dimension, whole blocks each, that travel as separate pipelined pieces."""

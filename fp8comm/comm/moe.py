@@ -32,6 +32,7 @@ class _Spec:
     grad_wire: str
     grad_spec: WireSpec
     pool: object
+    bwd_hint: int | None = None  # size hint (see Call.size_hint) for the backward's reverse all-to-all
 
 
 def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None, group=None, *,
@@ -81,7 +82,17 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         record("all_to_all", 0, 0, 0, check_bytes=sent, calls=0)
     pool = kw["buffer"].pool if kw.get("buffer") is not None else DEFAULT_POOL
     call = Call("all_to_all", group, rank, world, spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline)
-    s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool)
+    # Auto pipelining needs a size every rank agrees on: even splits (the token count is checked to be equal), or
+    # the largest rank's token count from the metadata check's table of every rank's splits.
+    h = tensor.shape[1]
+    mx = meta.max_tokens(world)
+    if mx is not None:
+        call.size_hint, bwd = mx[0] * h, mx[1] * h
+    elif input_split_sizes is None and output_split_sizes is None:
+        call.size_hint = bwd = tensor.numel()
+    else:
+        bwd = None
+    s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool, bwd)
     if fp8_out:
         h = _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all", fp8_out=True, out=out)
         if async_op:
@@ -160,7 +171,7 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
         return _Pending(work, lambda: out if recv is out else out.copy_(recv))
     spec = call.spec
     # Pipelined on CPU: column pieces of whole 1xB blocks along H, one all_to_all each (see core.rs_phase).
-    pieces = call.pieces(h, None, dev)
+    pieces = call.pieces(h, call.size_hint, dev)
     lins = [ChunkLayout(tuple(ins), b - a, spec.scaling) for a, b in pieces]
     louts = [lay.with_rows(outs) for lay in lins]
     sends = _slices(call.lease.take(sum(lay.total_bytes for lay in lins), torch.uint8, dev),
@@ -200,7 +211,8 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
 
 def _backward(ctx_spec: _Spec, g: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     s = ctx_spec
-    call = Call("all_to_all.backward", s.group, rank, world, s.grad_spec, Lease(s.pool), next_seed(None, rank))
+    call = Call("all_to_all.backward", s.group, rank, world, s.grad_spec, Lease(s.pool), next_seed(None, rank),
+                size_hint=s.bwd_hint)
     try:
         # Reverse direction: what we received (out_splits) goes back to where it came from.
         return _start(call, g.contiguous(), s.in_splits, s.out_splits, s.grad_wire, "all_to_all.backward").wait()

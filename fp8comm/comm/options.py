@@ -89,8 +89,8 @@ def plan_pieces(k: int, block: int | None, numel: int | None, device: torch.devi
     """
     if device.type != "cpu" or rounding != "nearest" or k == 0 or block is None:
         return [(0, k)]
-    # numel None (all-to-all: ranks send different token counts, so only K is common): one piece per 512 columns.
-    auto = min(PIPELINE_MAX, numel // PIPELINE_PIECE if numel is not None else k // 512)
+    # numel None: no size every rank agrees on (an all-to-all with its own splits and the check off): one piece.
+    auto = min(PIPELINE_MAX, numel // PIPELINE_PIECE) if numel is not None else 1
     p = pipeline or auto
     nb = -(-k // block)
     p = max(1, min(p, nb))

@@ -1,0 +1,60 @@
+"""Single-process pieces of the pipelined / FP8-out collectives: the piece plan and the FP8-out receive side."""
+import pytest
+import torch
+
+import fp8comm
+from fp8comm.comm.options import PIPELINE_MAX, PIPELINE_PIECE, pipeline_option, plan_pieces
+from fp8comm.quant import BlockScaling, ChunkLayout, get_format, pack_chunks
+from fp8comm.quant.wire import unpack_codes
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("k,block,numel,pipe", [(16 << 20, 128, 16 << 20, 0), (1000, 128, 1000, 3), (4096, 128, None, 0),
+                                                (384, 128, 384, 7), (4 << 20, 32, 16 << 20, 5)])
+def test_plan_pieces_whole_blocks_cover_k(k, block, numel, pipe):
+    ps = plan_pieces(k, block, numel, CPU, "nearest", pipe)
+    assert ps[0][0] == 0 and ps[-1][1] == k
+    assert all(b == c for (_, b), (c, _) in zip(ps, ps[1:]))  # contiguous, no gaps or overlaps
+    assert all(a % block == 0 for a, _ in ps)  # every piece starts on a block boundary
+    widths = {b - a for a, b in ps[:-1]}
+    assert len(widths) <= 1 and ps[-1][1] - ps[-1][0] <= max(widths | {k})
+    want = pipe or (min(PIPELINE_MAX, numel // PIPELINE_PIECE) if numel is not None else 1)
+    assert len(ps) == max(1, min(want, -(-k // block)))
+
+
+def test_plan_pieces_not_pipelined():
+    k = 1 << 22
+    assert plan_pieces(k, 128, k, torch.device("cuda"), "nearest", 0) == [(0, k)]  # GPU codec: no pieces
+    assert plan_pieces(k, 128, k, CPU, "stochastic", 4) == [(0, k)]  # the rounding hash counts within a piece
+    assert plan_pieces(k, None, k, CPU, "nearest", 4) == [(0, k)]  # one scale per chunk
+    assert plan_pieces(k, 128, k, CPU, "nearest", 1) == [(0, k)]
+    assert plan_pieces(1 << 20, 128, 1 << 20, CPU, "nearest", 0) == [(0, 1 << 20)]  # small: not worth it
+
+
+def test_pipeline_option():
+    assert pipeline_option(None) == 0 and pipeline_option("auto") == 0 and pipeline_option(False) == 1
+    assert pipeline_option(6) == 6
+    for bad in ("many", 0, -2, 2.5, 5000):
+        with pytest.raises(ValueError, match="pipeline"):
+            pipeline_option(bad)
+
+
+def test_unpack_codes_is_the_quantizer_output():
+    f, sc = get_format("e4m3"), BlockScaling(128)
+    rows, k = (2, 0, 3), 320
+    x = torch.randn(5, k) * torch.logspace(-3, 3, 5).unsqueeze(1)
+    lay = ChunkLayout(rows, k, sc)
+    buf = pack_chunks(x, lay, f, backend="reference")
+    codes = torch.full((5, k + 4), 7, dtype=torch.uint8)
+    scales = torch.empty(5, 3)
+    unpack_codes(buf, lay, codes[:, 2:2 + k], scales)  # a strided destination, like one pipeline piece
+    q = fp8comm.quantize(x, "e4m3", 128, backend="reference")
+    assert torch.equal(codes[:, 2:2 + k], q.data.view(torch.uint8)) and torch.equal(scales, q.scale)
+    assert (codes[:, :2] == 7).all() and (codes[:, 2 + k:] == 7).all()
+    with pytest.raises(ValueError, match="codes must be uint8"):
+        unpack_codes(buf, lay, torch.empty(5, k), scales)
+    with pytest.raises(ValueError, match="scales must be fp32"):
+        unpack_codes(buf, lay, codes[:, 2:2 + k], torch.empty(5, 2))
+    with pytest.raises(ValueError, match="wire buffer"):
+        unpack_codes(buf[:10], lay, codes[:, 2:2 + k], scales)
