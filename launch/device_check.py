@@ -220,6 +220,22 @@ def bitexact_section(ctx: Ctx) -> dict:
             for c in cases:
                 if c[0].rows is None and c[0].cols is None:
                     t.guard(f"quantize_2d_t {d} {fmt.name} {c[0].describe()}", lambda r=(d, fmt) + c: quant_t(*r))
+
+    def quant_rowcol(dname, fmt, sc, rnd):  # 1xB blocks of x and of x^T from one read
+        x = data[dname]
+        got, got_t = bt.quantize_2d_rowcol(x.to(dev), fmt, sc, rnd, 11)
+        name = f"quantize_2d_rowcol {dname} {fmt.name} {sc.describe()} {rnd}"
+        for tag, g3, w3 in (("x", got, br.quantize_2d(x, fmt, sc, rnd, 11)),
+                            ("x^T", got_t, br.quantize_2d(x.t(), fmt, sc, rnd, 11))):
+            for part, g_, w_ in zip(("codes", "scale", "amax"), g3, w3):
+                t.check(f"{name} {tag} {part}", g_, w_)
+
+    for d in ("bf16_all", "bf16_rand", "fp32_odd", "fp16"):
+        for fmt in (E4M3, E5M2):
+            for sc, rnd in ((Scaling(1, 128), "nearest"), (Scaling(1, 128, "e8m0"), "stochastic"),
+                            (Scaling(1, 32, "pow2", margin=2), "nearest")):
+                t.guard(f"quantize_2d_rowcol {d} {fmt.name} {sc.describe()}",
+                        lambda r=(d, fmt, sc, rnd): quant_rowcol(*r))
     print(f"  quantize: {t.passed} pass, {len(t.failures)} fail ({time.time() - t0:.0f} s)", flush=True)
 
     m, k = (64, 260) if q else (512, 1024)

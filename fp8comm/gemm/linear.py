@@ -124,7 +124,7 @@ class Fp8Linear(nn.Linear):
     def _quantize(self, t: torch.Tensor, role: str, primary: bool = True, with_transpose: bool = False):
         """Quantize a 2-D GEMM operand of `role` along its last (contraction) dim; `primary` marks the tensor's
         first quantization in this step (delayed history and telemetry are updated once per tensor).
-        with_transpose: return (q, q^T contiguous) (transpose-invariant scaling only)."""
+        with_transpose: return (q, q^T as a contiguous operand), see quantize_with_transpose."""
         cfg = self.recipe.role(role)
         # one global state (no grad, no autocast) for every call: compiled quantizers would recompile per state
         with torch.no_grad(), torch.autocast(t.device.type, enabled=False):
@@ -143,20 +143,18 @@ class Fp8Linear(nn.Linear):
         return (q, q_t) if with_transpose else q
 
     def _quantize_pair(self, t: torch.Tensor, role: str, transposed: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-        """(t quantized, t^T quantized as a contiguous operand, or None when not `transposed`). Transpose-invariant
-        scaling: the same codes in both layouts from one quantizing pass (GEMM kernels take only row-major A and
-        column-major B, so a transposed view would be copied before every GEMM); else t^T quantized on its own."""
+        """(t quantized, t^T as a contiguous FP8 operand, or None when not `transposed`): the same codes for
+        transpose-invariant scaling, else t^T quantized along the other dim; fused where the backend can (GEMM
+        kernels take only row-major A and column-major B, so a transposed view would be copied before every GEMM)."""
         if not transposed:
             return self._quantize(t, role), None
-        if not self.recipe.role(role).transpose_invariant:
-            return self._quantize(t, role), self._quantize(t.t(), role, primary=False)
         return self._quantize(t, role, with_transpose=True)
 
     def _quantize_weight(self) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-        """(W, W^T for dgrad or None): W^T comes with W when grads are on and the scaling is transpose-invariant."""
+        """(W, W^T for dgrad, or None under no_grad, where no dgrad follows)."""
         self.weight_quantizations += 1
         w = self.weight.detach()
-        if torch.is_grad_enabled() and self.recipe.weight.transpose_invariant:
+        if torch.is_grad_enabled():
             return self._quantize(w, "weight", with_transpose=True)
         return self._quantize(w, "weight"), None
 
@@ -168,24 +166,22 @@ class Fp8Linear(nn.Linear):
         key = (w._version, w.data_ptr(), w.dtype, w.device, w.shape)
         if self._wcache is None or self._wcache[0] != key:
             self._wcache = (key, *self._quantize_weight())
-        elif self._wcache[2] is None and torch.is_grad_enabled() and self.recipe.weight.transpose_invariant:
-            self._wcache = (key, self._wcache[1], backends.transpose(self._wcache[1], contiguous=True))  # was no-grad
         return self._wcache[1]
 
     def _weight_dgrad(self, wq: Fp8Tensor) -> Fp8Tensor:
         """W^T [K, N] for dgrad, cached with W: the same codes transposed (contiguous) for transpose-invariant
-        scaling, else W quantized along N."""
+        scaling, else W quantized along N. Made here only when the cached W came from a no-grad forward."""
         c = self._wcache
+        cached = c is not None and c[1] is wq
+        if cached and c[2] is not None:
+            return c[2]
         if self.recipe.weight.transpose_invariant:
-            if c is not None and c[1] is wq and c[2] is not None:
-                return c[2]
-            return backends.transpose(wq)  # compiled graphs and no-grad forwards: a transposed view
-        c = self._wcache
-        if c is not None and c[1] is wq:
-            if c[2] is None:
-                self._wcache = (c[0], c[1], self._quantize(self.weight.detach().t(), "weight", primary=False))
-            return self._wcache[2]
-        return self._quantize(self.weight.detach().t(), "weight", primary=False)
+            wq_t = backends.transpose(wq, contiguous=cached)  # compiled graphs: a view, as it is used once
+        else:
+            wq_t = self._quantize(self.weight.detach().t(), "weight", primary=False)
+        if cached:
+            self._wcache = (c[0], c[1], wq_t)
+        return wq_t
 
     def invalidate_weight_cache(self) -> None:
         """Force re-quantization of the weight on the next forward (for out-of-band weight changes via .data)."""

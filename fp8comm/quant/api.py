@@ -99,23 +99,34 @@ def quantize(x: torch.Tensor, fmt: str | Fp8Format = "e4m3", block_size: int | t
 def quantize_with_transpose(x: torch.Tensor, fmt: str | Fp8Format = "e4m3", *, scaling: Scaling | str | None = None,
                             scale: torch.Tensor | float | None = None, rounding: str = "nearest", seed: int = 0,
                             backend: str = "auto") -> tuple[Fp8Tensor, Fp8Tensor]:
-    """(q, q_t): 2-D `x` [M, K] quantized as quantize() does, and the same codes transposed as a contiguous [K, M]
-    Fp8Tensor (what an FP8 GEMM contracting over M takes). Transpose-invariant scaling only (per tensor, square
-    blocks); per tensor on Triton both layouts come from one pass over x."""
+    """(q, q_t): 2-D `x` [M, K] quantized as quantize() does, and x^T [K, M] as a contiguous FP8 operand (what a
+    GEMM contracting over M takes). Transpose-invariant scaling (per tensor, square blocks): q_t is the same codes
+    transposed. Rows and 1xB blocks: q_t is quantize(x.t()), with its own scales along M. On Triton, per tensor and
+    1xB (B <= 128) write both layouts from one read of x."""
     check_input(x, "quantize_with_transpose")
     if x.dim() != 2:
         raise ValueError(f"quantize_with_transpose needs a 2-D tensor, got shape {tuple(x.shape)}")
     fmt = get_format(fmt)
     sc = _scaling_from(None, scaling)
-    if sc.rows != sc.cols:
-        raise ValueError(f"quantize_with_transpose needs transpose-invariant scaling (per tensor or square blocks), "
-                         f"got {sc.describe()} blocks: quantize the transpose separately")
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
     m, k = x.shape
+    invariant = sc.rows == sc.cols
     if scale is not None:
+        if not invariant:
+            raise ValueError(f"caller scales need transpose-invariant scaling (per tensor or square blocks): x^T "
+                             f"under {sc.describe()} blocks has other blocks; pass scale=None")
         scale = check_scale(scale, sc.scale_shape(m, k), sc).to(x.device)
     b = resolve_backend(backend, x.device, x.numel())
+    if not invariant:
+        rowcol = getattr(b, "quantize_2d_rowcol", None)
+        if rowcol is not None and sc.rows == 1 and sc.cols is not None and 16 <= sc.cols <= b.ROWCOL_MAX_BLOCK \
+                and not sc.cols & (sc.cols - 1):
+            (c, s, a), (c_t, s_t, a_t) = rowcol(x, fmt, sc, rounding, int(seed))
+            return (Fp8Tensor(c.view(fmt.dtype), s, fmt, sc, x.dtype, a),
+                    Fp8Tensor(c_t.view(fmt.dtype), s_t, fmt, sc, x.dtype, a_t))
+        return (quantize(x, fmt, scaling=sc, rounding=rounding, seed=seed, backend=backend),
+                quantize(x.t(), fmt, scaling=sc, rounding=rounding, seed=seed, backend=backend))
     if sc.rows is None and hasattr(b, "quantize_2d_t"):
         codes, codes_t, s, amax = b.quantize_2d_t(x, fmt, sc, rounding, int(seed), scale)
     else:

@@ -33,6 +33,7 @@ INTERP_FIT = 1 << 16
 # the fastest of 12 tiles on an H200 (launch/profile_fp8linear.py --sweep, 16384 x 8192 bf16: 0.32 ms, 1.68 TB/s)
 GPU_T_TILE = (32, 128)
 GPU_T_WARPS = 4
+ROWCOL_MAX_BLOCK = 128  # quantize_2d_rowcol: one B x B tile per program
 MAX_GRID_1 = 65535  # CUDA's limit on grid dimension 1
 
 # kernel name -> {id: compiled kernel} of every variant launched on CUDA (launch/device_check.py inspects the PTX)
@@ -270,6 +271,30 @@ def quantize_2d_t(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: 
             _i32(index_base), _i32(key), BM=bm, BK=bk, SCALE_GIVEN=given, WRITE_T=transposed, IN_BF16=bf16, HW=_hw(dev),
             num_warps=warps, **_quant_meta(fmt, scaling, rounding))
     return codes, codes_t, (scale if given else s_out), amax
+
+
+def quantize_2d_rowcol(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: str = "nearest", seed: int = 0):
+    """quantize_2d(x2) and quantize_2d(x2.t()) with 1 x B blocks (B = scaling.cols <= ROWCOL_MAX_BLOCK, power of
+    two), both from one read of x2: (codes, scale, amax) of x2 [M, K], then of x2^T [K, M] (contiguous)."""
+    if scaling.rows != 1 or scaling.cols is None or scaling.cols > ROWCOL_MAX_BLOCK or \
+            scaling.cols & (scaling.cols - 1) or scaling.cols < 16:
+        raise ValueError(f"quantize_2d_rowcol takes 1xB blocks, B a power of two in [16, {ROWCOL_MAX_BLOCK}], "
+                         f"got {scaling.describe()}")
+    m, k = x2.shape
+    b = scaling.cols
+    kb, mb = _cdiv(k, b), _cdiv(m, b)
+    dev = x2.device
+    codes = torch.empty(m, k, dtype=torch.uint8, device=dev)
+    codes_t = torch.empty(k, m, dtype=torch.uint8, device=dev)
+    f32 = dict(dtype=torch.float32, device=dev)
+    s, a, s_t, a_t = (torch.empty(m, kb, **f32), torch.empty(m, kb, **f32), torch.empty(k, mb, **f32),
+                      torch.empty(k, mb, **f32))
+    if m and k:
+        x, bf16 = _as_input(x2)
+        key = ref.seed_key(seed) if rounding == "stochastic" else 0
+        _launch(tk._quant_rowcol_kernel, (mb, kb), x, codes, codes_t, s, s_t, a, a_t, m, k, kb, mb, _i32(key), B=b,
+                IN_BF16=bf16, HW=_hw(dev), num_warps=min(8, max(1, b * b // 2048)), **_quant_meta(fmt, scaling, rounding))
+    return (codes, s, a), (codes_t, s_t, a_t)
 
 
 def dequantize_2d(codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scaling: Scaling,

@@ -384,6 +384,56 @@ def _quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K,
             tl.store(scale_ptr + one, s)
 
 
+@triton.jit(do_not_specialize=["key"])
+def _quant_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr, amax_ptr, amax_t_ptr, M, K, KB, MB,
+                         key, B: tl.constexpr,
+                         FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
+                         STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr,
+                         MARGIN_MUL: tl.constexpr, FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr,
+                         HW: tl.constexpr):
+    """1xB blocks both ways from one B x B tile of x: x along K (codes [M, K], scales [M, KB]) and x^T along M
+    (codes_t [K, M], scales [K, MB]), i.e. quantize(x) and quantize(x.t()) (DeepSeek-V3's wgrad operands) with one
+    read of x. Row blocks reduce over the tile's columns, column blocks over its rows."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * B + tl.arange(0, B)
+    cols = pid_k * B + tl.arange(0, B)
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    x = _load_x(x_ptr + (rows64 * K)[:, None] + cols[None, :], mask, IN_BF16)
+    finite = _isfinite(x)
+    ax = tl.where(finite, tl.abs(x), 0.0)
+    amax_r = _rmax(ax, 1)  # [B]: one 1xB block of x per row
+    amax_c = _rmax(ax, 0)  # [B]: one 1xB block of x^T per column
+    s_r = _scale_from_amax(amax_r, FMAX, POW2, MARGIN, MARGIN_MUL, FM_FRAC, FK)
+    s_c = _scale_from_amax(amax_c, FMAX, POW2, MARGIN, MARGIN_MUL, FM_FRAC, FK)
+    s2 = tl.broadcast_to(s_r[:, None], (B, B))
+    c2 = tl.broadcast_to(s_c[None, :], (B, B))
+    r2 = s2
+    rc2 = c2
+    if POW2:
+        r2 = _recip_pow2(s2)
+        rc2 = _recip_pow2(c2)
+    idx = None
+    idx_t = None
+    if STOCHASTIC:  # each layout's SR counter is the element's flat index in that layout: x [M, K], x^T [K, M]
+        idx = rows.to(tl.uint32)[:, None] * K + cols.to(tl.uint32)[None, :]
+        idx_t = cols.to(tl.uint32)[None, :] * M + rows.to(tl.uint32)[:, None]
+        key = key.to(tl.uint32, bitcast=True)
+    codes = _encode(x, finite, s2, r2, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
+    codes_t = _encode(x, finite, c2, rc2, idx_t, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
+    tl.store(out_ptr + (rows64 * K)[:, None] + cols[None, :], codes, mask=mask)
+    tl.store(out_t_ptr + (cols64 * M)[:, None] + rows[None, :], tl.trans(codes_t),
+             mask=cmask[:, None] & rmask[None, :])
+    tl.store(scale_ptr + rows64 * KB + pid_k, s_r, mask=rmask)
+    tl.store(amax_ptr + rows64 * KB + pid_k, amax_r, mask=rmask)
+    tl.store(scale_t_ptr + cols64 * MB + pid_m, s_c, mask=cmask)
+    tl.store(amax_t_ptr + cols64 * MB + pid_m, amax_c, mask=cmask)
+
+
 @triton.jit
 def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks, chunk_stride,
                     M, K, BR, BC, KB,

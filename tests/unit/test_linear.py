@@ -19,6 +19,8 @@ def _capture(layer):
     def spy(t, role, primary=True, with_transpose=False):
         q = orig(t, role, primary, with_transpose)
         seen.append((role, primary, q[0] if with_transpose else q))
+        if with_transpose:  # the transposed operand, as a separate non-primary quantization would be
+            seen.append((role, False, q[1]))
         return q
     layer._quantize = spy
     return seen
@@ -134,12 +136,15 @@ def test_weight_quantized_once_per_optimizer_step():
     assert layer.weight_quantizations == 4
 
 
-def test_rowwise_weight_transpose_cached_per_step():
-    layer = Fp8Linear(64, 32, recipe="rowwise")
-    seen = _capture(layer)
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "blockwise"])
+def test_weight_transpose_cached_per_step(recipe):
+    layer = Fp8Linear(64, 32, recipe=recipe)
+    wq_ts = []
     for _ in range(3):
         layer(torch.randn(8, 64, requires_grad=True)).sum().backward()
-    assert sum(1 for role, p, _ in seen if role == "weight" and not p) == 1  # W^T quantized once, then cached
+        wq_ts.append(layer._wcache[2])
+    assert layer.weight_quantizations == 1 and wq_ts[0] is not None
+    assert all(t is wq_ts[0] for t in wq_ts)  # W^T made with W once, then reused
 
 
 def test_matches_nn_linear_state_dict_and_from_linear():
@@ -262,7 +267,7 @@ def test_transposed_weight_comes_with_weight_and_follows_updates():
     with torch.no_grad():
         layer(torch.randn(4, 64))  # no-grad forward: no transposed copy yet
     assert layer._wcache[2] is None
-    layer(torch.randn(4, 64, requires_grad=True)).sum().backward()
+    layer(torch.randn(4, 64, requires_grad=True)).sum().backward()  # dgrad makes it once, from the cached codes
     wq, wq_t = layer._wcache[1], layer._wcache[2]
     assert wq_t.data.is_contiguous() and torch.equal(wq_t.data.view(torch.uint8), wq.data.view(torch.uint8).t())
     assert layer.weight_quantizations == 1

@@ -158,9 +158,21 @@ def test_quantize_with_transpose_is_quantize_plus_transposed_codes(backend, sc):
     assert torch.equal(dequantize(qt), dequantize(ref).t())  # a valid operand: x^T's dequantized values
 
 
+@pytest.mark.parametrize("sc", [Scaling(1, 128), Scaling(1, None), Scaling(1, 32, "e8m0")], ids=lambda s: s.describe())
+def test_quantize_with_transpose_requantizes_other_blocks(sc):
+    """Rows and 1xB blocks are not transpose-invariant: q_t is x^T quantized along M, its own scales."""
+    x = torch.randn(96, 160, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 160)
+    q, qt = quantize_with_transpose(x, "e4m3", scaling=sc, backend="reference")
+    want, want_t = quantize(x, "e4m3", scaling=sc, backend="reference"), quantize(x.t(), "e4m3", scaling=sc,
+                                                                                   backend="reference")
+    for got, w in ((q, want), (qt, want_t)):
+        assert got.data.is_contiguous() and got.shape == w.shape
+        assert torch.equal(got.data.view(torch.uint8), w.data.view(torch.uint8)) and torch.equal(got.scale, w.scale)
+
+
 def test_quantize_with_transpose_bad_input():
     with pytest.raises(ValueError, match="transpose-invariant"):
-        quantize_with_transpose(torch.randn(4, 256), scaling=Scaling(1, 128))
+        quantize_with_transpose(torch.randn(4, 256), scaling=Scaling(1, 128), scale=torch.ones(4, 2))
     with pytest.raises(ValueError, match="2-D"):
         quantize_with_transpose(torch.randn(2, 4, 8))
     with pytest.raises(TypeError, match="floating-point"):

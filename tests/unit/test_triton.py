@@ -165,6 +165,23 @@ def test_quantize_with_transpose_per_tensor(bt, fmt, monkeypatch):
         bt.quantize_2d_t(torch.ones(4, 128), fmt, Scaling(128, 128))
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_quantize_rows_and_cols_in_one_pass(bt, fmt):
+    """1xB blocks of x and of x^T from one read equal quantize(x) and quantize(x.t()), stochastic rounding (each
+    layout's own flat index) included; ragged tiles on both dims."""
+    for (m, k), dtype, sc, rnd in [((130, 257), torch.float32, Scaling(1, 128), "nearest"),
+                                   ((70, 33), torch.bfloat16, Scaling(1, 32, "e8m0"), "stochastic"),
+                                   ((40, 96), torch.float16, Scaling(1, 16, "pow2", margin=2), "nearest"),
+                                   ((512, 128), torch.bfloat16, Scaling(1, 128), "stochastic")]:
+        x = bf16_patterns() if (m, k) == (512, 128) else mixed(m, k, seed=m, dtype=dtype)
+        got, got_t = bt.quantize_2d_rowcol(x, fmt, sc, rnd, 7)
+        same_quant(got, br.quantize_2d(x, fmt, sc, rnd, 7), f"{(m, k)} {sc.describe()} x")
+        same_quant(got_t, br.quantize_2d(x.t(), fmt, sc, rnd, 7), f"{(m, k)} {sc.describe()} x^T")
+    for bad in (Scaling(1, 256), Scaling(1, 100), Scaling(1, None), Scaling(128, 128)):
+        with pytest.raises(ValueError, match="1xB blocks"):
+            bt.quantize_2d_rowcol(torch.ones(4, 256), fmt, bad)
+
+
 def test_two_pass_path(bt, monkeypatch):
     """Blocks larger than a tile (amax kernel, then per-element block lookup) give the same bits."""
     monkeypatch.setattr(bt, "INTERP_TILE", 1024)
