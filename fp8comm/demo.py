@@ -274,6 +274,7 @@ def _worker(opts: dict) -> int:
     if rank == 0:
         (Path(opts["folder"]) / "report.json").write_text(json.dumps(report, indent=1))
     dist.barrier()
+    dist.destroy_process_group()  # in order, before interpreter teardown destroys gloo's threads at random
     return 0
 
 

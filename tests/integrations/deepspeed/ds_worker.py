@@ -352,6 +352,7 @@ def main() -> int:
             break
     dist.barrier(group=status)
     out.close()
+    dist.destroy_process_group()  # in order, before interpreter teardown destroys gloo's threads at random
     return 0
 
 
