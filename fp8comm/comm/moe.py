@@ -93,16 +93,8 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     else:
         bwd = None
     s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool, bwd)
-    if fp8_out:
-        h = _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all", fp8_out=True, out=out)
-        if async_op:
-            return Handle([h], h.wait, call.lease)
-        try:
-            return h.wait()
-        finally:
-            call.lease.release()
-    if out is not None:
-        h = _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all", out=out)
+    if fp8_out or out is not None:  # no autograd edge: FP8 codes out, or a caller's preallocated output
+        h = _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all", fp8_out=fp8_out, out=out)
         if async_op:
             return Handle([h], h.wait, call.lease)
         try:
