@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
 import time
 import traceback
@@ -333,20 +332,9 @@ def time_fn(ctx: Ctx, fn: Callable[[], object], graph: bool = False) -> float:
             fn()
         run = g.replay
         run()
-    times = []
-    for _ in range(ctx.reps):
-        if ctx.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    from fp8comm.bench.gemm import bench
+
+    return bench(run, ctx.reps, 0, ctx.device)
 
 
 def host_us(ctx: Ctx, fn: Callable[[], object], n: int = 50) -> float:

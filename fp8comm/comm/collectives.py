@@ -233,18 +233,23 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, o
     return _reduce_scatter_flat(call, hg, output, input, L, meta.reduce_op, error_feedback, async_op)
 
 
+def _rs_start(call: Call, hg, x: torch.Tensor, L: int, ef: ErrorFeedback | None):
+    """Start the FP8 reduce-scatter phase (flat or hierarchical) of `call.op` -> (work, finish giving fp32 sums)."""
+    def begin():
+        if hg is not None:
+            return hier_rs_phase(call, hg, x, L, ef, x.dtype)
+        return rs_phase(call, x, L, call.group, call.world, ef, call.op, x.dtype)
+
+    return _guard(call, begin)
+
+
 def _reduce_scatter_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, L: int, avg: int,
                          ef: ErrorFeedback | None, async_op: bool):
     if x.numel() == 0:
         call.lease.release()
         return completed(out) if async_op else out
 
-    def begin():
-        if hg is not None:
-            return hier_rs_phase(call, hg, x, L, ef, x.dtype)
-        return rs_phase(call, x, L, call.group, call.world, ef, "reduce_scatter", x.dtype)
-
-    work, acc_fn = _guard(call, begin)
+    work, acc_fn = _rs_start(call, hg, x, L, ef)
 
     def finish():
         acc = acc_fn()
@@ -287,12 +292,7 @@ def all_reduce_into(output: torch.Tensor, input: torch.Tensor, group=None, op="s
         return completed(output) if async_op else output
     L = chunk_rows(n, call.world, call.rank)[0]
 
-    def begin():
-        if hg is not None:
-            return hier_rs_phase(call, hg, input, L, error_feedback, input.dtype)
-        return rs_phase(call, input, L, call.group, call.world, error_feedback, "all_reduce", input.dtype)
-
-    work, acc_fn = _guard(call, begin)
+    work, acc_fn = _rs_start(call, hg, input, L, error_feedback)
 
     def finish():
         acc = acc_fn()

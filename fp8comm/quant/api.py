@@ -119,10 +119,8 @@ def quantize_with_transpose(x: torch.Tensor, fmt: str | Fp8Format = "e4m3", *, s
         scale = check_scale(scale, sc.scale_shape(m, k), sc).to(x.device)
     b = resolve_backend(backend, x.device, x.numel())
     if not invariant:
-        rowcol = getattr(b, "quantize_2d_rowcol", None)
-        if rowcol is not None and sc.rows == 1 and sc.cols is not None and 16 <= sc.cols <= b.ROWCOL_MAX_BLOCK \
-                and not sc.cols & (sc.cols - 1):
-            (c, s, a), (c_t, s_t, a_t) = rowcol(x, fmt, sc, rounding, int(seed))
+        if hasattr(b, "rowcol_supported") and b.rowcol_supported(sc):
+            (c, s, a), (c_t, s_t, a_t) = b.quantize_2d_rowcol(x, fmt, sc, rounding, int(seed))
             return (Fp8Tensor(c.view(fmt.dtype), s, fmt, sc, x.dtype, a),
                     Fp8Tensor(c_t.view(fmt.dtype), s_t, fmt, sc, x.dtype, a_t))
         return (quantize(x, fmt, scaling=sc, rounding=rounding, seed=seed, backend=backend),

@@ -273,11 +273,16 @@ def quantize_2d_t(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: 
     return codes, codes_t, (scale if given else s_out), amax
 
 
+def rowcol_supported(scaling: Scaling) -> bool:
+    """quantize_2d_rowcol takes 1xB blocks, B a power of two in [16, ROWCOL_MAX_BLOCK]."""
+    b = scaling.cols
+    return scaling.rows == 1 and b is not None and 16 <= b <= ROWCOL_MAX_BLOCK and not b & (b - 1)
+
+
 def quantize_2d_rowcol(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: str = "nearest", seed: int = 0):
     """quantize_2d(x2) and quantize_2d(x2.t()) with 1 x B blocks (B = scaling.cols <= ROWCOL_MAX_BLOCK, power of
     two), both from one read of x2: (codes, scale, amax) of x2 [M, K], then of x2^T [K, M] (contiguous)."""
-    if scaling.rows != 1 or scaling.cols is None or scaling.cols > ROWCOL_MAX_BLOCK or \
-            scaling.cols & (scaling.cols - 1) or scaling.cols < 16:
+    if not rowcol_supported(scaling):
         raise ValueError(f"quantize_2d_rowcol takes 1xB blocks, B a power of two in [16, {ROWCOL_MAX_BLOCK}], "
                          f"got {scaling.describe()}")
     m, k = x2.shape

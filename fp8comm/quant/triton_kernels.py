@@ -341,6 +341,18 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pby
             tl.store(scale_ptr + bidx3, s3, mask=first)
 
 
+@triton.jit
+def _load_tile(x_ptr, pid_m, pid_k, M, K, BM: tl.constexpr, BK: tl.constexpr, IN_BF16: tl.constexpr):
+    """Rows [BM], cols [BK], their masks, the tile mask and the fp32 tile of a row-major [M, K] input."""
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    x = _load_x(x_ptr + (rows.to(tl.int64) * K)[:, None] + cols[None, :], mask, IN_BF16)
+    return rows, cols, rmask, cmask, mask, x
+
+
 @triton.jit(do_not_specialize=["index_base", "key"])
 def _quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K, index_base, key,
                            BM: tl.constexpr, BK: tl.constexpr, SCALE_GIVEN: tl.constexpr, WRITE_T: tl.constexpr,
@@ -353,13 +365,8 @@ def _quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K,
     contracting over M needs) from the same registers: one read of x for both layouts."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
-    rmask = rows < M
-    cmask = cols < K
-    mask = rmask[:, None] & cmask[None, :]
+    rows, cols, rmask, cmask, mask, x = _load_tile(x_ptr, pid_m, pid_k, M, K, BM, BK, IN_BF16)
     rows64 = rows.to(tl.int64)
-    x = _load_x(x_ptr + (rows64 * K)[:, None] + cols[None, :], mask, IN_BF16)
     finite = _isfinite(x)
     one = tl.arange(0, 1)
     if SCALE_GIVEN:
@@ -396,14 +403,9 @@ def _quant_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr, amax
     read of x. Row blocks reduce over the tile's columns, column blocks over its rows."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * B + tl.arange(0, B)
-    cols = pid_k * B + tl.arange(0, B)
-    rmask = rows < M
-    cmask = cols < K
-    mask = rmask[:, None] & cmask[None, :]
+    rows, cols, rmask, cmask, mask, x = _load_tile(x_ptr, pid_m, pid_k, M, K, B, B, IN_BF16)
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
-    x = _load_x(x_ptr + (rows64 * K)[:, None] + cols[None, :], mask, IN_BF16)
     finite = _isfinite(x)
     ax = tl.where(finite, tl.abs(x), 0.0)
     amax_r = _rmax(ax, 1)  # [B]: one 1xB block of x per row
