@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_codes, unpack_sum
 from .buffers import Lease
-from .options import ErrorFeedback, WireSpec, plan_pieces
+from .options import ErrorFeedback, WireSpec, piece_count, plan_pieces
 from .stats import record
 
 
@@ -37,6 +37,10 @@ class Call:
     def pieces(self, k: int, numel: int | None, device: torch.device) -> list[tuple[int, int]]:
         """Column ranges [a, b) of the K dimension, whole blocks each, that travel as separate pipelined pieces."""
         return plan_pieces(k, self.spec.scaling.cols, numel, device, self.spec.rounding, self.pipeline)
+
+    def piece_count(self, numel: int | None, device: torch.device) -> int:
+        """Pieces of whole rows (the all-to-all's tokens): see options.piece_count."""
+        return piece_count(numel, device, self.spec.rounding, self.pipeline)
 
     def kernel(self, device: torch.device, numel: int) -> str:
         b = self.spec.kernel_backend(device, numel)

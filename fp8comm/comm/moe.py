@@ -7,6 +7,7 @@ For the combine direction call it with the reversed splits; wire="bf16" (DeepSee
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_codes
 from .buffers import DEFAULT_POOL, Handle, Lease
 from .checks import Meta, as_int_list, exchange, group_rank_size, out_problem, split_problem, tensor_problem
 from .core import Call, Pieces, _slices
-from .options import WireSpec, default_check, next_seed, pipeline_option, unknown_options, wire_spec
+from .options import WireSpec, default_check, next_seed, pipeline_option, row_part, unknown_options, wire_spec
 from .stats import record
 
 WIRES = ("fp8", "bf16", "native")
@@ -162,18 +163,28 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
         record(stats_op, nbytes, (sum(ins) - ins[me]) * h * x.element_size(), 0)
         return _Pending(work, lambda: out if recv is out else out.copy_(recv))
     spec = call.spec
-    # Pipelined on CPU: column pieces of whole 1xB blocks along H, one all_to_all each (see core.rs_phase).
-    pieces = call.pieces(h, call.size_hint, dev)
-    lins = [ChunkLayout(tuple(ins), b - a, spec.scaling) for a, b in pieces]
-    louts = [lay.with_rows(outs) for lay in lins]
+    # Pipelined on CPU: piece p carries rows row_part(n, p, P) of every destination's chunk (whole tokens, so each
+    # chunk's rows stay contiguous in the input and in the output), one all_to_all each; see core.rs_phase.
+    npieces = call.piece_count(call.size_hint, dev)
+    parts = [[row_part(n, p, npieces) for n in ins] for p in range(npieces)]
+    oparts = [[row_part(n, p, npieces) for n in outs] for p in range(npieces)]
+    lins = [ChunkLayout(tuple(b - a for a, b in pp), h, spec.scaling) for pp in parts]
+    louts = [ChunkLayout(tuple(b - a for a, b in pp), h, spec.scaling) for pp in oparts]
     sends = _slices(call.lease.take(sum(lay.total_bytes for lay in lins), torch.uint8, dev),
                     [lay.total_bytes for lay in lins])
     recvs = _slices(call.lease.take(sum(lay.total_bytes for lay in louts), torch.uint8, dev),
                     [lay.total_bytes for lay in louts])
     kq, kd = call.kernel(dev, x.numel()), call.kernel(dev, sum(outs) * h)
+    in0, out0 = [0, *accumulate(ins)], [0, *accumulate(outs)]  # first row of each chunk
     works = []
-    for (a, b), lin, lout, send, recv in zip(pieces, lins, louts, sends, recvs):
-        pack_chunks(x[:, a:b], lin, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
+    for pp, lin, send, recv, lout in zip(parts, lins, sends, recvs, louts):
+        if npieces == 1:  # one call for every chunk (one fused kernel on GPU)
+            pack_chunks(x, lin, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
+        else:
+            for j, (a, b) in enumerate(pp):
+                one, o = lin.chunk(j), lin.offsets[j]
+                pack_chunks(x[in0[j] + a:in0[j] + b], one, spec.fmt, spec.rounding, call.seed,
+                            out=send[o:o + one.total_bytes], backend=kq)
         # Byte splits: each destination's chunk is payload + scales, so one collective carries both.
         works.append(dist.all_to_all_single(recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes),
                                             group=call.group, async_op=True))
@@ -184,15 +195,24 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
     elif fp8_out:
         codes = torch.empty(sum(outs), h, dtype=torch.uint8, device=dev)
         scales = torch.empty(spec.scaling.scale_shape(sum(outs), h), dtype=torch.float32, device=dev)
-    blk = lins[0].block
+
+    def receive(recv: torch.Tensor, lout: ChunkLayout, r0: int, r1: int) -> None:
+        # rows [r0, r1) of the output, laid out as lout in recv
+        if fp8_out:
+            unpack_codes(recv, lout, codes[r0:r1], scales[r0:r1])
+        else:
+            unpack_chunks(recv, lout, spec.fmt, dtype, out=out[r0:r1], backend=kd)
 
     def finish():
-        for (a, b), lout, recv, w in zip(pieces, louts, recvs, works):
+        for pp, lout, recv, w in zip(oparts, louts, recvs, works):
             w.wait()
-            if fp8_out:
-                unpack_codes(recv, lout, codes[:, a:b], scales[:, a // blk:a // blk + lout.kb])
-            else:
-                unpack_chunks(recv, lout, spec.fmt, dtype, out=out[:, a:b], backend=kd)
+            if npieces == 1:
+                receive(recv, lout, 0, sum(outs))
+                continue
+            for i, (a, b) in enumerate(pp):
+                if b > a:
+                    o = lout.offsets[i]
+                    receive(recv[o:o + lout.chunk_bytes[i]], lout.chunk(i), out0[i] + a, out0[i] + b)
         if fp8_out:
             return given if given is not None else Fp8Tensor(codes.view(spec.fmt.dtype), scales, spec.fmt,
                                                              spec.scaling, dtype)

@@ -79,25 +79,34 @@ def pipeline_option(v) -> int:
     raise ValueError(f"pipeline must be None/'auto', False, or a piece count 1..1024, got {v!r}")
 
 
-def plan_pieces(k: int, block: int | None, numel: int | None, device: torch.device, rounding: str,
-                pipeline: int) -> list[tuple[int, int]]:
-    """Column ranges [a, b) of the K dim that travel as separate pieces: whole blocks each, equal but the last.
-
-    Only on CPU (where the codec costs as much as the wire; a GPU codec takes microseconds) and with nearest
-    rounding (stochastic rounding hashes the element index within one piece's layout). The same on every rank:
-    it depends only on sizes and options the metadata check compares.
+def piece_count(numel: int | None, device: torch.device, rounding: str, pipeline: int) -> int:
+    """How many pipelined pieces one call travels in: 1 unless on CPU (where the codec costs as much as the wire;
+    a GPU codec takes microseconds) with nearest rounding (stochastic rounding hashes the element index within
+    one piece's layout). The same on every rank: it depends only on sizes and options the metadata check compares.
     """
-    if device.type != "cpu" or rounding != "nearest" or k == 0 or block is None:
-        return [(0, k)]
+    if device.type != "cpu" or rounding != "nearest":
+        return 1
     # numel None: no size every rank agrees on (an all-to-all with its own splits and the check off): one piece.
     auto = min(PIPELINE_MAX, numel // PIPELINE_PIECE) if numel is not None else 1
-    p = pipeline or auto
+    return max(1, pipeline or auto)
+
+
+def plan_pieces(k: int, block: int | None, numel: int | None, device: torch.device, rounding: str,
+                pipeline: int) -> list[tuple[int, int]]:
+    """Column ranges [a, b) of the K dim that travel as separate pieces: whole blocks each, equal but the last."""
+    if k == 0 or block is None:
+        return [(0, k)]
     nb = -(-k // block)
-    p = max(1, min(p, nb))
+    p = min(piece_count(numel, device, rounding, pipeline), nb)
     if p == 1:
         return [(0, k)]
     w = -(-nb // p) * block
     return [(a, min(a + w, k)) for a in range(0, k, w)]
+
+
+def row_part(n: int, p: int, pieces: int) -> tuple[int, int]:
+    """Rows [a, b) of a chunk of n rows that travel in piece p of `pieces` (near-equal; sender and receiver agree)."""
+    return n * p // pieces, n * (p + 1) // pieces
 
 
 def unknown_options(kw: dict, extra: tuple[str, ...] = ()) -> tuple[str, str] | None:

@@ -73,6 +73,10 @@ class ChunkLayout:
     def total_bytes(self) -> int:
         return sum(self.chunk_bytes)
 
+    def chunk(self, c: int) -> "ChunkLayout":
+        """Chunk c alone: its bytes are the same as at offsets[c] here (every chunk is aligned on its own)."""
+        return ChunkLayout((self.rows[c],), self.k, self.scaling)
+
     def with_rows(self, rows) -> "ChunkLayout":
         return ChunkLayout(tuple(int(r) for r in rows), self.k, self.scaling)
 

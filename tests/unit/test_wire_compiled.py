@@ -64,3 +64,28 @@ def test_fused_pack_stochastic_uses_reference_bits():
     lay = ChunkLayout((2, 2), 256, sc)
     a = pack_chunks(x, lay, f, "stochastic", 11, backend="compiled")
     assert torch.equal(a, pack_chunks(x, lay, f, "stochastic", 11, backend="reference"))
+
+
+def _grid_edges(fmt) -> torch.Tensor:
+    """Every FP8 grid value, every midpoint between neighbours (the ties), 1-2 fp32 ulps either side of each, the
+    range past max, fp32 subnormals; both signs: where a cast could round differently from round_to_grid."""
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    v = torch.unique(codes[torch.isfinite(codes) & (codes >= 0)])
+    mids = (v[1:] + v[:-1]) / 2  # exact in fp32
+    pts = torch.cat([v, mids, torch.tensor([fmt.max * 1.01, fmt.max * 1.5, 1e-45, 1e-40, 2.0**-126])])
+    bits = pts.view(torch.int32)
+    near = torch.cat([bits + d for d in (-2, -1, 0, 1, 2)]).clamp(min=0).view(torch.float32)
+    return torch.cat([near, -near])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_nearest_cast_matches_round_to_grid(fmt):
+    from fp8comm.quant import backend_compiled, reference
+    f, sc = get_format(fmt), BlockScaling(128)
+    y = _grid_edges(f)
+    y = torch.cat([y, torch.zeros((-y.numel()) % 128)]).view(-1, 128)
+    ones = torch.ones(y.shape[0], 1)
+    want = reference.encode(y, ones, sc, f, "nearest", 0)
+    for enc in (backend_compiled.encode_nearest, backend_compiled._encode_nearest):  # eager, then compiled
+        assert torch.equal(enc(y, ones, sc, f).view(torch.uint8), want)
+
