@@ -6,7 +6,8 @@ call), backend (quant kernels), check (cross-rank metadata check; default on, FP
 async_op (return a Handle; dequantization and accumulation happen in wait()), hierarchical (True: node groups from
 LOCAL_WORLD_SIZE, or a HierarchicalGroups), buffer (a Buffer owning scratch memory; default: a shared pool),
 pipeline (None: automatic; False: one piece; n: n pieces; on CPU a big call is cut into column pieces of whole
-blocks, each its own collective, so quantizing, the wire and dequantizing overlap; bit-identical to one piece).
+blocks (whole tokens for all_to_all), each its own collective, so quantizing, the wire and dequantizing overlap;
+bit-identical to one piece).
 all_gather(fp8_out=True) returns an Fp8Tensor (codes + scales) for an FP8 GEMM instead of dequantizing.
 """
 from __future__ import annotations

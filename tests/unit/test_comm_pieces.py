@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fp8comm
-from fp8comm.comm.options import PIPELINE_MAX, PIPELINE_PIECE, pipeline_option, plan_pieces
+from fp8comm.comm.options import PIPELINE_MAX, PIPELINE_PIECE, pipeline_option, plan_pieces, row_part
 from fp8comm.quant import BlockScaling, ChunkLayout, get_format, pack_chunks
 from fp8comm.quant.wire import unpack_codes
 
@@ -30,6 +30,15 @@ def test_plan_pieces_not_pipelined():
     assert plan_pieces(k, None, k, CPU, "nearest", 4) == [(0, k)]  # one scale per chunk
     assert plan_pieces(k, 128, k, CPU, "nearest", 1) == [(0, k)]
     assert plan_pieces(1 << 20, 128, 1 << 20, CPU, "nearest", 0) == [(0, 1 << 20)]  # small: not worth it
+
+
+@pytest.mark.parametrize("n,pieces", [(0, 8), (3, 8), (1024, 8), (1001, 7), (5, 1)])
+def test_row_part_covers_chunk(n, pieces):
+    parts = [row_part(n, p, pieces) for p in range(pieces)]
+    assert parts[0][0] == 0 and parts[-1][1] == n
+    assert all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))  # contiguous, no gaps or overlaps
+    sizes = [b - a for a, b in parts]
+    assert max(sizes) - min(sizes) <= 1  # near-equal, so no piece waits on a much bigger one
 
 
 def test_pipeline_option():
