@@ -162,27 +162,45 @@ _FIELD_NAMES = {3: "input dtype", 4: "FP8 format", 5: "scale encoding", 6: "bloc
                 15: "pipeline pieces"}
 
 
-def exchange(meta: Meta, group, rank: int, world: int, check: bool) -> int:
-    """Raise a clear error on every rank if any rank's input is bad or ranks disagree; returns bytes sent."""
+def exchange(meta: Meta, group, rank: int, world: int, check: bool, defer: bool = False) -> tuple[int, object]:
+    """Raise a clear error on every rank if any rank's input is bad or ranks disagree; returns (bytes sent, settle).
+
+    defer=True (and no local problem): the table travels while the caller quantizes its first piece; settle()
+    waits for it and raises exactly like the undeferred check. Call it before the first payload collective.
+    Otherwise the check is done on return and settle() does nothing.
+    """
     name = f"fp8comm.{meta.op}"
     if not check:
         if meta.error:
             raise Fp8CommError(f"{name}: {meta.error[1]}")
-        return 0
+        return 0, settled
     mine = meta.encode(world)
     dev = meta_device(group)
     table = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
-    _all_gather_flat(table, mine.to(dev), group)
-    rows = table.view(world, -1).cpu().tolist()  # the host sync this check costs on GPU
-    _compare(meta, rows, rank, name)
-    meta.table = rows
-    return mine.numel() * 8 * (world - 1)
+    defer = defer and meta.error is None
+    work = _all_gather_flat(table, mine.to(dev), group, async_op=defer)
+
+    def settle() -> None:
+        if work is not None:
+            work.wait()
+        rows = table.view(world, -1).cpu().tolist()  # the host sync this check costs on GPU
+        _compare(meta, rows, rank, name)
+        meta.table = rows
+
+    if not defer:
+        settle()
+        settle = settled
+    return mine.numel() * 8 * (world - 1), settle
 
 
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def settled() -> None:
+    """The settle() of a check that is already done (or off)."""
+
+
+def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     # all_gather_into_tensor is deprecated in torch 2.13 in favour of all_gather_single.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def _compare(meta: Meta, rows: list[list[int]], rank: int, name: str) -> None:

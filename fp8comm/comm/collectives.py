@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .buffers import DEFAULT_POOL, Handle, Lease, completed
 from .checks import Meta, exchange, group_rank_size, out_problem, tensor_problem
-from .core import Call, ag_phase, chunk_rows, gathered_into, rs_phase
+from .core import Call, ag_phase, chunk_rows, gathered_into, guarded, rs_phase
 from .hierarchical import hier_ag_phase, hier_rs_phase, precheck, resolve
 from .options import ErrorFeedback, default_check, next_seed, pipeline_option, unknown_options, wire_spec
 from ..quant.tensor import Fp8Tensor, view_2d
@@ -42,12 +42,14 @@ def _start(op: str, group, meta: Meta, kw: dict, extra=None) -> Call:
     if extra is not None and meta.spec is not None:
         meta.fail(extra(meta.spec))
     check = default_check() if kw.get("check") is None else bool(kw["check"])
-    sent = exchange(meta, group, rank, world, check)
+    # Deferred: the check travels while the first piece is quantized (hierarchical mode first creates its groups).
+    sent, settle = exchange(meta, group, rank, world, check, defer=not meta.hier)
     if sent:
         record(op, 0, 0, 0, check_bytes=sent, calls=0)
     buffer = kw.get("buffer")
     pool = buffer.pool if buffer is not None else DEFAULT_POOL
-    return Call(op, group, rank, world, meta.spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline)
+    return Call(op, group, rank, world, meta.spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline,
+                settle=settle)
 
 
 def _reduce_op(op) -> tuple[int, tuple[str, str] | None]:
@@ -78,18 +80,16 @@ def _hier(hierarchical, group, meta: Meta):
     return lambda: resolve(hierarchical, group)
 
 
+def _nothing_to_move(call: Call, result, async_op: bool):
+    """An empty input: no payload collective, but the (deferred) metadata check still raises on a mismatch."""
+    guarded(call, call.checked)
+    call.lease.release()
+    return completed(result) if async_op else result
+
+
 def _run(call: Call, works: list, finish, async_op: bool):
     h = Handle(works, finish, call.lease)
     return h if async_op else h.wait()
-
-
-def _guard(call: Call, fn):
-    """Release the lease if starting the collective fails (the handle owns it afterwards)."""
-    try:
-        return fn()
-    except BaseException:
-        call.lease.release()
-        raise
 
 
 # ---------------------------------------------------------------------------------------------- all-gather
@@ -145,10 +145,9 @@ def _all_gather_fp8(call: Call, shape: tuple, x: torch.Tensor, async_op: bool, o
     else:
         codes, scales, result = out.data.view(torch.uint8), out.scale, out
     if n == 0:
-        call.lease.release()
-        return completed(result) if async_op else result
+        return _nothing_to_move(call, result, async_op)
     blk = spec.scaling.cols
-    work, fin = _guard(call, lambda: ag_phase(call, x.reshape(-1), (codes.view(w, n), scales.view(w, n // blk)),
+    work, fin = guarded(call, lambda: ag_phase(call, x.reshape(-1), (codes.view(w, n), scales.view(w, n // blk)),
                                                call.group, w, "all_gather", x.dtype))
 
     def finish():
@@ -179,8 +178,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, *, as
 def _all_gather_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_op: bool):
     n = x.numel()
     if n == 0:
-        call.lease.release()
-        return completed(out) if async_op else out
+        return _nothing_to_move(call, out, async_op)
     dest = out.view(call.world, n)
 
     def begin():
@@ -188,7 +186,7 @@ def _all_gather_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_o
             return hier_ag_phase(call, hg, x, dest, x.dtype)
         return ag_phase(call, x, dest, call.group, call.world, "all_gather", x.dtype)
 
-    work, fin = _guard(call, begin)
+    work, fin = guarded(call, begin)
 
     def finish():
         fin()
@@ -241,14 +239,13 @@ def _rs_start(call: Call, hg, x: torch.Tensor, L: int, ef: ErrorFeedback | None)
             return hier_rs_phase(call, hg, x, L, ef, x.dtype)
         return rs_phase(call, x, L, call.group, call.world, ef, call.op, x.dtype)
 
-    return _guard(call, begin)
+    return guarded(call, begin)
 
 
 def _reduce_scatter_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, L: int, avg: int,
                          ef: ErrorFeedback | None, async_op: bool):
     if x.numel() == 0:
-        call.lease.release()
-        return completed(out) if async_op else out
+        return _nothing_to_move(call, out, async_op)
 
     work, acc_fn = _rs_start(call, hg, x, L, ef)
 
@@ -289,8 +286,7 @@ def all_reduce_into(output: torch.Tensor, input: torch.Tensor, group=None, op="s
     n = input.numel()
     out_flat = output.view(-1)
     if n == 0:
-        call.lease.release()
-        return completed(output) if async_op else output
+        return _nothing_to_move(call, output, async_op)
     L = chunk_rows(n, call.world, call.rank)[0]
 
     work, acc_fn = _rs_start(call, hg, input, L, error_feedback)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_codes, unpack_sum
 from .buffers import Lease
+from .checks import settled
 from .options import ErrorFeedback, WireSpec, piece_count, plan_pieces
 from .stats import record
 
@@ -33,6 +34,12 @@ class Call:
     seed: int
     pipeline: int = 0  # pieces per call (0: auto); see options.plan_pieces
     size_hint: int | None = None  # all-to-all: elements of the largest rank's message (all ranks agree), if known
+    settle: object = settled  # a deferred metadata check (checks.exchange): run before the first payload collective
+
+    def checked(self) -> None:
+        """Finish the deferred metadata check (raises on every rank on a problem); a no-op after the first call."""
+        settle, self.settle = self.settle, settled
+        settle()
 
     def pieces(self, k: int, numel: int | None, device: torch.device) -> list[tuple[int, int]]:
         """Column ranges [a, b) of the K dimension, whole blocks each, that travel as separate pipelined pieces."""
@@ -48,6 +55,16 @@ class Call:
         if b in ("auto", "triton") and device.type == "cuda" and not _has_triton_backend():
             return "reference"
         return b
+
+
+def guarded(call: Call, fn):
+    """fn() (which starts the call's collectives); releases the call's scratch lease if it raises (a failed
+    deferred check, bad input found late), since no handle will own the lease then."""
+    try:
+        return fn()
+    except BaseException:
+        call.lease.release()
+        raise
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,6 +157,7 @@ def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFe
     works = []
     for (a, b), lay, send, recv in zip(pieces, lays, sends, recvs):
         pack_chunks(x2[:, a:b], lay, spec.fmt, spec.rounding, call.seed, out=send, backend=kb)
+        call.checked()  # the deferred metadata check travelled while piece 0 was quantized
         if ef is not None:
             update_residual(call, ef, xin, send, lay)
         # Equal chunks, so no split sizes: one all_to_all moves payload and scales together.
@@ -176,6 +194,7 @@ def ag_phase(call: Call, src: torch.Tensor, dest, group, gsize: int, stats_op: s
     works = []
     for (a, b), lay, send, recv in zip(pieces, lays, sends, recvs):
         pack_chunks(x2[:, a:b], lay, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
+        call.checked()
         works.append(all_gather_bytes(recv, send, group, async_op=True))
     itemsize = torch.empty((), dtype=stats_dtype).element_size()
     record(stats_op, (gsize - 1) * sum(sizes), (gsize - 1) * n * itemsize, n, calls=calls)

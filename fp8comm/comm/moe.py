@@ -16,7 +16,7 @@ from ..quant.tensor import Fp8Tensor
 from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_codes
 from .buffers import DEFAULT_POOL, Handle, Lease
 from .checks import Meta, as_int_list, exchange, group_rank_size, out_problem, split_problem, tensor_problem
-from .core import Call, Pieces, _slices
+from .core import Call, Pieces, _slices, guarded
 from .options import WireSpec, default_check, next_seed, pipeline_option, row_part, unknown_options, wire_spec
 from .stats import record
 
@@ -78,24 +78,29 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
                               spec if fp8_out else None))
     meta.spec = spec if wire == "fp8" else None
     check = default_check() if kw.get("check") is None else bool(kw["check"])
-    sent = exchange(meta, group, rank, world, check)
+    even = input_split_sizes is None and output_split_sizes is None
+    # Deferred with even splits: the check travels while the first piece is quantized. Uneven splits need its
+    # table first (the piece plan below depends on every rank's token count).
+    sent, settle = exchange(meta, group, rank, world, check, defer=even)
     if sent:
         record("all_to_all", 0, 0, 0, check_bytes=sent, calls=0)
     pool = kw["buffer"].pool if kw.get("buffer") is not None else DEFAULT_POOL
-    call = Call("all_to_all", group, rank, world, spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline)
+    call = Call("all_to_all", group, rank, world, spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline,
+                settle=settle)
     # Auto pipelining needs a size every rank agrees on: even splits (the token count is checked to be equal), or
     # the largest rank's token count from the metadata check's table of every rank's splits.
     h = tensor.shape[1]
-    mx = meta.max_tokens(world)
+    mx = meta.max_tokens(world)  # None while the check is deferred (even splits)
     if mx is not None:
         call.size_hint, bwd = mx[0] * h, mx[1] * h
-    elif input_split_sizes is None and output_split_sizes is None:
+    elif even:
         call.size_hint = bwd = tensor.numel()
     else:
         bwd = None
     s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool, bwd)
     if fp8_out or out is not None:  # no autograd edge: FP8 codes out, or a caller's preallocated output
-        h = _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all", fp8_out=fp8_out, out=out)
+        h = guarded(call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all",
+                                         fp8_out=fp8_out, out=out))
         if async_op:
             return Handle([h], h.wait, call.lease)
         try:
@@ -108,7 +113,7 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         finally:
             call.lease.release()
     # Async: the transfer starts now; wait() dequantizes and attaches the autograd edge for the backward.
-    h = _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all")
+    h = guarded(call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all"))
     return Handle([h], lambda: _Attach.apply(tensor, h.wait(), s), call.lease)
 
 
@@ -158,6 +163,7 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
         wdt = torch.bfloat16 if wire == "bf16" else dtype
         send = x if x.dtype == wdt else x.to(wdt)
         recv = out if wdt == dtype else torch.empty(sum(outs), h, dtype=wdt, device=dev)
+        call.checked()
         work = dist.all_to_all_single(recv, send, list(outs), list(ins), group=call.group, async_op=True)
         nbytes = (sum(ins) - ins[me]) * h * send.element_size()
         record(stats_op, nbytes, (sum(ins) - ins[me]) * h * x.element_size(), 0)
@@ -185,6 +191,7 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
                 one, o = lin.chunk(j), lin.offsets[j]
                 pack_chunks(x[in0[j] + a:in0[j] + b], one, spec.fmt, spec.rounding, call.seed,
                             out=send[o:o + one.total_bytes], backend=kq)
+        call.checked()  # the deferred metadata check travelled while piece 0 was quantized
         # Byte splits: each destination's chunk is payload + scales, so one collective carries both.
         works.append(dist.all_to_all_single(recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes),
                                             group=call.group, async_op=True))

@@ -364,6 +364,16 @@ def check_mismatch(ctx: Ctx) -> None:
         outs[W - 1] = 2  # rank 0 expects 2 rows from the last rank, which sends 1
     _, times["splits"] = expect_error(lambda: fc.all_to_all(torch.randn(W, 16), outs, [1] * W), fc.CommMismatchError,
                                       "sends 1 rows to rank 0, which expects 2")
+    # Deferred checks (they travel while the first piece is quantized) raise the same way, before any payload:
+    # even splits of different token counts, one rank with an empty input, a bf16 wire.
+    _, times["even_splits"] = expect_error(lambda: fc.all_to_all(torch.randn(W * (1 + r), 16)),
+                                           fc.CommMismatchError, "which expects")
+    expect_error(lambda: fc.all_to_all(torch.randn(W * (1 + r), 16), wire="bf16"), fc.CommMismatchError,
+                 "which expects")
+    _, times["empty"] = expect_error(lambda: fc.all_gather(torch.randn(0 if r == 0 else 128)), fc.CommMismatchError,
+                                     "numel per rank")
+    expect_error(lambda: fc.reduce_scatter_into(torch.empty(0 if r == 0 else 8), torch.randn(0 if r == 0 else W * 8)),
+                 fc.CommMismatchError, "numel per rank")
     ins = [1] * W
     if r == 1:
         ins[0] = 2  # split sizes that do not add up to the tokens: a local error on rank 1 only
