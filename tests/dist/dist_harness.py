@@ -46,17 +46,25 @@ def run_checks(dist_checks, rank: int, world: int, out, names: list[str] | None)
     dist.barrier(group=status_group)
 
 
-def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list[str] | None) -> None:
-    os.environ.update(env)
-    sys.path.insert(0, str(Path(__file__).parent))
+def join(rank: int, world: int, port: int, outdir: str, store_timeout_s: float, pg_timeout_s: float):
+    """Join the parent's gloo group as `rank` (1 thread: W ranks share 2 cores); returns this rank's result file."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # W ranks share 2 cores
+    torch.set_num_threads(1)
     out = open(Path(outdir) / f"rank{rank}.jsonl", "w", buffering=1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=store_timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    return out
+
+
+def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list[str] | None) -> None:
+    os.environ.update(env)
+    sys.path.insert(0, str(Path(__file__).parent))
+    out = join(rank, world, port, outdir, 60.0, PG_TIMEOUT_S)
+    import torch.distributed as dist
+
     import dist_checks
 
     run_checks(dist_checks, rank, world, out, names)

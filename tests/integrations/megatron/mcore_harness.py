@@ -6,7 +6,6 @@ owns the TCPStore (port 0: no port races) and kills the launch at a hard timeout
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -25,14 +24,13 @@ def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list
     os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron.core's __version__ would otherwise run git
     warnings.filterwarnings("ignore")  # Megatron's deprecation warnings drown the report
     sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
+    import dist_harness
+
+    out = dist_harness.join(rank, world, port, outdir, 120.0, PG_TIMEOUT_S)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # W ranks share 2 cores
-    out = open(Path(outdir) / f"rank{rank}.jsonl", "w", buffering=1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     import mcore_cpu
 
     mcore_cpu.install()
