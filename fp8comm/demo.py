@@ -1,6 +1,7 @@
 """`fp8comm demo`: a real DeepSpeed ZeRO-3 training run, BF16 communication vs FP8 GEMMs + FP8 communication.
 
-torchrun starts `--ranks` CPU processes (gloo, DeepSpeed's CPU accelerator). Each run trains the tiny GPT of
+torchrun starts `--ranks` processes: on a CUDA machine one per GPU (NCCL, FP8 GEMMs on the tensor cores), else
+CPU processes (gloo, DeepSpeed's CPU accelerator; `--device cpu` forces that). Each run trains the tiny GPT of
 examples/gpt.py on Python's own help texts (pydoc_data, ships with Python) from the same initial weights on the
 same batches:
 
@@ -36,7 +37,10 @@ SIZES = {  # n_layer, n_head, n_embd, block, micro-batch per rank
 def add_args(p: argparse.ArgumentParser) -> None:
     p.description = (__doc__ or "").strip().splitlines()[0]
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per run (default 150)")
-    p.add_argument("--ranks", type=int, default=2, help="torchrun processes (default 2)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto (default): one rank per GPU on NCCL when CUDA is available, else CPU ranks on gloo")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="torchrun processes (default: 2 on CPU, every GPU on CUDA; NCCL takes at most one per GPU)")
     p.add_argument("--size", choices=list(SIZES), default="tiny",
                    help="model size: " + ", ".join(f"{k} ({v[0]} layers x {v[2]})" for k, v in SIZES.items()) +
                         " (default tiny: both runs finish in ~3 minutes on 2 cores)")
@@ -54,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(width=max(Console().width, 110))
+    args.device = _device(args.device)
+    if args.ranks is None:
+        args.ranks = _cuda_count() if args.device == "cuda" else 2
     problem = _preflight(args)
     if problem:
         console.print(f"[red]fp8comm demo: {problem}[/red]")
@@ -61,11 +68,14 @@ def run(args: argparse.Namespace) -> int:
     folder = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 2) // args.ranks)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads),
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if args.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", "-m",
            "fp8comm.demo", "--worker", json.dumps({**vars(args), "folder": str(folder)})]
-    console.print(f"[bold]fp8comm demo[/bold]: DeepSpeed ZeRO-3 on {args.ranks} CPU ranks, tiny GPT ({args.size}), "
+    where = f"{args.ranks} GPU rank(s) (NCCL)" if args.device == "cuda" else f"{args.ranks} CPU ranks (gloo)"
+    console.print(f"[bold]fp8comm demo[/bold]: DeepSpeed ZeRO-3 on {where}, tiny GPT ({args.size}), "
                   f"{args.steps} steps x 2 runs; log: {folder / 'log.txt'}")
     log = open(folder / "log.txt", "w")
     progress = folder / "progress.jsonl"
@@ -114,6 +124,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _device(choice: str) -> str:
+    return ("cuda" if _cuda_count() else "cpu") if choice == "auto" else choice
+
+
 def _preflight(args) -> str | None:
     try:
         import deepspeed  # noqa: F401
@@ -121,8 +141,14 @@ def _preflight(args) -> str | None:
         return "DeepSpeed is not installed: pip install deepspeed==0.19.8 torch==2.13.0 (keep your torch pin)"
     if not (ROOT / "examples" / "gpt.py").exists():
         return f"examples/gpt.py not found under {ROOT}: run the demo from a source checkout (pip install -e .)"
-    if args.ranks < 2:
-        return "--ranks must be >= 2 (one rank has nothing to communicate)"
+    if args.device == "cuda":
+        n = _cuda_count()
+        if not n:
+            return "--device cuda, but torch sees no CUDA device"
+        if not 1 <= args.ranks <= n:
+            return f"--ranks {args.ranks} on {n} GPU(s): NCCL takes one rank per GPU (1..{n})"
+    elif args.ranks < 2:
+        return "--ranks must be >= 2 on CPU (one rank has nothing to communicate)"
     if args.recipe != "none":
         from fp8comm.gemm import RECIPES
 
@@ -148,7 +174,8 @@ def _table(report: dict):
         bb, fb = b["bytes_per_step"].get(role, 0), f["bytes_per_step"].get(role, 0)
         t.add_row(f"{role} bytes on the wire / step / rank", _mb(bb), _mb(fb),
                   f"{bb / fb:.2f}x fewer" if fb else "-")
-    t.add_row("step time (median; FP8 GEMMs emulated on CPU)", f"{b['step_s'] * 1e3:.0f} ms",
+    how = "FP8 GEMMs on the tensor cores" if report.get("device") == "cuda" else "FP8 GEMMs emulated on CPU"
+    t.add_row(f"step time (median; {how})", f"{b['step_s'] * 1e3:.0f} ms",
               f"{f['step_s'] * 1e3:.0f} ms", f"{f['step_s'] / b['step_s']:.2f}x the time")
     return t
 
@@ -192,9 +219,11 @@ def _plots(report: dict, folder: Path) -> None:
 
 # --------------------------------------------------------------------------------------------------- worker
 def _worker(opts: dict) -> int:
-    from fp8comm.integrations.deepspeed import cpu
+    on_cuda = opts.get("device") == "cuda"
+    if not on_cuda:
+        from fp8comm.integrations.deepspeed import cpu
 
-    cpu.prepare()
+        cpu.prepare()
     import importlib.util
 
     import torch
@@ -203,12 +232,16 @@ def _worker(opts: dict) -> int:
     import deepspeed
     import fp8comm.integrations.deepspeed as fd
 
+    if on_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
     spec = importlib.util.spec_from_file_location("fp8comm_demo_gpt", ROOT / "examples" / "gpt.py")
     gpt = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = gpt  # dataclasses look their module up while the file executes
     spec.loader.exec_module(gpt)
-    deepspeed.init_distributed("gloo")
+    deepspeed.init_distributed("nccl" if on_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     n_layer, n_head, n_embd, block, micro = SIZES[opts["size"]]
     from pydoc_data import topics
 
@@ -222,7 +255,8 @@ def _worker(opts: dict) -> int:
     def batch(src, step, r):
         g = torch.Generator().manual_seed(1_000_003 * step + r)
         ix = torch.randint(len(src) - block - 1, (micro,), generator=g)
-        return (torch.stack([src[i:i + block] for i in ix]), torch.stack([src[i + 1:i + 1 + block] for i in ix]))
+        return (torch.stack([src[i:i + block] for i in ix]).to(dev),
+                torch.stack([src[i + 1:i + 1 + block] for i in ix]).to(dev))
 
     steps, lr = opts["steps"], opts["lr"]
     ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -231,7 +265,7 @@ def _worker(opts: dict) -> int:
     recipe = opts["recipe"]
     runs = {"baseline": {"mode": "measure", "gemm": False},
             "fp8": {"gemm": {"recipe": recipe} if recipe != "none" else False}}
-    report = {"ranks": world, "steps": steps, "recipe": recipe, "size": opts["size"],
+    report = {"ranks": world, "steps": steps, "recipe": recipe, "size": opts["size"], "device": dev.type,
               "model": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block": block,
                         "micro_batch": micro, "vocab": len(vocab)},
               "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__}}
@@ -252,6 +286,8 @@ def _worker(opts: dict) -> int:
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
+            if on_cuda:
+                torch.cuda.synchronize()  # step time includes the GPU work
             times.append(time.perf_counter() - t0)
             mean = loss.detach().float().clone()
             dist.all_reduce(mean)

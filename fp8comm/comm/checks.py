@@ -1,9 +1,15 @@
 """Input validation and the cross-rank metadata check that turns would-be hangs into errors on every rank.
 
-Local problems (dtype, contiguity, split sums) are found first. With the check on (default), every rank then
-all-gathers a small int64 descriptor (op, dtype, format, scaling, shape, splits, local error code) and compares
-all of them; any disagreement or local error raises the same error on every rank before any payload moves.
-Cost: one all_gather of (16 + 2*world) int64 per call plus reading it on the host (a device sync on GPU).
+Local problems (dtype, contiguity, split sums) are found first. A checked call then all-gathers a small int64
+descriptor (op, dtype, format, scaling, shape, splits, local error code) on every rank and compares all of them;
+any disagreement or local error raises the same error on every rank before any payload moves. Cost per checked
+call: one all_gather of (16 + 2*world) int64 plus reading it on the host (a device sync on GPU).
+
+Which calls are checked (the `check` option, default from FP8COMM_CHECK): "first" (default) checks the first
+FIRST_CALLS calls of each op on each group in this process, then none: steady state has no extra collective and
+no host sync. The decision depends only on how many calls of that op this process made on that group, which
+is the same on every member (they all make the same calls in the same order, or the payload would hang), so
+ranks never disagree on whether the descriptor travels. "always" checks every call (debugging), "never" none.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import torch.distributed as dist
 
 from ..quant.api import FLOAT8_DTYPES
 from ..quant.scaling import ENCODINGS
-from .options import WireSpec
+from .options import WireSpec, check_policy
 
 
 class Fp8CommError(ValueError):
@@ -92,6 +98,30 @@ def group_rank_size(group) -> tuple[int, int]:
     if rank < 0:
         raise Fp8CommError(f"this process (global rank {dist.get_rank()}) is not a member of the group it passed")
     return rank, dist.get_world_size(group)
+
+
+FIRST_CALLS = 3  # calls of each op on each group that the "first" policy checks
+_calls: dict[tuple, int] = {}  # (group name, op) -> calls made in this process
+
+
+def should_check(check, group, op: str) -> bool:
+    """Whether this call runs the metadata check under the `check` option; the same answer on every rank."""
+    policy = check_policy(check)
+    key = (_group_key(group), op)
+    n = _calls.get(key, 0)
+    _calls[key] = n + 1
+    if policy == "first":
+        return n < FIRST_CALLS
+    return policy == "always"
+
+
+def _group_key(group):
+    """A process-wide identity of a group: its registered name (unique per group), else the object's id."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg.group_name or id(pg)
+    except RuntimeError:  # a backend-level group without a registered name
+        return id(pg)
 
 
 def meta_device(group) -> torch.device:

@@ -2,7 +2,8 @@
 
 Common keyword options: fmt ("e4m3" | "e5m2"), scaling ("fp32" | "pow2" | "e8m0" 1x`block_size` scales, a preset
 or a Scaling with rows=1), rounding ("nearest" | "stochastic"), seed (stochastic rounding; None: a fresh one per
-call), backend (quant kernels), check (cross-rank metadata check; default on, FP8COMM_CHECK=0 turns it off),
+call), backend (quant kernels), check (cross-rank metadata check: None = FP8COMM_CHECK's policy, default "first":
+the first calls of each op per group; True/"always" every call; False/"never"; see checks.py),
 async_op (return a Handle; dequantization and accumulation happen in wait()), hierarchical (True: node groups from
 LOCAL_WORLD_SIZE, or a HierarchicalGroups), buffer (a Buffer owning scratch memory; default: a shared pool),
 pipeline (None: automatic; False: one piece; n: n pieces; on CPU a big call is cut into column pieces of whole
@@ -16,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from .buffers import DEFAULT_POOL, Handle, Lease, completed
-from .checks import Meta, exchange, group_rank_size, out_problem, tensor_problem
+from .checks import Fp8CommError, Meta, exchange, group_rank_size, out_problem, should_check, tensor_problem
 from .core import Call, ag_phase, chunk_rows, gathered_into, guarded, rs_phase
 from .hierarchical import hier_ag_phase, hier_rs_phase, precheck, resolve
-from .options import ErrorFeedback, default_check, next_seed, pipeline_option, unknown_options, wire_spec
+from .options import ErrorFeedback, next_seed, pipeline_option, unknown_options, wire_spec
 from ..quant.tensor import Fp8Tensor, view_2d
 from .stats import record
 
@@ -41,15 +42,19 @@ def _start(op: str, group, meta: Meta, kw: dict, extra=None) -> Call:
         meta.fail(("option", str(e)))
     if extra is not None and meta.spec is not None:
         meta.fail(extra(meta.spec))
-    check = default_check() if kw.get("check") is None else bool(kw["check"])
+    try:
+        check = should_check(kw.get("check"), group, op)
+    except ValueError as e:
+        raise Fp8CommError(f"fp8comm.{op}: {e}") from None  # the same on every rank: no rank goes on alone
     # Deferred: the check travels while the first piece is quantized (hierarchical mode first creates its groups).
     sent, settle = exchange(meta, group, rank, world, check, defer=not meta.hier)
     if sent:
         record(op, 0, 0, 0, check_bytes=sent, calls=0)
     buffer = kw.get("buffer")
     pool = buffer.pool if buffer is not None else DEFAULT_POOL
-    return Call(op, group, rank, world, meta.spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline,
-                settle=settle)
+    rounding = meta.spec.rounding if meta.spec is not None else "nearest"
+    return Call(op, group, rank, world, meta.spec, Lease(pool), next_seed(kw.get("seed"), rank, rounding),
+                meta.pipeline, settle=settle)
 
 
 def _reduce_op(op) -> tuple[int, tuple[str, str] | None]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_codes, unpack_sum
+from ..quant.wire import ChunkLayout, layout_of, pack_chunks, unpack_chunks, unpack_codes, unpack_sum
 from .buffers import Lease
 from .checks import settled
 from .options import ErrorFeedback, WireSpec, piece_count, plan_pieces
@@ -107,7 +107,12 @@ def update_residual(call: Call, ef: ErrorFeedback, xin: torch.Tensor, send: torc
     deq = call.lease.take(xin.numel(), torch.float32, xin.device).view(layout.total_rows, layout.k)
     unpack_chunks(send, layout, call.spec.fmt, torch.float32, out=deq, backend=call.kernel(xin.device, xin.numel()))
     r = ef.take(xin.numel(), xin.device)
-    torch.sub(xin, deq.view(-1), out=r)
+    if r.dtype == torch.float32:
+        torch.sub(xin, deq.view(-1), out=r)
+    else:  # the difference in fp32, then rounded once into the (bf16) residual
+        d = deq.view(-1)
+        torch.sub(xin, d, out=d)
+        r.copy_(d)
     r.masked_fill_(~torch.isfinite(r), 0.0)
 
 
@@ -148,7 +153,7 @@ def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFe
     total = gsize * L
     xin = quantize_input(call, x, total, ef)
     pieces = call.pieces(L, total, dev) if ef is None else [(0, L)]
-    lays = [ChunkLayout((1,) * gsize, b - a, spec.scaling) for a, b in pieces]
+    lays = [layout_of((1,) * gsize, b - a, spec.scaling) for a, b in pieces]
     kb = call.kernel(dev, total)
     sizes = [lay.total_bytes for lay in lays]
     sends = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)
@@ -162,7 +167,7 @@ def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFe
             update_residual(call, ef, xin, send, lay)
         # Equal chunks, so no split sizes: one all_to_all moves payload and scales together.
         works.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
-    itemsize = torch.empty((), dtype=stats_dtype).element_size()
+    itemsize = stats_dtype.itemsize
     record(stats_op, (gsize - 1) * sum(lay.chunk_bytes[0] for lay in lays) if L else 0,
            (gsize - 1) * L * itemsize, total, calls=calls)
 
@@ -185,7 +190,7 @@ def ag_phase(call: Call, src: torch.Tensor, dest, group, gsize: int, stats_op: s
     """
     spec, dev, n = call.spec, src.device, src.numel()
     pieces = call.pieces(n, n, dev)
-    lays = [ChunkLayout((1,), b - a, spec.scaling) for a, b in pieces]
+    lays = [layout_of((1,), b - a, spec.scaling) for a, b in pieces]
     sizes = [lay.total_bytes for lay in lays]
     sends = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)
     recvs = _slices(call.lease.take(gsize * sum(sizes), torch.uint8, dev), [gsize * t for t in sizes])
@@ -196,7 +201,7 @@ def ag_phase(call: Call, src: torch.Tensor, dest, group, gsize: int, stats_op: s
         pack_chunks(x2[:, a:b], lay, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
         call.checked()
         works.append(all_gather_bytes(recv, send, group, async_op=True))
-    itemsize = torch.empty((), dtype=stats_dtype).element_size()
+    itemsize = stats_dtype.itemsize
     record(stats_op, (gsize - 1) * sum(sizes), (gsize - 1) * n * itemsize, n, calls=calls)
     kd = call.kernel(dev, gsize * n)
     blk = lays[0].block if lays else 1

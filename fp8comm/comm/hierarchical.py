@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks
+from ..quant.wire import layout_of, pack_chunks, unpack_chunks
 from .checks import Fp8CommError
 from .core import Call, all_gather_bytes, quantize_input, rs_phase
 from .options import ErrorFeedback
@@ -125,13 +125,13 @@ def hier_ag_phase(call: Call, hg: HierarchicalGroups, src: torch.Tensor, dest: t
                   stats_dtype: torch.dtype, calls: int = 1):
     """FP8 cross-node all-gather now, start the node-local gather of the same bytes: (work, finish -> dest)."""
     spec, dev, n, nn, lc = call.spec, src.device, src.numel(), hg.nodes, hg.local
-    one = ChunkLayout((1,), n, spec.scaling)
+    one = layout_of((1,), n, spec.scaling)
     cb = one.total_bytes
     send = call.lease.take(cb, torch.uint8, dev)
     pack_chunks(src.reshape(1, n), one, spec.fmt, spec.rounding, call.seed, out=send, backend=call.kernel(dev, n))
     node_bytes = call.lease.take(nn * cb, torch.uint8, dev)
     all_gather_bytes(node_bytes, send, hg.inter, async_op=False)
-    itemsize = torch.empty((), dtype=stats_dtype).element_size()
+    itemsize = stats_dtype.itemsize
     record(call.op, (nn - 1) * cb, (nn - 1) * n * itemsize, n, calls=calls)
     allb = call.lease.take(lc * nn * cb, torch.uint8, dev)
     work = all_gather_bytes(allb, node_bytes, hg.intra, async_op=True)

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from ..quant.tensor import Fp8Tensor
-from ..quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_codes
+from ..quant.wire import ChunkLayout, layout_of, pack_chunks, unpack_chunks, unpack_codes
 from .buffers import DEFAULT_POOL, Handle, Lease
-from .checks import Meta, as_int_list, exchange, group_rank_size, out_problem, split_problem, tensor_problem
-from .core import Call, Pieces, _slices, guarded
-from .options import WireSpec, default_check, next_seed, pipeline_option, row_part, unknown_options, wire_spec
+from .checks import (Fp8CommError, Meta, as_int_list, exchange, group_rank_size, out_problem, should_check,
+                     split_problem, tensor_problem)
+from .core import Call, Pieces, _slices, guarded, quantize_input, update_residual
+from .options import ErrorFeedback, WireSpec, next_seed, pipeline_option, row_part, unknown_options, wire_spec
 from .stats import record
 
 WIRES = ("fp8", "bf16", "native")
@@ -34,11 +35,12 @@ class _Spec:
     grad_spec: WireSpec
     pool: object
     bwd_hint: int | None = None  # size hint (see Call.size_hint) for the backward's reverse all-to-all
+    ef: ErrorFeedback | None = None  # the forward's error feedback (FP8 wire)
 
 
 def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None, group=None, *,
                wire: str = "fp8", grad_wire: str = "bf16", grad_fmt=None, async_op: bool = False,
-               fp8_out: bool = False, out=None, **kw):
+               fp8_out: bool = False, out=None, error_feedback: ErrorFeedback | None = None, **kw):
     """Send rows input_split_sizes[j] of tokens [T, H] to rank j; returns [sum(output_split_sizes), H] (autograd).
 
     wire/grad_wire: "fp8" (1x128 block scales), "bf16" or "native" (the tensor's own dtype). None splits: equal.
@@ -47,6 +49,8 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     autograd edge, so the tokens must not require grad (detach them; the combine carries the gradient path).
     out: a preallocated output ([sum(outs), H] in the tokens' dtype, or an Fp8Tensor with fp8_out=True), as
     DeepEP's Buffer keeps its receive buffers; no autograd edge either (the tokens must not require grad).
+    error_feedback (wire="fp8"): this rank's quantization residual, laid out like the tokens, is added before
+    quantizing and updated after (the call travels in one piece); for gradient traffic such as ZeRO-1/2's.
     """
     rank, world = group_rank_size(group)
     meta = Meta("all_to_all", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
@@ -59,6 +63,8 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     meta.reduce_op = WIRES.index(wire) if wire in WIRES else 0
     if fp8_out and wire != "fp8":
         meta.fail(("option", f"fp8_out=True needs wire='fp8' (got wire={wire!r})"))
+    if error_feedback is not None and (wire != "fp8" or not isinstance(error_feedback, ErrorFeedback)):
+        meta.fail(("option", "error_feedback needs wire='fp8' and an fp8comm.comm.ErrorFeedback"))
     if fp8_out and isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
         meta.fail(("option", "fp8_out=True returns FP8 codes with no autograd edge, but the tokens require grad; "
                              "pass tokens.detach() (or use the dequantizing path, which has the backward)"))
@@ -77,7 +83,10 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         meta.fail(out_problem(out, (sum(outs), tensor.shape[1]), tensor.dtype, tensor.device,
                               spec if fp8_out else None))
     meta.spec = spec if wire == "fp8" else None
-    check = default_check() if kw.get("check") is None else bool(kw["check"])
+    try:
+        check = should_check(kw.get("check"), group, "all_to_all")
+    except ValueError as e:
+        raise Fp8CommError(f"fp8comm.all_to_all: {e}") from None
     even = input_split_sizes is None and output_split_sizes is None
     # Deferred with even splits: the check travels while the first piece is quantized. Uneven splits need its
     # table first (the piece plan below depends on every rank's token count).
@@ -85,8 +94,8 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     if sent:
         record("all_to_all", 0, 0, 0, check_bytes=sent, calls=0)
     pool = kw["buffer"].pool if kw.get("buffer") is not None else DEFAULT_POOL
-    call = Call("all_to_all", group, rank, world, spec, Lease(pool), next_seed(kw.get("seed"), rank), meta.pipeline,
-                settle=settle)
+    seed = next_seed(kw.get("seed"), rank, spec.rounding if spec is not None else "nearest")
+    call = Call("all_to_all", group, rank, world, spec, Lease(pool), seed, meta.pipeline, settle=settle)
     # Auto pipelining needs a size every rank agrees on: even splits (the token count is checked to be equal), or
     # the largest rank's token count from the metadata check's table of every rank's splits.
     h = tensor.shape[1]
@@ -97,10 +106,10 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         call.size_hint = bwd = tensor.numel()
     else:
         bwd = None
-    s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool, bwd)
+    s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool, bwd, error_feedback)
     if fp8_out or out is not None:  # no autograd edge: FP8 codes out, or a caller's preallocated output
         h = guarded(call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all",
-                                         fp8_out=fp8_out, out=out))
+                                         fp8_out=fp8_out, out=out, ef=error_feedback))
         if async_op:
             return Handle([h], h.wait, call.lease)
         try:
@@ -113,7 +122,8 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         finally:
             call.lease.release()
     # Async: the transfer starts now; wait() dequantizes and attaches the autograd edge for the backward.
-    h = guarded(call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all"))
+    h = guarded(call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all",
+                                     ef=error_feedback))
     return Handle([h], lambda: _Attach.apply(tensor, h.wait(), s), call.lease)
 
 
@@ -152,7 +162,7 @@ class _Pending:
 
 
 def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8_out: bool = False,
-           out=None) -> _Pending:
+           out=None, ef: ErrorFeedback | None = None) -> _Pending:
     """Start moving rows ins[j] of x to rank j (receiving outs[i] rows from rank i) with `wire` encoding."""
     h, dev, dtype = x.shape[1], x.device, x.dtype
     me = call.rank
@@ -171,11 +181,12 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
     spec = call.spec
     # Pipelined on CPU: piece p carries rows row_part(n, p, P) of every destination's chunk (whole tokens, so each
     # chunk's rows stay contiguous in the input and in the output), one all_to_all each; see core.rs_phase.
-    npieces = call.piece_count(call.size_hint, dev)
+    npieces = call.piece_count(call.size_hint, dev) if ef is None else 1
+    xq = x if ef is None else quantize_input(call, x, x.numel(), ef).view(x.shape)  # + residual, fp32
     parts = [[row_part(n, p, npieces) for n in ins] for p in range(npieces)]
     oparts = [[row_part(n, p, npieces) for n in outs] for p in range(npieces)]
-    lins = [ChunkLayout(tuple(b - a for a, b in pp), h, spec.scaling) for pp in parts]
-    louts = [ChunkLayout(tuple(b - a for a, b in pp), h, spec.scaling) for pp in oparts]
+    lins = [layout_of(tuple(b - a for a, b in pp), h, spec.scaling) for pp in parts]
+    louts = [layout_of(tuple(b - a for a, b in pp), h, spec.scaling) for pp in oparts]
     sends = _slices(call.lease.take(sum(lay.total_bytes for lay in lins), torch.uint8, dev),
                     [lay.total_bytes for lay in lins])
     recvs = _slices(call.lease.take(sum(lay.total_bytes for lay in louts), torch.uint8, dev),
@@ -185,7 +196,9 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
     works = []
     for pp, lin, send, recv, lout in zip(parts, lins, sends, recvs, louts):
         if npieces == 1:  # one call for every chunk (one fused kernel on GPU)
-            pack_chunks(x, lin, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
+            pack_chunks(xq, lin, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
+            if ef is not None:
+                update_residual(call, ef, xq.view(-1), send, lin)
         else:
             for j, (a, b) in enumerate(pp):
                 one, o = lin.chunk(j), lin.offsets[j]
@@ -230,8 +243,8 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
 
 def _backward(ctx_spec: _Spec, g: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     s = ctx_spec
-    call = Call("all_to_all.backward", s.group, rank, world, s.grad_spec, Lease(s.pool), next_seed(None, rank),
-                size_hint=s.bwd_hint)
+    call = Call("all_to_all.backward", s.group, rank, world, s.grad_spec, Lease(s.pool),
+                next_seed(None, rank, s.grad_spec.rounding), size_hint=s.bwd_hint)
     try:
         # Reverse direction: what we received (out_splits) goes back to where it came from.
         return _start(call, g.contiguous(), s.in_splits, s.out_splits, s.grad_wire, "all_to_all.backward").wait()
@@ -243,7 +256,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, call: Call, wire: str, s: _Spec):
         ctx.s, ctx.rank, ctx.world = s, call.rank, call.world
-        return _start(call, x, s.out_splits, s.in_splits, wire, "all_to_all").wait()
+        return _start(call, x, s.out_splits, s.in_splits, wire, "all_to_all", ef=s.ef).wait()
 
     @staticmethod
     def backward(ctx, g):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -52,6 +53,16 @@ def get_wire_scaling(scaling: "Scaling | str", block_size: int | None = 128) -> 
 
 
 def wire_spec(fmt="e4m3", scaling="fp32", rounding="nearest", backend="auto", block_size=128) -> WireSpec:
+    """The validated WireSpec for these options (cached: options are resolved once per configuration)."""
+    try:
+        return _wire_spec(fmt, scaling, rounding, backend, block_size)
+    except TypeError as e:  # an unhashable option value (e.g. a list) is simply a bad value
+        raise ValueError(f"invalid wire option ({e}): fmt={fmt!r}, scaling={scaling!r}, rounding={rounding!r}, "
+                         f"backend={backend!r}, block_size={block_size!r}") from None
+
+
+@lru_cache(maxsize=256)
+def _wire_spec(fmt, scaling, rounding, backend, block_size) -> WireSpec:
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
     if backend not in KERNEL_BACKENDS:
@@ -117,33 +128,64 @@ def unknown_options(kw: dict, extra: tuple[str, ...] = ()) -> tuple[str, str] | 
     return None
 
 
-def default_check() -> bool:
-    """The metadata check is on unless FP8COMM_CHECK=0 (per call: check=False)."""
-    return os.environ.get("FP8COMM_CHECK", "1").strip().lower() not in ("0", "false", "off", "no")
+CHECK_POLICIES = ("first", "always", "never")
+CHECK_ENV = "FP8COMM_CHECK"
+_CHECK_ALIASES = {"": "first", "first": "first", "always": "always", "1": "always", "on": "always", "true": "always",
+                  "yes": "always", "never": "never", "0": "never", "off": "never", "false": "never", "no": "never"}
+
+
+def default_check_policy() -> str:
+    """The metadata-check policy when a call passes check=None: FP8COMM_CHECK=first (default), always or never."""
+    raw = os.environ.get(CHECK_ENV, "").strip().lower()
+    if raw not in _CHECK_ALIASES:
+        raise ValueError(f"{CHECK_ENV}={raw!r} is not a check policy; valid: {', '.join(CHECK_POLICIES)} "
+                         "(or 1/0 for always/never)")
+    return _CHECK_ALIASES[raw]
+
+
+def check_policy(check) -> str:
+    """A call's check option as a policy: None -> the FP8COMM_CHECK default, True/False -> always/never."""
+    if check is None:
+        return default_check_policy()
+    if check is True or check is False:
+        return "always" if check else "never"
+    if check in CHECK_POLICIES:
+        return check
+    raise ValueError(f"check must be None, True, False or one of {CHECK_POLICIES}, got {check!r}")
 
 
 _call_counter = 0
 
 
-def next_seed(seed: int | None, rank: int) -> int:
-    """Per-call stochastic-rounding seed: distinct per rank and (when seed is None) per call."""
+def next_seed(seed: int | None, rank: int, rounding: str = "stochastic") -> int:
+    """Per-call stochastic-rounding seed: distinct per rank and (when seed is None) per call. Pure host integer
+    arithmetic; for nearest rounding (no seed used) only the call counter moves, so seeds of later stochastic
+    calls do not depend on which calls rounded to nearest."""
     global _call_counter
     if seed is None:
         _call_counter += 1
         seed = _call_counter
+    if rounding != "stochastic":
+        return 0
     # mix32 hashes a 32-bit value; folding the rank in keeps ranks' rounding decisions independent.
-    x = torch.tensor([(int(seed) * 0x9E3779B1 + rank * 0x85EBCA77) & 0xFFFFFFFF], dtype=torch.int64)
-    return int(mix32(x).item())
+    return int(mix32((int(seed) * 0x9E3779B1 + rank * 0x85EBCA77) & 0xFFFFFFFF))
+
+
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class ErrorFeedback:
     """Error feedback state for one gradient buffer: this rank's quantization residual, added to the next call.
 
-    Pass the same object on every call for the same buffer (one per bucket). `residual` is fp32, laid out like
-    the quantized (padded) input; non-finite residuals are zeroed so one overflowed step cannot poison later ones.
+    Pass the same object on every call for the same buffer (one per bucket). `residual` is laid out like the
+    quantized (padded) input, in `dtype`: fp32 (4 bytes per element of the buffer) or bf16 (2 bytes; the residual
+    itself rounded to bf16). Non-finite residuals are zeroed so one overflowed step cannot poison later ones.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"error-feedback residuals are float32 or bfloat16, got {dtype}")
+        self.dtype = dtype
         self.residual: torch.Tensor | None = None
 
     def reset(self) -> None:
@@ -153,8 +195,20 @@ class ErrorFeedback:
         """The residual for a quantized input of `numel` elements (zeros on first use or after a size change)."""
         r = self.residual
         if r is None or r.numel() != numel or r.device != device:
-            self.residual = r = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.residual = r = torch.zeros(numel, dtype=self.dtype, device=device)
         return r
 
+    def nbytes(self) -> int:
+        return 0 if self.residual is None else self.residual.numel() * self.residual.element_size()
+
     def norm(self) -> float:
-        return 0.0 if self.residual is None else float(self.residual.norm())
+        return 0.0 if self.residual is None else float(self.residual.float().norm())
+
+    def state_dict(self) -> dict:
+        return {"dtype": str(self.dtype).removeprefix("torch."), "residual": self.residual}
+
+    def load_state_dict(self, sd: dict) -> None:
+        r = sd.get("residual")
+        if r is not None and r.dtype != self.dtype:
+            raise ValueError(f"checkpointed residual is {r.dtype}, this ErrorFeedback keeps {self.dtype}")
+        self.residual = None if r is None else r.clone()

@@ -11,7 +11,7 @@ from typing import Callable
 
 from torch import nn
 
-from .linear import Fp8Linear
+from .linear import WEIGHT_CACHES, Fp8Linear
 from .recipes import Fp8Recipe, get_recipe
 
 HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "classifier")
@@ -53,13 +53,17 @@ def convert_to_fp8(model: nn.Module, recipe: str | Fp8Recipe = "blockwise", *, s
                    skip_last_blocks: int = 0, min_features: int = 16, skip_output_head: bool = True,
                    head_names: tuple[str, ...] = HEAD_NAMES,
                    module_filter: Callable[[str, nn.Linear], bool] | None = None,
-                   backend: str = "auto", quant_backend: str = "auto") -> ConversionReport:
+                   backend: str = "auto", quant_backend: str = "auto",
+                   weight_cache: str = "step") -> ConversionReport:
     """Replace eligible nn.Linear modules of `model` (in place) by Fp8Linear sharing their Parameters.
 
-    module_filter(name, linear) -> False skips a module ("user filter"). Returns a ConversionReport.
+    module_filter(name, linear) -> False skips a module ("user filter"); weight_cache: see Fp8Linear ("gathered"
+    under ZeRO-3 / FSDP). Returns a ConversionReport.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 needs an nn.Module, got {type(model).__name__}")
+    if weight_cache not in WEIGHT_CACHES:
+        raise ValueError(f"unknown weight_cache {weight_cache!r}; valid: {', '.join(WEIGHT_CACHES)}")
     if skip_first_blocks < 0 or skip_last_blocks < 0 or min_features < 0:
         raise ValueError("skip_first_blocks, skip_last_blocks and min_features must be >= 0")
     rec = get_recipe(recipe)
@@ -102,10 +106,19 @@ def convert_to_fp8(model: nn.Module, recipe: str | Fp8Recipe = "blockwise", *, s
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = Fp8Linear.from_linear(getattr(parent, child), rec, backend=backend, quant_backend=quant_backend)
+        new = Fp8Linear.from_linear(getattr(parent, child), rec, backend=backend, quant_backend=quant_backend,
+                                    weight_cache=weight_cache)
         new.fp8_name = name
         setattr(parent, child, new)
         report.converted.append(name)
     if not targets and isinstance(model, nn.Linear) and not isinstance(model, Fp8Linear):
         raise ValueError("convert_to_fp8 swaps submodules; wrap a bare nn.Linear (or use Fp8Linear.from_linear)")
     return report
+
+
+def set_weight_cache(model: nn.Module, policy: str) -> int:
+    """Set every Fp8Linear's weight_cache in `model` ("gathered" under ZeRO-3 / FSDP); returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in layers:
+        m.weight_cache = policy
+    return len(layers)

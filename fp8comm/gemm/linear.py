@@ -9,6 +9,11 @@ scales and 128x128 weight blocks are transpose-invariant, so the same codes serv
 1x128 and 1x32 blocks are not, so the transposed operand is quantized separately (DeepSeek-V3 quantizes x and dy
 along the token dim for wgrad). The quantized weight is cached and recomputed only when the weight changes (its
 version counter moves: an optimizer step or a load), i.e. once per optimizer step, not once per micro-batch.
+
+Under ZeRO-3 / FSDP the full weight exists only while the engine holds it gathered, and a cache of its FP8 copy
+would keep ~2 bytes per parameter of the whole model on every GPU (and the engine's re-gather may reuse storage
+and version counter, so the cache key could repeat after an optimizer step). weight_cache="gathered" keeps
+nothing: the forward quantizes the gathered weight, the backward quantizes it again from the engine's re-gather.
 """
 from __future__ import annotations
 
@@ -28,11 +33,17 @@ def _push_history(hist: torch.Tensor, amax: torch.Tensor) -> None:
     hist.copy_(torch.cat([a.to(hist.device), hist[:-1]]))
 
 
+WEIGHT_CACHES = ("step", "gathered")
+
+
 class _Fp8LinearFn(torch.autograd.Function):
-    """Autograd for the three FP8 GEMMs; `layer` supplies quantization and `wq` the cached FP8 weight."""
+    """Autograd for the three FP8 GEMMs; `layer` supplies quantization and `wq` the FP8 weight.
+
+    keep_wq=False (weight_cache "gathered"): the FP8 weight is not kept for the backward, which quantizes the
+    layer's weight again (the engine has gathered it again by then)."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, layer, wq):
+    def forward(ctx, x2, weight, bias, layer, wq, keep_wq):
         with torch.autocast(x2.device.type, enabled=False):
             # keep x in FP8 for wgrad, laid out for it (contraction over tokens): with transpose-invariant
             # scaling the same codes, transposed in the quantizing pass; else x quantized along the token dim
@@ -40,7 +51,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             y = backends.gemm(xq, wq, x2.dtype, layer.backend)
             if bias is not None:
                 y = y + bias.to(y.dtype)
-            ctx.layer, ctx.wq, ctx.x_dtype, ctx.w_dtype = layer, wq, x2.dtype, weight.dtype
+            ctx.layer, ctx.wq, ctx.x_dtype, ctx.w_dtype = layer, wq if keep_wq else None, x2.dtype, weight.dtype
             ctx.has_bias = bias is not None
             ctx.xq_t = xq_t
         return y
@@ -53,13 +64,14 @@ class _Fp8LinearFn(torch.autograd.Function):
             dy = dy.contiguous()
             dyq, dyq_t = layer._quantize_pair(dy, "grad", ctx.needs_input_grad[1])
             if ctx.needs_input_grad[0]:
-                dx = backends.gemm(dyq, layer._weight_dgrad(ctx.wq), ctx.x_dtype, layer.backend)
+                wq_t = layer._weight_dgrad(ctx.wq) if ctx.wq is not None else layer._quantize_weight_t()
+                dx = backends.gemm(dyq, wq_t, ctx.x_dtype, layer.backend)
             if ctx.needs_input_grad[1]:
                 dw = backends.gemm(dyq_t, ctx.xq_t, ctx.w_dtype, layer.backend)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy.float().sum(0).to(ctx.w_dtype)
         ctx.xq_t = ctx.wq = None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -68,20 +80,24 @@ class Fp8Linear(nn.Linear):
     State dict: the same `weight`/`bias` keys as nn.Linear; delayed recipes add `{input,weight,grad}_amax_history`
     (a plain checkpoint loads into it; use strip_fp8_state() to load its checkpoint into a plain nn.Linear).
     `backend`: auto | emulation | scaled_mm | triton (see backends.py); `quant_backend` goes to fp8comm.quantize.
+    `weight_cache`: "step" keeps the FP8 weight until the weight changes (plain DDP, ZeRO-1/2, Megatron);
+    "gathered" keeps no FP8 copy beyond the GEMM that uses it (ZeRO-3, FSDP: see the module docstring).
     Output dtype is the input's (under autocast, the autocast dtype, like nn.Linear).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe: str | Fp8Recipe = "blockwise", backend: str = "auto", quant_backend: str = "auto"):
+                 recipe: str | Fp8Recipe = "blockwise", backend: str = "auto", quant_backend: str = "auto",
+                 weight_cache: str = "step"):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self._setup(recipe, backend, quant_backend)
+        self._setup(recipe, backend, quant_backend, weight_cache)
 
-    def _setup(self, recipe, backend: str, quant_backend: str) -> None:
+    def _setup(self, recipe, backend: str, quant_backend: str, weight_cache: str = "step") -> None:
         if backend not in backends.BACKENDS:
             raise ValueError(f"unknown GEMM backend {backend!r}; valid: {', '.join(backends.BACKENDS)}")
         self.recipe = get_recipe(recipe)
         self.backend = backend
         self.quant_backend = quant_backend
+        self.weight_cache = weight_cache
         self.telemetry = None  # a telemetry.Telemetry, set by Telemetry.attach
         self.fp8_name = ""
         self.weight_quantizations = 0  # how often the weight was quantized (once per optimizer step)
@@ -95,17 +111,30 @@ class Fp8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, recipe: str | Fp8Recipe = "blockwise", backend: str = "auto",
-                    quant_backend: str = "auto") -> "Fp8Linear":
+                    quant_backend: str = "auto", weight_cache: str = "step") -> "Fp8Linear":
         """An Fp8Linear sharing `lin`'s Parameters (optimizer state and tied weights stay valid)."""
         new = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta",
                   recipe="tensorwise")
         new.weight, new.bias = lin.weight, lin.bias
-        new._setup(recipe, backend, quant_backend)
+        new._setup(recipe, backend, quant_backend, weight_cache)
         new.train(lin.training)
         return new
 
+    @property
+    def weight_cache(self) -> str:
+        return self._weight_cache
+
+    @weight_cache.setter
+    def weight_cache(self, policy: str) -> None:
+        if policy not in WEIGHT_CACHES:
+            raise ValueError(f"unknown weight_cache {policy!r}; valid: {', '.join(WEIGHT_CACHES)} ('gathered' "
+                             "under ZeRO-3 / FSDP, where the full weight exists only while the engine gathers it)")
+        self._weight_cache = policy
+        self._wcache = None
+
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"
+        cache = "" if self.weight_cache == "step" else f", weight_cache={self.weight_cache}"
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}{cache}"
 
     # ------------------------------------------------------------------------------------------ quantization
     def _scale_for(self, role: str) -> torch.Tensor | None:
@@ -159,9 +188,12 @@ class Fp8Linear(nn.Linear):
         return self._quantize(w, "weight"), None
 
     def _weight_fwd(self) -> Fp8Tensor:
-        """The FP8 weight for the forward GEMM, cached until the weight changes (eager mode)."""
+        """The FP8 weight for the forward GEMM, cached until the weight changes (eager mode, weight_cache "step")."""
         w = self.weight
         if torch.compiler.is_compiling():  # traced graphs cannot read the version counter: quantize inline
+            return self._quantize(w.detach(), "weight")
+        if self.weight_cache == "gathered":
+            self.weight_quantizations += 1
             return self._quantize(w.detach(), "weight")
         key = (w._version, w.data_ptr(), w.dtype, w.device, w.shape)
         if self._wcache is None or self._wcache[0] != key:
@@ -183,6 +215,13 @@ class Fp8Linear(nn.Linear):
             self._wcache = (c[0], c[1], wq_t)
         return wq_t
 
+    def _quantize_weight_t(self) -> Fp8Tensor:
+        """W^T [K, N] for dgrad from the weight as it is now (weight_cache "gathered": the engine's re-gather)."""
+        w = self.weight.detach()
+        if self.recipe.weight.transpose_invariant:
+            return backends.transpose(self._quantize(w, "weight", primary=False), contiguous=True)
+        return self._quantize(w.t(), "weight", primary=False)
+
     def invalidate_weight_cache(self) -> None:
         """Force re-quantization of the weight on the next forward (for out-of-band weight changes via .data)."""
         self._wcache = None
@@ -197,7 +236,8 @@ class Fp8Linear(nn.Linear):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        y = _Fp8LinearFn.apply(x2, self.weight, self.bias, self, self._weight_fwd())
+        keep = self.weight_cache == "step" or torch.compiler.is_compiling()
+        y = _Fp8LinearFn.apply(x2, self.weight, self.bias, self, self._weight_fwd(), keep)
         return y.reshape(*lead, self.out_features)
 
     # ---------------------------------------------------------------------------------------------- state dict

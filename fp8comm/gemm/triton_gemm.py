@@ -44,14 +44,15 @@ def _block_scaled_gemm(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
     rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
+    # row offsets in int64, once per tile: rm * stride_am passes 2^31 at 131k tokens x 16k features
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + rk
         mask_k = k < K
-        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_cols + k[:, None] * stride_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:  # mixed e4m3 x e5m2: every FP8 value is exact in fp16 (E5M2 is its top byte): products stay exact
             part = tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
         else:
@@ -59,7 +60,7 @@ def _block_scaled_gemm(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
         sa = tl.load(sa_ptr + (rm // SA_ROWS) * stride_sam + kb * stride_sak, mask=mask_m, other=1.0)
         sb = tl.load(sb_ptr + (rn // SB_ROWS) * stride_sbn + kb * stride_sbk, mask=mask_n, other=1.0)
         acc += part * sa[:, None] * sb[None, :]
-    c = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn.to(tl.int64)[None, :] * stride_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 

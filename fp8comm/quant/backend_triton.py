@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -38,7 +39,8 @@ MAX_GRID_1 = 65535  # CUDA's limit on grid dimension 1
 
 # kernel name -> {id: compiled kernel} of every variant launched on CUDA (launch/device_check.py inspects the PTX)
 LAUNCHED: dict = {}
-_TABLES: dict = {}
+TABLES_MAX = 1024  # chunk-offset tables kept per process (least recently used dropped first)
+_TABLES: OrderedDict = OrderedDict()
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -114,6 +116,8 @@ def _plan(m: int, k: int, br: int, bc: int) -> _Plan:
 
 @lru_cache(maxsize=1024)
 def _plan_cached(m: int, k: int, br: int, bc: int, tile: int, fit_limit: int) -> _Plan:
+    if k >= 1 << 31:  # column indices inside a row are int32 (row and byte offsets are int64)
+        raise ValueError(f"triton backend: rows of {k} elements (>= 2^31) are not supported; split the row")
     if _p2(br) * _p2(bc) <= fit_limit:
         seg, segw = bc, _p2(bc)
         nseg = _cdiv(k, seg)
@@ -181,18 +185,27 @@ def _out_target(out: torch.Tensor):
 
 
 def _tables(layout: ChunkLayout, device: torch.device):
-    """Per-chunk first row (int32, + total), byte offset (int64, + total) and payload bytes (int64), cached."""
-    key = (layout, str(device))
+    """Per-chunk first row (int32, + total), byte offset (int64, + total) and payload bytes (int64), cached (LRU).
+
+    On CUDA a cache miss (every MoE step: its splits change) must not stall the host: the tables are built in
+    pinned memory and copied asynchronously on the current stream (a pageable copy would synchronize). The
+    pinned source stays referenced with the entry; the caching host allocator also keeps it until the copy ran."""
+    key = (layout, device)
     t = _TABLES.get(key)
-    if t is None:
-        n = len(layout.rows)
-        starts = torch.tensor(list(layout.row_starts) + [layout.total_rows], dtype=torch.int32)
-        offs = torch.tensor(list(layout.offsets) + [layout.total_bytes], dtype=torch.int64)
-        pbytes = torch.tensor([layout.payload_bytes(c) for c in range(n)] or [0], dtype=torch.int64)
-        t = tuple(v.to(device) for v in (starts, offs, pbytes))
-        if len(_TABLES) > 256:
-            _TABLES.clear()
-        _TABLES[key] = t
+    if t is not None:
+        _TABLES.move_to_end(key)
+        return t
+    n = len(layout.rows)
+    pin = device.type == "cuda"
+    host = (torch.tensor(list(layout.row_starts) + [layout.total_rows], dtype=torch.int32),
+            torch.tensor(list(layout.offsets) + [layout.total_bytes], dtype=torch.int64),
+            torch.tensor([layout.payload_bytes(c) for c in range(n)] or [0], dtype=torch.int64))
+    if pin:
+        host = tuple(v.pin_memory() for v in host)
+    t = tuple(v.to(device, non_blocking=True) for v in host) if device.type != "cpu" else host
+    _TABLES[key] = t
+    while len(_TABLES) > TABLES_MAX:
+        _TABLES.popitem(last=False)
     return t
 
 

@@ -125,7 +125,11 @@ def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, scaling: Scaling) -> tor
 
 
 def check_scale(scale: torch.Tensor, expected_shape: tuple[int, int], scaling: Scaling) -> torch.Tensor:
-    """Validate a caller-supplied scale tensor (constant/delayed scaling) and return it as fp32 [mb, kb]."""
+    """Validate a caller-supplied scale tensor (constant/delayed scaling) and return it as fp32 [mb, kb].
+
+    Shape and dtype are always checked. Values (finite, > 0, powers of two for pow2/e8m0) are checked for host
+    scales only: reading a device tensor's values would be a host-device sync on every quantize (Fp8Linear's
+    delayed and constant scales live on the device and are finite powers of two by construction)."""
     if not isinstance(scale, torch.Tensor):
         scale = torch.tensor(float(scale), dtype=torch.float32)
     if not scale.is_floating_point():
@@ -138,6 +142,8 @@ def check_scale(scale: torch.Tensor, expected_shape: tuple[int, int], scaling: S
             f"scale tensor has shape {tuple(scale.shape)}, expected {tuple(expected_shape)} for {scaling.describe()} "
             "blocks of this input"
         )
+    if s.device.type != "cpu":
+        return s
     if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
         raise ValueError("scale must be finite and > 0 everywhere")
     if scaling.encoding != "fp32":
@@ -182,9 +188,9 @@ class DelayedScaling:
     def update(self, amax: torch.Tensor) -> None:
         """Push the amax just observed (non-finite amax values are not recorded)."""
         a = amax.detach().float().reshape(-1).max().to(self.history.device)
-        if bool(torch.isfinite(a)):
-            self.history = torch.roll(self.history, 1)
-            self.history[0] = a
+        # no host read of the value (a device sync): a non-finite amax leaves the history as it was
+        pushed = torch.cat([a.reshape(1), self.history[:-1]])
+        self.history = torch.where(torch.isfinite(a), pushed, self.history)
 
     def state_dict(self) -> dict:
         return {"history": self.history.clone(), "history_len": self.history_len, "reduce": self.reduce}

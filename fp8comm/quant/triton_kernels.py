@@ -446,7 +446,8 @@ def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_pt
                     HW: tl.constexpr):
     """code * scale in fp32, stored as out's dtype. MODE 0: codes [M, K] + fp32 scales [MB, KB] (any block shape).
     MODE 1: every chunk of a wire buffer -> out [M, K]. MODE 2: `nchunks` equal chunks (stride chunk_stride bytes,
-    M rows each) summed in chunk order from +0.0 -> fp32 out [M, K]; launch without FMA contraction."""
+    M rows each, payload bytes pbytes[0]) summed in chunk order from +0.0 -> fp32 out [M, K]; launch without FMA
+    contraction. Byte offsets are int64 (a packed buffer passes 2 GiB long before one chunk does)."""
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
     row, seg, col, rmask, mask = _coords(pid0, pid1, M, K, RSTEP, SEG, R, NB, SEGW)
@@ -477,8 +478,8 @@ def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_pt
             pb = base + tl.load(pbytes_ptr)
             n_src = nchunks
         v = tl.full([R, NB, SEGW], 0, tl.float32)  # +0.0, like the reference's out.zero_()
-        for ci in range(0, n_src):
-            cb = base + ci * chunk_stride
+        cb = base  # int64, advanced by chunk_stride per chunk: ci * chunk_stride in int32 wraps past 2 GiB
+        for _ci in range(0, n_src):
             pay = cb + lr * K
             if K16:
                 pay = tl.multiple_of(pay, 16)
@@ -494,6 +495,7 @@ def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_pt
                 v = q
             else:
                 v = v + q
+            cb = cb + chunk_stride
     dst = out_ptr + (row64 * K)[:, None, None] + col
     if OUT_BF16:
         tl.store(dst, _bf16_bits(v), mask=mask)

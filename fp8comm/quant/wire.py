@@ -7,7 +7,7 @@ E8M0 byte, each), both sections 16-byte aligned. Reduce-scatter and all-gather u
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -75,10 +75,17 @@ class ChunkLayout:
 
     def chunk(self, c: int) -> "ChunkLayout":
         """Chunk c alone: its bytes are the same as at offsets[c] here (every chunk is aligned on its own)."""
-        return ChunkLayout((self.rows[c],), self.k, self.scaling)
+        return layout_of((self.rows[c],), self.k, self.scaling)
 
     def with_rows(self, rows) -> "ChunkLayout":
-        return ChunkLayout(tuple(int(r) for r in rows), self.k, self.scaling)
+        return layout_of(tuple(int(r) for r in rows), self.k, self.scaling)
+
+
+@lru_cache(maxsize=4096)
+def layout_of(rows: tuple[int, ...], k: int, scaling: Scaling) -> ChunkLayout:
+    """ChunkLayout(rows, k, scaling), shared per process: steady-state calls repeat their layouts, and a shared
+    one keeps its computed offsets (host time per call matters next to a GPU collective's ~30 us)."""
+    return ChunkLayout(rows, k, scaling)
 
 
 def _backend(name: str, device: torch.device, numel: int):

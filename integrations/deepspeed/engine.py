@@ -99,9 +99,11 @@ def install(ds_config: dict, model: torch.nn.Module | None = None) -> State | No
         from fp8comm.gemm import convert_to_fp8
 
         g = cfg.gemm
+        # ZeRO-3 holds a full weight only while it is gathered: keep no FP8 copy beyond its GEMM (Fp8Linear)
         st.conversion = convert_to_fp8(model, g.recipe, skip_first_blocks=g.skip_first_blocks,
                                        skip_last_blocks=g.skip_last_blocks, min_features=g.min_features,
-                                       backend=g.backend, quant_backend=g.quant_backend)
+                                       backend=g.backend, quant_backend=g.quant_backend,
+                                       weight_cache="gathered" if combo["stage"] == 3 else "step")
     st.summary = _describe(cfg, version, combo, model, st.conversion)
     return st
 
@@ -206,11 +208,12 @@ def _describe(cfg: Fp8CommConfig, version: str, combo: dict, model, conversion) 
     if cfg.gemm.enabled and conversion is not None:
         parts.append(f"GEMMs FP8 {conversion.recipe} ({len(conversion.converted)} linears)")
     if cfg.check is None:
-        from fp8comm.comm.options import default_check
+        from fp8comm.comm.options import default_check_policy
 
-        check = "on" if default_check() else "off (FP8COMM_CHECK=0)"
+        check = {"first": "on the first calls per group", "always": "on every call (FP8COMM_CHECK=always)",
+                 "never": "off (FP8COMM_CHECK=never)"}[default_check_policy()]
     else:
-        check = "on" if cfg.check else "off"
+        check = "on every call" if cfg.check else "off"
     return head + ": " + ("; ".join(parts) or "nothing enabled") + f"; metadata check {check}"
 
 

@@ -60,7 +60,7 @@ def _grad_reduce(state, orig):
         if self.sequence_parallel_size > 1:  # DeepSpeed reduces in fp32 then (allreduce_bucket)
             comm_dtype = torch.float32
         n_total = sum(t.numel() for _, t, _ in owned)
-        itemsize = torch.empty((), dtype=comm_dtype).element_size()
+        itemsize = comm_dtype.itemsize
         # DeepSpeed's own path all-reduces the whole bucket: a ring moves 2 (world-1)/world of it per rank.
         baseline = 2 * (world - 1) * n_total * itemsize // world
         state.acct.hit("zero12.grad_reduce")

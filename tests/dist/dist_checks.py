@@ -12,9 +12,13 @@ import time
 import torch
 import torch.distributed as dist
 
-import fp8comm.comm as fc
+import fp8comm.comm as _fc
+from on_device import comm_under_test
 from fp8comm.quant import Scaling, get_format, quantize, scale_from_amax
 from fp8comm.quant.reference import block_amax
+
+
+fc = comm_under_test(_fc)  # the module, or FP8COMM_TEST_DEVICE's proxy (device copies in, host results out)
 
 
 class Ctx:
@@ -290,6 +294,27 @@ def check_error_feedback(ctx: Ctx) -> None:
     gain_ef, gain_sr = res["error_feedback"][1] - res["nearest"][1], res["stochastic"][1] - res["nearest"][1]
     assert gain_ef > 12, f"error feedback improved the {T}-step mean by only {gain_ef:.1f} dB"
     assert gain_sr > 3, f"stochastic rounding improved the {T}-step mean by only {gain_sr:.1f} dB"
+    # bf16 residuals (half the memory) keep most of the gain
+    ef16 = fc.ErrorFeedback(torch.bfloat16)
+    mean = torch.zeros(true.numel(), dtype=torch.float64)
+    for _ in range(T):
+        mean += fc.reduce_scatter(g, error_feedback=ef16).double() / T
+    db16 = global_sqnr(*sqnr_db(mean, true))
+    ctx.info[f"error_feedback_bf16_sqnr_mean{T}_dB"] = round(db16, 2)
+    assert ef16.residual.dtype == torch.bfloat16 and db16 - res["nearest"][1] > 10, db16
+    # all_to_all (the ZeRO-1/2 gradient path) with error feedback: the same convergence of the mean
+    tok = randn((W * 8, 256), 710 + r)
+    want = torch.cat([t.view(W, 8, 256)[r] for t in gather(tok)])  # what rank r receives, exactly
+    out = {}
+    for name, ef in (("nearest", None), ("error_feedback", fc.ErrorFeedback())):
+        mean = torch.zeros_like(want, dtype=torch.float64)
+        for _ in range(T):
+            mean += fc.all_to_all(tok, error_feedback=ef).double() / T
+        out[name] = global_sqnr(*sqnr_db(mean, want))
+    ctx.info.update({f"a2a_{k}_sqnr_mean{T}_dB": round(v, 2) for k, v in out.items()})
+    assert out["error_feedback"] - out["nearest"] > 12, out
+    expect_error(lambda: fc.all_to_all(tok, wire="bf16", error_feedback=fc.ErrorFeedback()), fc.Fp8CommError,
+                 "error_feedback")
 
 
 # ------------------------------------------------------------------------------------------------- SQNR
@@ -312,7 +337,7 @@ def check_stats(ctx: Ctx) -> None:
     r, W = ctx.rank, ctx.world
     fc.reset_comm_stats()
     x = randn((1000,), 900 + r, torch.bfloat16)
-    fc.all_gather(x)
+    fc.all_gather(x, check=True)
     cb = 1008 + 32  # payload 1000 -> 1008 (16-byte aligned), 8 fp32 scales = 32 bytes
     s = fc.comm_stats()["all_gather"]
     assert (s["calls"], s["wire_bytes"], s["dtype_bytes"]) == (1, (W - 1) * cb, (W - 1) * 2000), s
@@ -346,9 +371,25 @@ def expect_error(fn, exc, *fragments) -> tuple[str, float]:
     raise AssertionError(f"no {exc.__name__} raised")
 
 
+class _Checked:
+    """fp8comm.comm with check=True on every call (the collectives it forwards; everything else as is)."""
+
+    def __getattr__(self, name):
+        f = getattr(_fc_under_test, name)
+        if name in ("all_gather", "all_gather_into", "reduce_scatter", "reduce_scatter_into", "all_reduce",
+                    "all_reduce_into", "all_to_all"):
+            return lambda *a, **k: f(*a, **{"check": True, **k})
+        return f
+
+
+_fc_under_test = fc
+
+
 def check_mismatch(ctx: Ctx) -> None:
-    """Ranks that disagree get the same clear error on every rank within seconds, not a hang."""
+    """Ranks that disagree get the same clear error on every rank within seconds, not a hang (check=True: every
+    call checked, the debugging mode; check_check_policy covers the default, which checks the first calls)."""
     r, W = ctx.rank, ctx.world
+    fc = _Checked()
     times = {}
     _, times["numel"] = expect_error(lambda: fc.all_gather(torch.randn(64 + r)), fc.CommMismatchError,
                                      "numel per rank", str([64 + i for i in range(W)]))
@@ -402,8 +443,76 @@ def check_mismatch(ctx: Ctx) -> None:
     assert torch.equal(out[r * 40:(r + 1) * 40], qdq(x.view(1, -1), "e4m3", "fp32").view(-1))
 
 
+def check_check_policy(ctx: Ctx) -> None:
+    """Default options: the metadata check runs on the first calls of each op per group only, so steady-state calls
+    add no collective (and no host sync on GPU); a mismatch in a first call still raises on every rank."""
+    import os
+
+    from fp8comm.comm import checks
+
+    FIRST_CALLS = getattr(checks, "FIRST_CALLS", 3)  # (getattr: this check also runs against fp8comm 0.1)
+    r, W = ctx.rank, ctx.world
+    assert os.environ.get("FP8COMM_CHECK") is None, "this check measures the library default"
+    g = dist.new_group(list(range(W)), backend="gloo")  # a fresh group: no calls made on it yet
+    # a first-call mismatch on the fresh group: the same clear error on every rank
+    expect_error(lambda: fc.all_gather(torch.randn(64 + r), group=g), fc.CommMismatchError, "numel per rank")
+    fc.reset_comm_stats()
+    x, t = randn((W * 256,), 1500 + r), randn((W * 3, 256), 1510 + r, torch.bfloat16)
+    ins = [1 + j for j in range(W)]
+    outs = [1 + r] * W
+    tt = randn((sum(ins), 256), 1520 + r, torch.bfloat16)
+    calls = {
+        "all_gather": [lambda: fc.all_gather(x, group=g), lambda: fc.all_gather_into(torch.empty(W * x.numel()), x,
+                                                                                      group=g, async_op=True).wait()],
+        "reduce_scatter": [lambda: fc.reduce_scatter(x, group=g),
+                           lambda: fc.reduce_scatter(x, group=g, async_op=True).wait()],
+        "all_reduce": [lambda: fc.all_reduce(x, group=g), lambda: fc.all_reduce_into(x.clone(), x, group=g)],
+        "all_to_all": [lambda: fc.all_to_all(t, group=g), lambda: fc.all_to_all(tt, outs, ins, group=g)],
+    }
+    growth = {}
+    for op, fns in calls.items():
+        seen = []
+        for i in range(6):
+            for fn in fns:
+                fn()
+                seen.append(fc.comm_stats().get(op, {}).get("check_bytes", 0))
+        # the first call above was already this group's first all_gather (the mismatch): one fewer checked there
+        first = FIRST_CALLS - (1 if op == "all_gather" else 0)
+        growth[op] = seen
+        assert all(seen[i] > seen[i - 1] for i in range(1, first)) and seen[0] > 0, (op, seen)
+        assert len(set(seen[first - 1:])) == 1, f"{op}: check bytes still growing after {first} calls: {seen}"
+    ctx.info["check_bytes_per_call"] = growth
+    # explicit modes: check=True checks every call, check=False none
+    before = fc.comm_stats()["reduce_scatter"]["check_bytes"]
+    fc.reduce_scatter(x, group=g, check=True)
+    fc.reduce_scatter(x, group=g, check="always")
+    mid = fc.comm_stats()["reduce_scatter"]["check_bytes"]
+    fc.reduce_scatter(x, group=g, check=False)
+    assert mid == before + 2 * (16 + 2 * W) * 8 * (W - 1) and fc.comm_stats()["reduce_scatter"]["check_bytes"] == mid
+    expect_error(lambda: fc.reduce_scatter(x, group=g, check="sometimes"), fc.Fp8CommError, "check")
+    dist.destroy_process_group(g)
+
+
+def check_is_completed(ctx: Ctx) -> None:
+    """An async handle says is_completed() only once its output is valid (decoded), without wait() being called."""
+    r, W = ctx.rank, ctx.world
+    x = randn((4000,), 1600 + r)
+    for name, start, want in (
+            ("all_gather_into", lambda o: fc.all_gather_into(o, x, async_op=True), fc.all_gather(x)),
+            ("reduce_scatter_into", lambda o: fc.reduce_scatter_into(o, x, async_op=True), fc.reduce_scatter(x))):
+        out = torch.full_like(want, float("nan"))
+        h = start(out)
+        deadline = time.monotonic() + 30
+        while not h.is_completed():
+            assert time.monotonic() < deadline, f"{name}: never completed"
+            time.sleep(0.001)
+        assert torch.equal(out, want), f"{name}: is_completed() before the output was written"
+        assert h.wait() is out
+
+
 CHECKS_GRAD = [check_all_gather, check_reduce_scatter, check_rs_magnitudes, check_nonfinite, check_all_reduce,
-               check_async, check_error_feedback, check_sqnr, check_stats, check_mismatch]
+               check_async, check_error_feedback, check_sqnr, check_stats, check_mismatch, check_check_policy,
+               check_is_completed]
 
 from dist_checks_more import CHECKS_MORE  # noqa: E402  (MoE, subgroups, hierarchical)
 

@@ -47,14 +47,20 @@ def run_checks(dist_checks, rank: int, world: int, out, names: list[str] | None)
 
 
 def join(rank: int, world: int, port: int, outdir: str, store_timeout_s: float, pg_timeout_s: float):
-    """Join the parent's gloo group as `rank` (1 thread: W ranks share 2 cores); returns this rank's result file."""
+    """Join the parent's group as `rank` (1 thread: W ranks share 2 cores); returns this rank's result file.
+
+    The backend is gloo, or FP8COMM_TEST_BACKEND=staged (staged_pg.py: gloo on host copies of device tensors, so
+    several ranks can share one GPU)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    backend = os.environ.get("FP8COMM_TEST_BACKEND", "gloo")
+    if backend == "staged":
+        import staged_pg  # noqa: F401 - registers the backend
     out = open(Path(outdir) / f"rank{rank}.jsonl", "w", buffering=1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=store_timeout_s))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
     return out
 

@@ -10,10 +10,14 @@ import dist_harness
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_collectives(world, tmp_path):
-    # 4 ranks are laid out as 2 "nodes" x 2 for the hierarchical checks.
+@pytest.mark.parametrize("world,backend", [(2, "gloo"), (3, "gloo"), (4, "gloo"), (4, "staged")])
+def test_collectives(world, backend, tmp_path):
+    # 4 ranks are laid out as 2 "nodes" x 2 for the hierarchical checks. "staged": the same checks through the
+    # staged backend and the device proxy (on CPU copies here; on a GPU, launch/gpu_ready_check.py runs them with
+    # CUDA tensors: several ranks on one GPU), which is how those two test tools are themselves tested.
     env = {"LOCAL_WORLD_SIZE": "2"} if world == 4 else {}
+    if backend == "staged":
+        env.update(FP8COMM_TEST_BACKEND="staged", FP8COMM_TEST_PROXY="1")
     run = dist_harness.launch(world, tmp_path, env=env, timeout=240)
     for r, recs in run["results"].items():
         for x in recs:

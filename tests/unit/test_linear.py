@@ -276,3 +276,55 @@ def test_transposed_weight_comes_with_weight_and_follows_updates():
     layer(torch.randn(4, 64, requires_grad=True)).sum().backward()
     assert layer.weight_quantizations == 2
     assert torch.equal(layer._wcache[2].data.view(torch.uint8), layer._wcache[1].data.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise", "rowwise", "mxfp8", "delayed"])
+def test_weight_cache_gathered_matches_step_and_keeps_no_copy(recipe):
+    """weight_cache="gathered" (ZeRO-3 / FSDP) gives the same bits as caching, keeps no FP8 weight alive between
+    forward and backward, and its backward quantizes the weight as the engine holds it then (re-gathered)."""
+    import gc
+
+    from fp8comm.quant import Fp8Tensor
+
+    x, w, dy = _data((40,), 96, 48, torch.float32, seed=3)  # 40 tokens: no activation is shaped like W [48, 96]
+
+    def step(policy, release=False):
+        lin = Fp8Linear(96, 48, recipe=recipe, weight_cache=policy)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(torch.linspace(-1, 1, 48))
+        xi = x.clone().requires_grad_()
+
+        def census():
+            gc.collect()
+            return sum(1 for o in gc.get_objects() if isinstance(o, Fp8Tensor) and o.data.shape in ((48, 96), (96, 48)))
+
+        before = census()
+        y = lin(xi)
+        live = census() - before
+        if release:  # what ZeRO-3 does between forward and backward: the full weight is gone, then re-gathered
+            full = lin.weight.data
+            lin.weight.data = torch.empty(0)
+            lin.weight.data = full
+        y.backward(dy)
+        return y, xi.grad, lin.weight.grad, live
+
+    ys, dxs, dws, live_step = step("step")
+    yg, dxg, dwg, live_gathered = step("gathered", release=True)
+    for a, b in ((ys, yg), (dxs, dxg), (dws, dwg)):
+        assert torch.equal(a, b)
+    assert live_step >= 1 and live_gathered == 0, (live_step, live_gathered)
+
+
+def test_weight_cache_policy_validation_and_convert():
+    from fp8comm.gemm import convert_to_fp8, set_weight_cache
+
+    with pytest.raises(ValueError, match="weight_cache"):
+        Fp8Linear(32, 32, weight_cache="never")
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="weight_cache"):
+        convert_to_fp8(model, "blockwise", weight_cache="bogus")
+    convert_to_fp8(model, "blockwise", weight_cache="gathered")
+    assert {m.weight_cache for m in model.modules() if isinstance(m, Fp8Linear)} == {"gathered"}
+    assert "weight_cache=gathered" in repr(model[0])
+    assert set_weight_cache(model, "step") == 2 and model[2].weight_cache == "step"

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -284,6 +285,83 @@ def _gemm(stage, **zero):
     return check
 
 
+def _fp8_weight_census(layers, wshapes) -> tuple[int, int]:
+    """(live FP8 copies of Fp8Linear weights anywhere in the process, Fp8Linear weights DeepSpeed holds gathered).
+
+    Copies are found by a scan of every live object (caches, autograd contexts, anything): Fp8Tensors shaped like a
+    weight or its transpose. The batch's token count is chosen so no activation has such a shape."""
+    import gc
+
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from fp8comm.quant import Fp8Tensor
+
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on every object touches deprecated torch module attributes
+        warnings.simplefilter("ignore")
+        copies = sum(1 for o in gc.get_objects() if isinstance(o, Fp8Tensor) and tuple(o.data.shape) in wshapes)
+    gathered = sum(1 for m in layers if m.weight.ds_status == ZeroParamStatus.AVAILABLE)
+    return copies, gathered
+
+
+def _zero3_gemm_run(policy: str | None, steps: int = 3) -> dict:
+    """ZeRO-3 + FP8 GEMMs with no reuse window, prefetch or resident parameters: DeepSpeed holds one layer
+    gathered at a time. Census of FP8 weight copies after each forward, inside each layer's backward, after each
+    step; policy None keeps what the integration chose, else every Fp8Linear is set to it."""
+    from fp8comm.gemm import Fp8Linear
+
+    zero = dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0, stage3_param_persistence_threshold=0)
+    eng, _ = T.build(T.ds_config(3, "bf16", {"gemm": {"recipe": "blockwise"}}, **zero))
+    layers = [m for m in eng.module.modules() if isinstance(m, Fp8Linear)]
+    chosen = {getattr(m, "weight_cache", "step") for m in layers}  # (fp8comm before 0.2 always cached)
+    if policy is not None:
+        from fp8comm.gemm import set_weight_cache
+
+        set_weight_cache(eng.module, policy)
+    wshapes = {tuple(m.weight.ds_shape) for m in layers}
+    wshapes |= {s[::-1] for s in wshapes}
+    bs = 5  # 5 x 32 = 160 tokens: no activation or gradient operand is shaped like a weight (64, 192, 256 dims)
+    assert all(bs * T.BLOCK not in s for s in wshapes), wshapes
+    samples = {"after_forward": [], "in_backward": [], "after_step": []}
+    hooks = [m.register_full_backward_hook(lambda *_: samples["in_backward"].append(
+        _fp8_weight_census(layers, wshapes))) for m in layers]
+    losses = []
+    for step in range(steps):
+        x, y = T.batch(step, dist.get_rank(), bs)
+        _, loss = eng(x, y)
+        samples["after_forward"].append(_fp8_weight_census(layers, wshapes))
+        eng.backward(loss)
+        eng.step()
+        samples["after_step"].append(_fp8_weight_census(layers, wshapes))
+        losses.append(loss.item())
+    for h in hooks:
+        h.remove()
+    out = {"losses": losses, "layers": len(layers), "chosen": sorted(chosen), "samples": samples,
+           "worst": {k: max(c - 2 * g for c, g in v) for k, v in samples.items()}}
+    T.destroy(eng)
+    fd.uninstall()
+    return out
+
+
+def zero3_gemm_memory(info):
+    """ZeRO-3's memory promise with FP8 GEMMs on: FP8 copies of a weight (W, and W^T for dgrad) live only while
+    DeepSpeed holds that weight gathered, never for the whole model between forward and backward or across a step;
+    and the loss is bit for bit what caching the FP8 weights gives."""
+    lean = _zero3_gemm_run(None)
+    info["samples"] = lean["samples"]
+    assert all(v <= 0 for v in lean["worst"].values()), \
+        f"FP8 weight copies beyond 2 per gathered layer (census (copies, gathered layers)): {lean['samples']}"
+    cached = _zero3_gemm_run("step")
+    info.update(layers=lean["layers"], chosen=lean["chosen"], worst_excess=lean["worst"],
+                cached_worst_excess=cached["worst"], losses=lean["losses"],
+                cached_after_forward=cached["samples"]["after_forward"][-1])
+    assert all(v <= 0 for v in lean["worst"].values()), \
+        f"FP8 weight copies beyond 2 per gathered layer: {lean['samples']}"
+    assert lean["chosen"] == ["gathered"], f"the integration left weight_cache at {lean['chosen']} under ZeRO-3"
+    # the census can fail: caching keeps every layer's W and W^T alive after the forward
+    assert cached["worst"]["after_forward"] > 0, cached["samples"]
+    assert lean["losses"] == cached["losses"], (lean["losses"], cached["losses"])
+
+
 # ---------------------------------------------------------------------------------------------- scenario: moe
 def _moe(fp8_extra: dict, name: str):
     def check(info):
@@ -318,7 +396,7 @@ SCENARIOS = {
              _zero(3, "bf16", 1, zero_hpz_partition_size=2), zero3_bf16_measure_mode, zero3_bf16_qgz,
              _gemm(3), _gemm(2, reduce_bucket_size=SMALL_BUCKET)],
     "safety": [_inf(2, "bf16"), _inf(3, "bf16"), _inf(1, "fp32"), _checkpoint(3, "bf16", {"gemm": False}),
-               _checkpoint(2, "bf16", {"gemm": {"recipe": "blockwise"}})],
+               _checkpoint(2, "bf16", {"gemm": {"recipe": "blockwise"}}), zero3_gemm_memory],
     "moe": [_moe({}, "moe_ep2_dispatch_fp8"), _moe({"combine": "fp8", "grad": "fp8"}, "moe_ep2_all_fp8")],
 }
 

@@ -1,0 +1,212 @@
+"""enable(model, **options) installs the FP8 comm hooks on every FSDP2 module; disable(model) puts FSDP2's back.
+
+Everything is validated first (options, every module, every param group); only then are hooks installed, so a
+refused model is left exactly as it was. Fp8Linear layers inside the model get weight_cache="gathered": under
+FSDP2 the (version, data_ptr) key of a cached FP8 weight can repeat after an optimizer step (stale weights).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from . import hooks, layout
+from .config import Fp8Fsdp2Error, Fsdp2Config, parse
+
+_ATTR = "_fp8comm_fsdp2"  # where an enabled model keeps what disable() needs
+
+
+@dataclass
+class ModuleEntry:
+    """One FSDP2 module: what it shards and what enable() installed on it."""
+
+    name: str
+    params: int
+    numel: int
+    mesh: str
+    weights: str
+    gradients: str
+    wire_padding: int = 0  # elements per rank added so every parameter starts a whole block (0 when unaligned)
+    shard_numel: int = 0  # elements of this rank's flat shard (FSDP2's own padding included)
+    notes: list = field(default_factory=list)
+
+
+@dataclass
+class Fsdp2Report:
+    """What enable() did, per FSDP2 module, in the style of convert_to_fp8's report."""
+
+    config: Fsdp2Config
+    modules: list = field(default_factory=list)
+    fp8_linears: int = 0
+    weight_cache: str = ""
+    unmanaged: list = field(default_factory=list)  # parameters no FSDP2 module manages (no hook can see them)
+
+    @property
+    def installed(self) -> list[str]:
+        return [m.name for m in self.modules if "fp8" in (m.weights + m.gradients)]
+
+    def __str__(self) -> str:
+        c = self.config
+        lines = [f"fp8comm FSDP2: {len(self.installed)} of {len(self.modules)} FSDP2 modules with FP8 hooks; "
+                 f"weights {c.weights.describe()}; gradients {c.gradients.describe()}; metadata check "
+                 f"{ {None: 'library default', True: 'every call', False: 'off'}[c.check] }; parameters "
+                 f"{'start whole blocks' if c.align_blocks else 'packed (blocks may straddle parameters)'}"]
+        w = max([len(m.name) for m in self.modules] + [8])
+        for m in self.modules:
+            pad = f", wire padding {m.wire_padding}/{m.shard_numel} el" if m.shard_numel else ""
+            lines.append(f"  {m.name:<{w}}  {m.params} params, {m.numel} el, {m.mesh}: weights {m.weights}, "
+                         f"gradients {m.gradients}{pad}")
+            lines += [f"  {'':<{w}}    note: {n}" for n in m.notes]
+        if self.fp8_linears:
+            lines.append(f"  Fp8Linear layers: {self.fp8_linears}, weight cache {self.weight_cache}")
+        if self.unmanaged:
+            lines.append(f"  not managed by FSDP2 (no hook sees them): {', '.join(self.unmanaged)}")
+        return "\n".join(lines)
+
+
+def _fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    except ImportError:  # pragma: no cover - every supported torch has it
+        FSDP1 = ()
+    found = []
+    for name, m in model.named_modules():
+        if FSDP1 and isinstance(m, FSDP1):
+            raise Fp8Fsdp2Error(f"module {name or '<root>'} is wrapped by FullyShardedDataParallel (FSDP1); "
+                                "fp8comm.integrations.fsdp2 supports FSDP2's fully_shard only")
+        if isinstance(m, FSDPModule):
+            found.append((name or "<root>", m))
+    if not found:
+        raise Fp8Fsdp2Error(f"{type(model).__name__} has no module sharded by FSDP2: call "
+                            "torch.distributed.fsdp.fully_shard on its blocks and on the root first, then enable()")
+    return found
+
+
+def _param_group(name: str, module) -> object | None:
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) > 1:
+        raise Fp8Fsdp2Error(f"FSDP2 module {name} has {len(groups)} param groups (per-parameter meshes from "
+                            "shard_placement_fn); FSDP2's comm hooks take one hook per module, so fp8comm cannot "
+                            "install a hook there. Shard such parameters in a separate fully_shard call")
+    return groups[0] if groups else None
+
+
+def _mesh(pg) -> tuple[str, list[str]]:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    mi = pg.mesh_info
+    if not isinstance(mi, FSDPMeshInfo):
+        return "", []
+    if isinstance(mi, HSDPMeshInfo):
+        mp = pg.mp_policy
+        rdt = str(mp.reduce_dtype or mp.param_dtype or "the parameter dtype").replace("torch.", "")
+        note = (f"HSDP: the FP8 reduce-scatter runs over the shard group ({mi.shard_mesh_size} ranks); FSDP2's "
+                f"all-reduce over the replicate group ({mi.replicate_mesh_size} ranks) stays in {rdt} (FSDP2 has "
+                "no hook for it)")
+        return f"HSDP shard {mi.shard_mesh_size} x replicate {mi.replicate_mesh_size}", [note]
+    return f"shard {mi.shard_mesh_size}", []
+
+
+def _gathered_dtype(orig, param_dtype):
+    """The dtype FSDP2 all-gathers a parameter in (its MixedPrecisionPolicy rule)."""
+    return param_dtype if param_dtype is not None and orig.is_floating_point else orig
+
+
+def _entry(name: str, pg, cfg: Fsdp2Config) -> ModuleEntry:
+    """The report line of one FSDP2 module; raises for a module whose mesh has nothing to shard."""
+    if pg is None:
+        return ModuleEntry(name, 0, 0, "-", "none (no parameters of its own)", "none")
+    mesh, notes = _mesh(pg)
+    if not mesh:
+        raise Fp8Fsdp2Error(f"FSDP2 module {name} is replicated, not sharded ({type(pg.mesh_info).__name__}): "
+                            "there is no all-gather or reduce-scatter to replace")
+    fps = pg.fsdp_params
+    dtypes = {_gathered_dtype(fp.sharded_param.dtype, pg.mp_policy.param_dtype) for fp in fps}
+    if len(dtypes) > 1 and cfg.weights.enabled:
+        notes.append(f"mixed parameter dtypes {sorted(map(str, dtypes))}: FSDP2 all-gathers raw bytes (uint8), "
+                     "which pass through untouched (hook_stats()['weights']['passthrough'])")
+    sizes = [fp.padded_sharded_param_size.numel() for fp in fps]
+    block = (cfg.weights if cfg.weights.enabled else cfg.gradients).block_size
+    _, wn = layout.spans(sizes, block, cfg.align_blocks)
+    entry = ModuleEntry(name, len(fps), sum(fp.sharded_param.numel() for fp in fps), mesh,
+                        "fp8" if cfg.weights.enabled else "FSDP2's own",
+                        "fp8" if cfg.gradients.enabled else "FSDP2's own", wn - sum(sizes), sum(sizes), notes)
+    if pg.mesh_info.shard_mesh_size == 1:
+        entry.notes.append("shard group of 1 rank: FSDP2 calls no collective, so the hooks never run")
+    return entry
+
+
+def enable(model: nn.Module, **options) -> Fsdp2Report:
+    """Install FP8 all-gather / reduce-scatter hooks on every FSDP2 module of `model` (already fully_shard-ed).
+
+    Options (see config.py / docs/fsdp2.md): weights, gradients (True/False or a dict), check, align_blocks.
+    Returns an Fsdp2Report; raises Fp8Fsdp2Error, changing nothing, for anything it cannot honour."""
+    cfg = parse(**options)
+    if getattr(model, _ATTR, None) is not None:
+        raise Fp8Fsdp2Error("fp8comm FSDP2 hooks are already enabled on this model; call disable(model) first")
+    mods = _fsdp_modules(model)
+    plan = []
+    for name, m in mods:
+        pg = _param_group(name, m)
+        if pg is not None and (hooks.is_ours(pg._all_gather_comm) or hooks.is_ours(pg._reduce_scatter_comm)):
+            raise Fp8Fsdp2Error(f"FSDP2 module {name} already carries fp8comm hooks (enabled through another "
+                                "model object?); call disable() on that model first")
+        plan.append((name, m, pg, _entry(name, pg, cfg)))
+    report = Fsdp2Report(cfg, [e for *_, e in plan])
+    report.unmanaged = _unmanaged(model, [pg for _, _, pg, _ in plan if pg is not None])
+    installed = []
+    for name, m, pg, _ in plan:
+        if pg is None:
+            continue
+        installed.append((m, pg._all_gather_comm, pg._reduce_scatter_comm))
+        if cfg.weights.enabled:
+            m.set_custom_all_gather(hooks.Fp8AllGather(pg, cfg.weights, cfg.check, cfg.align_blocks))
+        if cfg.gradients.enabled:
+            m.set_custom_reduce_scatter(hooks.Fp8ReduceScatter(pg, cfg.gradients, cfg.check, cfg.align_blocks))
+    report.fp8_linears, report.weight_cache = _gathered_weight_cache(model)
+    object.__setattr__(model, _ATTR, (cfg, installed, report))
+    return report
+
+
+def disable(model: nn.Module) -> bool:
+    """Restore the comm objects FSDP2 had before enable() (its own collectives); False if nothing was enabled.
+
+    Fp8Linear layers keep weight_cache="gathered": FSDP2 itself needs it (see the module docstring)."""
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        return False
+    for m, ag, rs in state[1]:
+        m.set_custom_all_gather(ag)
+        m.set_custom_reduce_scatter(rs)
+    object.__delattr__(model, _ATTR)
+    return True
+
+
+def is_enabled(model: nn.Module) -> bool:
+    return getattr(model, _ATTR, None) is not None
+
+
+def report(model: nn.Module) -> Fsdp2Report | None:
+    """The report of the enable() call now in force on `model` (None when not enabled)."""
+    state = getattr(model, _ATTR, None)
+    return None if state is None else state[2]
+
+
+def _unmanaged(model: nn.Module, groups: list) -> list[str]:
+    managed = set()
+    for pg in groups:
+        for fp in pg.fsdp_params:
+            managed.add(id(fp.sharded_param))
+            if hasattr(fp, "_unsharded_param"):
+                managed.add(id(fp._unsharded_param))
+    return [n for n, p in model.named_parameters() if id(p) not in managed]
+
+
+def _gathered_weight_cache(model: nn.Module) -> tuple[int, str]:
+    """Make a stale FP8 weight impossible in every Fp8Linear of `model`: (count, description)."""
+    import fp8comm.gemm as fg
+
+    n = fg.set_weight_cache(model, "gathered")
+    return n, "'gathered' (quantized from the gathered weight in forward, again from the re-gather in backward)"
