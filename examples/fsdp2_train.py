@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig  # noqa: E402
+from fp8comm.tools.gpt import GPT, GPTConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:

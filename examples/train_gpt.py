@@ -22,11 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig  # noqa: E402
-
-import fp8comm.gemm as fg  # noqa: E402
-
+import fp8comm.gemm as fg
+from fp8comm.tools.gpt import GPT, GPTConfig
 
 
 @dataclass(frozen=True)

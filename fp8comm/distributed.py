@@ -78,7 +78,7 @@ def _int(env, name: str, who: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ torchrun
-def _torchrun_env(env) -> dict:
+def torchrun_env(env) -> dict:
     miss = _missing(env, TORCHRUN_VARS)
     if miss:
         raise DistEnvError(f"torchrun-style environment incomplete: missing {', '.join(miss)} "
@@ -133,7 +133,7 @@ def node_addr(host: str) -> str:
     return host
 
 
-def _slurm_env(env) -> dict:
+def slurm_env(env) -> dict:
     miss = _missing(env, SLURM_VARS)
     if miss:
         raise DistEnvError(f"Slurm environment incomplete: missing {', '.join(miss)} (run the ranks with srun)")
@@ -156,7 +156,7 @@ def _slurm_env(env) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- MPI
-def _mpi_env(env) -> dict:
+def mpi_env(env) -> dict:
     if env.get("OMPI_COMM_WORLD_RANK"):
         names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
         local_names = ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -248,7 +248,7 @@ def init_distributed(backend: str | None = None, launcher: str | None = None, ti
         launcher = detect_launcher(env)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(seconds=float(timeout_s or env.get("FP8COMM_PG_TIMEOUT", 600)))
-    info = {"torchrun": _torchrun_env, "mpi": _mpi_env, "slurm": _slurm_env}[launcher](env)
+    info = {"torchrun": torchrun_env, "mpi": mpi_env, "slurm": slurm_env}[launcher](env)
     if dist.is_initialized():
         if dist.get_world_size() != info["world"]:
             raise DistEnvError(f"torch.distributed already initialised with world size {dist.get_world_size()}, "

@@ -6,7 +6,7 @@
                                             ends are rate-limited with tc tbf (a full-duplex NIC of that rate)
   cluster.py run [--nodes K] -- PROG ARGS   one torchrun per node (c10d rendezvous on node 0), waits, prefixed output
   cluster.py slurm SCRIPT [ARGS]            starts munged + slurmctld + one slurmd per node (once), sbatch --wait
-  cluster.py bench [...]                    the scaling benchmark (fp8comm.bench.scaling) over 1..N nodes
+  cluster.py bench [...]                    the scaling benchmark (fp8comm.tools.bench.scaling) over 1..N nodes
   cluster.py down                           kills everything started in the namespaces, removes them and the state
 
 State (namespaces, daemon and job process groups) lives in $FP8COMM_CLUSTER_DIR/<name>/state.json (default
@@ -535,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--timeout", type=float, default=600)
     s.add_argument("script")
     s.add_argument("args", nargs=argparse.REMAINDER)
-    b = sub.add_parser("bench", help="scaling benchmark across 1..N nodes (fp8comm.bench.scaling)")
-    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for fp8comm.bench.scaling drive")
+    b = sub.add_parser("bench", help="scaling benchmark across 1..N nodes (fp8comm.tools.bench.scaling)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for fp8comm.tools.bench.scaling drive")
     e = sub.add_parser("elastic", help="train, kill one rank, show torchrun's restart resuming from the checkpoint")
     e.add_argument("--steps", type=int, default=24)
     e.add_argument("--kill-at", type=int, default=8, help="kill once a checkpoint at this step exists")
@@ -579,10 +579,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if ok else 1
         elif a.cmd == "bench":
             sys.path.insert(0, str(REPO))
-            from fp8comm.bench import scaling
+            from fp8comm.tools.bench import scaling
 
             _install_signal_handlers(c)
-            return scaling.drive(c, tail[1:] if tail[:1] == ["--"] else tail)
+            return scaling.drive(c, tail[1:] if tail[:1] == ["--"] else tail, REPO / "launch" / "train_demo.py")
     except ClusterError as e:
         print(f"cluster.py: {e}", file=sys.stderr)
         return 2

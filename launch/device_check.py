@@ -332,7 +332,7 @@ def time_fn(ctx: Ctx, fn: Callable[[], object], graph: bool = False) -> float:
             fn()
         run = g.replay
         run()
-    from fp8comm.bench.gemm import bench
+    from fp8comm.tools.bench.gemm import bench
 
     return bench(run, ctx.reps, 0, ctx.device)
 

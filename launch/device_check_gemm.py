@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp8comm.bench.gemm import LAYOUTS, bench, operands  # noqa: E402
+from fp8comm.tools.bench.gemm import LAYOUTS, bench, operands  # noqa: E402
 from fp8comm.gemm import Fp8Linear, RECIPES, backends, telemetry  # noqa: E402
 from fp8comm.quant import dequantize  # noqa: E402
 

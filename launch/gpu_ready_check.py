@@ -355,7 +355,7 @@ def examples(a) -> dict:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--no-index", "-e", str(ROOT)], check=False, timeout=300)
     runs = {
-        "demo": [sys.executable, "-m", "fp8comm.cli", "demo", "--device", "cuda", "--ranks", "1", "--steps", "60",
+        "demo": [sys.executable, "-m", "fp8comm.tools.cli", "demo", "--device", "cuda", "--ranks", "1", "--steps", "60",
                  "--out", "/tmp/fp8comm_gpu_demo"],
         "train_gpt": [sys.executable, "examples/train_gpt.py", "--device", "cuda", "--recipes",
                       "bf16,fp8_amax,tensorwise,blockwise", "--seeds", "0", "--steps", "200", "--out",

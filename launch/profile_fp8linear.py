@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp8comm.bench.gemm import bench  # noqa: E402
+from fp8comm.tools.bench.gemm import bench  # noqa: E402
 from fp8comm.gemm import Fp8Linear, backends, get_recipe  # noqa: E402
 from fp8comm.quant import quantize  # noqa: E402
 
@@ -43,7 +43,7 @@ def sweep_tiles(x: torch.Tensor, dev: torch.device, reps: int) -> None:
 
 def sweep_gemm(dev: torch.device, reps: int, s: int = 8192) -> None:
     """Time the Triton block-scaled GEMM at s^3 per tile config (blockwise, then MX 1x32); keep the fastest."""
-    from fp8comm.bench.gemm import operands
+    from fp8comm.tools.bench.gemm import operands
     from fp8comm.gemm import triton_gemm as tg
 
     flop = 2.0 * s ** 3

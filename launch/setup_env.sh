@@ -4,7 +4,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FP8COMM_VENV:-$root/.venv}"
-extras="${FP8COMM_EXTRAS:-dev,triton}"
+extras="${FP8COMM_EXTRAS:-dev,triton,tools}"
 py="${PYTHON:-python3}"
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 stamp="$venv/.fp8comm-stamp"

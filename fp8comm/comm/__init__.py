@@ -3,17 +3,24 @@
 Every call quantizes with per-block scales, moves payload and scales in ONE uint8 collective, and dequantizes on
 the receiver; see docs/collectives.md for options, error bounds and the metadata check.
 """
+from ..errors import CommMismatchError, Fp8CommConfigError, Fp8CommError
 from .api import Buffer
-from .buffers import DEFAULT_POOL, Handle, ScratchPool
-from .checks import CommMismatchError, Fp8CommError
+from .buffers import Handle, ScratchPool
 from .collectives import (all_gather, all_gather_into, all_reduce, all_reduce_into, reduce_scatter,
                           reduce_scatter_into)
+from .config import (CHECK_POLICIES, FORMATS, KERNEL_BACKENDS, RESIDUAL_DTYPES, ROUNDINGS, SCALE_ENCODINGS,
+                     WireConfig, default_check_policy)
+from .feedback import ErrorFeedback
 from .hierarchical import HierarchicalGroups, node_groups
-from .moe import all_to_all
-from .options import ErrorFeedback
-from .stats import comm_stats, format_comm_stats, reset_comm_stats
+from .moe import WIRES, all_to_all
+from .state import CommState, default_state
+from .stats import Stats, comm_stats, format_comm_stats, reset_comm_stats
+
+DEFAULT_POOL = default_state().pool  # the functional API's scratch pool (0.1 name)
 
 __all__ = ["all_gather", "all_gather_into", "reduce_scatter", "reduce_scatter_into", "all_reduce",
            "all_reduce_into", "all_to_all", "comm_stats", "reset_comm_stats", "format_comm_stats", "Buffer",
-           "Handle", "ScratchPool", "DEFAULT_POOL", "ErrorFeedback", "HierarchicalGroups", "node_groups",
-           "Fp8CommError", "CommMismatchError"]
+           "WireConfig", "Handle", "ScratchPool", "DEFAULT_POOL", "CommState", "default_state", "Stats",
+           "ErrorFeedback", "HierarchicalGroups", "node_groups", "Fp8CommError", "Fp8CommConfigError",
+           "CommMismatchError", "FORMATS", "SCALE_ENCODINGS", "ROUNDINGS", "KERNEL_BACKENDS", "CHECK_POLICIES",
+           "RESIDUAL_DTYPES", "WIRES", "default_check_policy"]

@@ -97,8 +97,6 @@ class ScratchPool:
             return sum(b.base.numel() * b.base.element_size() for fl in self._free.values() for b in fl)
 
 
-DEFAULT_POOL = ScratchPool()
-
 
 class Lease:
     """The scratch tensors one call holds; released together when the call finishes (or fails)."""

@@ -5,11 +5,9 @@ descriptor (op, dtype, format, scaling, shape, splits, local error code) on ever
 any disagreement or local error raises the same error on every rank before any payload moves. Cost per checked
 call: one all_gather of (16 + 2*world) int64 plus reading it on the host (a device sync on GPU).
 
-Which calls are checked (the `check` option, default from FP8COMM_CHECK): "first" (default) checks the first
-FIRST_CALLS calls of each op on each group in this process, then none: steady state has no extra collective and
-no host sync. The decision depends only on how many calls of that op this process made on that group, which
-is the same on every member (they all make the same calls in the same order, or the payload would hang), so
-ranks never disagree on whether the descriptor travels. "always" checks every call (debugging), "never" none.
+Which calls are checked: the check policy (WireConfig.check, default from FP8COMM_CHECK), decided by
+CommState.should_check: "first" (default) checks the first 3 calls of each op on each group, then none, so steady
+state has no extra collective and no host sync; "always" checks every call (debugging), "never" none.
 """
 from __future__ import annotations
 
@@ -19,17 +17,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..quant.api import FLOAT8_DTYPES
+from ..errors import CommMismatchError, Fp8CommError
+from ..quant.formats import FLOAT8_DTYPES
+from ..quant.layout import view_2d
+from ..quant.tensor import Fp8Tensor
 from ..quant.scaling import ENCODINGS
-from .options import WireSpec, check_policy
-
-
-class Fp8CommError(ValueError):
-    """Bad input to an fp8comm collective, raised before any payload bytes move."""
-
-
-class CommMismatchError(Fp8CommError):
-    """Ranks disagree on a collective's metadata (sizes, dtypes, splits, options); raised on every rank."""
+from .config import WireSpec
 
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_to_all.backward")
@@ -59,8 +52,6 @@ def tensor_problem(t, what: str, allow_0d: bool = False) -> tuple[str, str] | No
 def out_problem(out, shape: tuple, dtype, device, fp8_spec=None) -> tuple[str, str] | None:
     """Problems of a caller-supplied output: a tensor (shape, dtype, contiguous, device) or, for FP8 outputs
     (fp8_spec given), an Fp8Tensor whose codes, scales, format and block scaling match what the call produces."""
-    from ..quant.tensor import Fp8Tensor, view_2d
-
     shape = tuple(shape)
     if fp8_spec is not None:
         if not isinstance(out, Fp8Tensor):
@@ -98,30 +89,6 @@ def group_rank_size(group) -> tuple[int, int]:
     if rank < 0:
         raise Fp8CommError(f"this process (global rank {dist.get_rank()}) is not a member of the group it passed")
     return rank, dist.get_world_size(group)
-
-
-FIRST_CALLS = 3  # calls of each op on each group that the "first" policy checks
-_calls: dict[tuple, int] = {}  # (group name, op) -> calls made in this process
-
-
-def should_check(check, group, op: str) -> bool:
-    """Whether this call runs the metadata check under the `check` option; the same answer on every rank."""
-    policy = check_policy(check)
-    key = (_group_key(group), op)
-    n = _calls.get(key, 0)
-    _calls[key] = n + 1
-    if policy == "first":
-        return n < FIRST_CALLS
-    return policy == "always"
-
-
-def _group_key(group):
-    """A process-wide identity of a group: its registered name (unique per group), else the object's id."""
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        return pg.group_name or id(pg)
-    except RuntimeError:  # a backend-level group without a registered name
-        return id(pg)
 
 
 def meta_device(group) -> torch.device:

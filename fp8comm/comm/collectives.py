@@ -1,14 +1,12 @@
 """Public FP8 all_gather / reduce_scatter / all_reduce and their into-buffer variants for flat engine buckets.
 
-Common keyword options: fmt ("e4m3" | "e5m2"), scaling ("fp32" | "pow2" | "e8m0" 1x`block_size` scales, a preset
-or a Scaling with rows=1), rounding ("nearest" | "stochastic"), seed (stochastic rounding; None: a fresh one per
-call), backend (quant kernels), check (cross-rank metadata check: None = FP8COMM_CHECK's policy, default "first":
-the first calls of each op per group; True/"always" every call; False/"never"; see checks.py),
-async_op (return a Handle; dequantization and accumulation happen in wait()), hierarchical (True: node groups from
-LOCAL_WORLD_SIZE, or a HierarchicalGroups), buffer (a Buffer owning scratch memory; default: a shared pool),
-pipeline (None: automatic; False: one piece; n: n pieces; on CPU a big call is cut into column pieces of whole
-blocks (whole tokens for all_to_all), each its own collective, so quantizing, the wire and dequantizing overlap;
-bit-identical to one piece).
+Every function takes `config=` (a WireConfig: format, block scales, rounding, kernel backend, check policy,
+pipelining) and keyword options on top of it (`fmt="e5m2"` = `config=WireConfig(fmt="e5m2")`); unknown options are
+an error on every rank. Per call: seed (stochastic rounding; None: a fresh one per call), async_op (return a
+Handle; dequantization and accumulation happen in wait()), hierarchical (True: node groups from LOCAL_WORLD_SIZE,
+or a HierarchicalGroups), buffer (a Buffer: its default config, scratch memory, statistics and seeds; default: the
+process's). Pipelining (CPU): a big call is cut into column pieces of whole blocks (whole tokens for all_to_all),
+each its own collective, so quantizing, the wire and dequantizing overlap; bit-identical to one piece.
 all_gather(fp8_out=True) returns an Fp8Tensor (codes + scales) for an FP8 GEMM instead of dequantizing.
 """
 from __future__ import annotations
@@ -16,45 +14,60 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .buffers import DEFAULT_POOL, Handle, Lease, completed
-from .checks import Fp8CommError, Meta, exchange, group_rank_size, out_problem, should_check, tensor_problem
+from ..errors import Fp8CommError
+from ..quant.layout import view_2d
+from ..quant.tensor import Fp8Tensor
+from .buffers import Handle, Lease, completed
+from .checks import Meta, exchange, group_rank_size, out_problem, tensor_problem
+from .config import WireConfig, resolve
 from .core import Call, ag_phase, chunk_rows, gathered_into, guarded, rs_phase
-from .hierarchical import hier_ag_phase, hier_rs_phase, precheck, resolve
-from .options import ErrorFeedback, next_seed, pipeline_option, unknown_options, wire_spec
-from ..quant.tensor import Fp8Tensor, view_2d
-from .stats import record
+from .feedback import ErrorFeedback
+from .hierarchical import hier_ag_phase, hier_rs_phase, precheck, resolve_groups
+from .state import default_state
 
 _OPS = {"sum": 0, "avg": 1, dist.ReduceOp.SUM: 0, dist.ReduceOp.AVG: 1}
+DEFAULT_CONFIG = WireConfig()
 
 
-def _start(op: str, group, meta: Meta, kw: dict, extra=None) -> Call:
-    """Resolve options, validate, run the metadata check (raises on every rank) and lease scratch memory.
+def start_call(op: str, group, meta: Meta, kw: dict, extra=None, defer: bool = True, fp8_wire: bool = True,
+               ef: ErrorFeedback | None = None) -> Call:
+    """Resolve the call's WireConfig (kw: config, buffer, seed and option overrides), validate, run the metadata
+    check if this call is checked (raises on every rank) and lease scratch memory from the buffer's state.
 
-    extra(spec) -> problem | None: a further local check that needs the resolved wire spec.
-    """
+    extra(spec) -> problem | None: a further local check that needs the resolved wire spec. fp8_wire=False (an
+    all_to_all moving bf16 or the native dtype): the FP8 options are validated but not compared across ranks.
+    ef: the call's ErrorFeedback state; a config with error_feedback=True needs one (state is per buffer)."""
     rank, world = group_rank_size(group)
-    meta.fail(unknown_options(kw))
+    buffer = kw.pop("buffer", None)
+    state = buffer.state if buffer is not None else default_state()
+    seed = kw.pop("seed", None)
+    cfg = None
     try:
-        meta.spec = wire_spec(kw.get("fmt", "e4m3"), kw.get("scaling", "fp32"), kw.get("rounding", "nearest"),
-                              kw.get("backend", "auto"), kw.get("block_size", 128))
-        meta.pipeline = pipeline_option(kw.get("pipeline"))
-    except ValueError as e:
+        cfg = resolve(kw.pop("config", None), buffer.config if buffer is not None else DEFAULT_CONFIG, kw)
+    except Fp8CommError as e:
         meta.fail(("option", str(e)))
-    if extra is not None and meta.spec is not None:
-        meta.fail(extra(meta.spec))
+    if cfg is not None:
+        meta.spec, meta.pipeline = cfg.spec, cfg.pipeline
+        if extra is not None:
+            meta.fail(extra(cfg.spec))
+        if cfg.error_feedback and ef is None:
+            meta.fail(("option", "config.error_feedback=True needs an error_feedback=ErrorFeedback(...) state on the "
+                                 "call (one per gradient buffer, kept across calls)" if op != "all_gather" else
+                                 "error feedback applies to gradient reductions; all_gather has none"))
+    spec = meta.spec
+    if not fp8_wire:
+        meta.spec = None
     try:
-        check = should_check(kw.get("check"), group, op)
-    except ValueError as e:
+        check = state.should_check(cfg.check if cfg is not None else None, group, op)
+    except Fp8CommError as e:
         raise Fp8CommError(f"fp8comm.{op}: {e}") from None  # the same on every rank: no rank goes on alone
     # Deferred: the check travels while the first piece is quantized (hierarchical mode first creates its groups).
-    sent, settle = exchange(meta, group, rank, world, check, defer=not meta.hier)
+    sent, settle = exchange(meta, group, rank, world, check, defer=defer and not meta.hier)
     if sent:
-        record(op, 0, 0, 0, check_bytes=sent, calls=0)
-    buffer = kw.get("buffer")
-    pool = buffer.pool if buffer is not None else DEFAULT_POOL
-    rounding = meta.spec.rounding if meta.spec is not None else "nearest"
-    return Call(op, group, rank, world, meta.spec, Lease(pool), next_seed(kw.get("seed"), rank, rounding),
-                meta.pipeline, settle=settle)
+        state.stats.record(op, 0, 0, 0, check_bytes=sent, calls=0)
+    rounding = cfg.rounding if cfg is not None else "nearest"
+    return Call(op, group, rank, world, spec, Lease(state.pool), state.next_seed(seed, rank, rounding),
+                meta.pipeline, settle=settle, state=state)
 
 
 def _reduce_op(op) -> tuple[int, tuple[str, str] | None]:
@@ -82,7 +95,7 @@ def _hier(hierarchical, group, meta: Meta):
     """Validate hierarchical mode now; the groups themselves are created only after the metadata check passed."""
     meta.hier, problem = precheck(hierarchical, group)
     meta.fail(problem)
-    return lambda: resolve(hierarchical, group)
+    return lambda: resolve_groups(hierarchical, group)
 
 
 def _nothing_to_move(call: Call, result, async_op: bool):
@@ -111,7 +124,7 @@ def all_gather(tensor: torch.Tensor, group=None, *, async_op: bool = False, hier
     """
     meta = _meta("all_gather", tensor, "tensor")
     hg = _hier(hierarchical, group, meta)
-    call = _start("all_gather", group, meta, kw, _ag_out_problem(tensor, group, hierarchical, fp8_out, out))
+    call = start_call("all_gather", group, meta, kw, _ag_out_problem(tensor, group, hierarchical, fp8_out, out))
     hg = hg()
     shape = (call.world * tensor.shape[0],) + tuple(tensor.shape[1:])
     if fp8_out:
@@ -175,7 +188,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, *, as
         elif output.device != input.device:
             meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
     hg = _hier(hierarchical, group, meta)
-    call = _start("all_gather", group, meta, kw)
+    call = start_call("all_gather", group, meta, kw)
     hg = hg()
     return _all_gather_flat(call, hg, output, input, async_op)
 
@@ -209,7 +222,7 @@ def reduce_scatter(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool
     """
     meta = _meta("reduce_scatter", tensor, "tensor", op=op)
     hg = _hier(hierarchical, group, meta)
-    call = _start("reduce_scatter", group, meta, kw)
+    call = start_call("reduce_scatter", group, meta, kw, ef=error_feedback)
     hg = hg()
     c, mine = chunk_rows(tensor.shape[0], call.world, call.rank)
     out = torch.empty((mine,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
@@ -231,7 +244,7 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, o
         elif output.device != input.device:
             meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
     hg = _hier(hierarchical, group, meta)
-    call = _start("reduce_scatter", group, meta, kw)
+    call = start_call("reduce_scatter", group, meta, kw, ef=error_feedback)
     hg = hg()
     L = chunk_rows(input.numel(), call.world, call.rank)[0]
     return _reduce_scatter_flat(call, hg, output, input, L, meta.reduce_op, error_feedback, async_op)
@@ -286,7 +299,7 @@ def all_reduce_into(output: torch.Tensor, input: torch.Tensor, group=None, op="s
             meta.fail(("shape", f"output ({output.numel()} elements on {output.device}) must match input "
                                 f"({input.numel()} on {input.device})"))
     hg = _hier(hierarchical, group, meta)
-    call = _start("all_reduce", group, meta, kw)
+    call = start_call("all_reduce", group, meta, kw, ef=error_feedback)
     hg = hg()
     n = input.numel()
     out_flat = output.view(-1)

@@ -7,18 +7,19 @@ dequantizes the same bytes, so all replicas end bit-identical.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..quant.dispatch import backend_name
 from ..quant.wire import ChunkLayout, layout_of, pack_chunks, unpack_chunks, unpack_codes, unpack_sum
 from .buffers import Lease
 from .checks import settled
-from .options import ErrorFeedback, WireSpec, piece_count, plan_pieces
-from .stats import record
+from .config import WireSpec
+from .feedback import ErrorFeedback
+from .pieces import piece_count, plan_pieces
+from .state import CommState, default_state
 
 
 @dataclass
@@ -35,6 +36,14 @@ class Call:
     pipeline: int = 0  # pieces per call (0: auto); see options.plan_pieces
     size_hint: int | None = None  # all-to-all: elements of the largest rank's message (all ranks agree), if known
     settle: object = settled  # a deferred metadata check (checks.exchange): run before the first payload collective
+    state: CommState = None  # type: ignore[assignment]  # whose statistics the call adds to (default: the process's)
+
+    def __post_init__(self) -> None:
+        if self.state is None:
+            self.state = default_state()
+
+    def record(self, op: str, wire_bytes: int, dtype_bytes: int, elements: int = 0, calls: int = 1) -> None:
+        self.state.stats.record(op, wire_bytes, dtype_bytes, elements, calls=calls)
 
     def checked(self) -> None:
         """Finish the deferred metadata check (raises on every rank on a problem); a no-op after the first call."""
@@ -50,11 +59,9 @@ class Call:
         return piece_count(numel, device, self.spec.rounding, self.pipeline)
 
     def kernel(self, device: torch.device, numel: int) -> str:
-        b = self.spec.kernel_backend(device, numel)
-        # The quant core picks Triton on CUDA; fall back to the torch reference where its kernels are absent.
-        if b in ("auto", "triton") and device.type == "cuda" and not _has_triton_backend():
-            return "reference"
-        return b
+        """The quant backend for this call's buffers, chosen once from the whole call's size (every piece of a
+        pipelined call uses the same one); "auto" resolves in fp8comm.quant.dispatch."""
+        return backend_name(self.spec.backend, device, numel)
 
 
 def guarded(call: Call, fn):
@@ -65,15 +72,6 @@ def guarded(call: Call, fn):
     except BaseException:
         call.lease.release()
         raise
-
-
-@functools.lru_cache(maxsize=None)
-def _has_triton_backend() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return True  # 'auto' then resolves to the reference itself
-    return importlib.util.find_spec("fp8comm.quant.backend_triton") is not None
 
 
 def chunk_rows(n0: int, world: int, rank: int) -> tuple[int, int]:
@@ -168,7 +166,7 @@ def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFe
         # Equal chunks, so no split sizes: one all_to_all moves payload and scales together.
         works.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
     itemsize = stats_dtype.itemsize
-    record(stats_op, (gsize - 1) * sum(lay.chunk_bytes[0] for lay in lays) if L else 0,
+    call.record(stats_op, (gsize - 1) * sum(lay.chunk_bytes[0] for lay in lays) if L else 0,
            (gsize - 1) * L * itemsize, total, calls=calls)
 
     def finish() -> torch.Tensor:
@@ -202,7 +200,7 @@ def ag_phase(call: Call, src: torch.Tensor, dest, group, gsize: int, stats_op: s
         call.checked()
         works.append(all_gather_bytes(recv, send, group, async_op=True))
     itemsize = stats_dtype.itemsize
-    record(stats_op, (gsize - 1) * sum(sizes), (gsize - 1) * n * itemsize, n, calls=calls)
+    call.record(stats_op, (gsize - 1) * sum(sizes), (gsize - 1) * n * itemsize, n, calls=calls)
     kd = call.kernel(dev, gsize * n)
     blk = lays[0].block if lays else 1
 

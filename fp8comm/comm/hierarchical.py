@@ -14,10 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ..quant.wire import layout_of, pack_chunks, unpack_chunks
-from .checks import Fp8CommError
+from ..errors import Fp8CommError
 from .core import Call, all_gather_bytes, quantize_input, rs_phase
-from .options import ErrorFeedback
-from .stats import record
+from .feedback import ErrorFeedback
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ def precheck(hierarchical, group) -> tuple[int, tuple[str, str] | None]:
     return local, None
 
 
-def resolve(hierarchical, group) -> HierarchicalGroups | None:
+def resolve_groups(hierarchical, group) -> HierarchicalGroups | None:
     """The groups for a call that passed the metadata check (creates the world's node groups on first use)."""
     if hierarchical is None or hierarchical is False:
         return None
@@ -115,7 +114,7 @@ def hier_rs_phase(call: Call, hg: HierarchicalGroups, x: torch.Tensor, L: int, e
     if lc > 1:
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         fn(part, perm, op=dist.ReduceOp.SUM, group=hg.intra)
-        record(call.op + ".intra", (lc - 1) * nn * L * 4, (lc - 1) * nn * L * 4, 0, calls=calls)
+        call.record(call.op + ".intra", (lc - 1) * nn * L * 4, (lc - 1) * nn * L * 4, 0, calls=calls)
     else:
         part.copy_(perm)
     return rs_phase(call, part, L, hg.inter, nn, ef, call.op, stats_dtype, calls)
@@ -132,10 +131,10 @@ def hier_ag_phase(call: Call, hg: HierarchicalGroups, src: torch.Tensor, dest: t
     node_bytes = call.lease.take(nn * cb, torch.uint8, dev)
     all_gather_bytes(node_bytes, send, hg.inter, async_op=False)
     itemsize = stats_dtype.itemsize
-    record(call.op, (nn - 1) * cb, (nn - 1) * n * itemsize, n, calls=calls)
+    call.record(call.op, (nn - 1) * cb, (nn - 1) * n * itemsize, n, calls=calls)
     allb = call.lease.take(lc * nn * cb, torch.uint8, dev)
     work = all_gather_bytes(allb, node_bytes, hg.intra, async_op=True)
-    record(call.op + ".intra", (lc - 1) * nn * cb, (lc - 1) * nn * n * itemsize, 0, calls=calls)
+    call.record(call.op + ".intra", (lc - 1) * nn * cb, (lc - 1) * nn * n * itemsize, 0, calls=calls)
 
     def finish() -> torch.Tensor:
         # Bytes arrive as [local, node, chunk]; global rank order is node-major.

@@ -12,14 +12,17 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
+from ..quant.formats import get_format
 from ..quant.tensor import Fp8Tensor
 from ..quant.wire import ChunkLayout, layout_of, pack_chunks, unpack_chunks, unpack_codes
-from .buffers import DEFAULT_POOL, Handle, Lease
-from .checks import (Fp8CommError, Meta, as_int_list, exchange, group_rank_size, out_problem, should_check,
-                     split_problem, tensor_problem)
+from .buffers import Handle, Lease
+from .checks import Meta, as_int_list, group_rank_size, out_problem, split_problem, tensor_problem
+from .collectives import start_call
+from .config import WireSpec
 from .core import Call, Pieces, _slices, guarded, quantize_input, update_residual
-from .options import ErrorFeedback, WireSpec, next_seed, pipeline_option, row_part, unknown_options, wire_spec
-from .stats import record
+from .feedback import ErrorFeedback
+from .pieces import row_part
+from .state import CommState
 
 WIRES = ("fp8", "bf16", "native")
 
@@ -33,7 +36,7 @@ class _Spec:
     group: object
     grad_wire: str
     grad_spec: WireSpec
-    pool: object
+    state: CommState  # the forward's buffer state: the backward leases, counts and seeds through it too
     bwd_hint: int | None = None  # size hint (see Call.size_hint) for the backward's reverse all-to-all
     ef: ErrorFeedback | None = None  # the forward's error feedback (FP8 wire)
 
@@ -43,6 +46,7 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
                fp8_out: bool = False, out=None, error_feedback: ErrorFeedback | None = None, **kw):
     """Send rows input_split_sizes[j] of tokens [T, H] to rank j; returns [sum(output_split_sizes), H] (autograd).
 
+    config= / keyword options / buffer= / seed= as for every collective (fp8comm.comm.collectives).
     wire/grad_wire: "fp8" (1x128 block scales), "bf16" or "native" (the tensor's own dtype). None splits: equal.
     fp8_out=True (wire="fp8"): return the received tokens as an Fp8Tensor (codes [sum(outs), H] + fp32 scales
     [sum(outs), ceil(H/B)], DeepEP's FP8 dispatch output) for an FP8 expert GEMM, not dequantized; it has no
@@ -55,7 +59,6 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     rank, world = group_rank_size(group)
     meta = Meta("all_to_all", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
     meta.fail(tensor_problem(tensor, "tokens"))
-    meta.fail(unknown_options(kw))
     ins, outs = _splits(tensor, output_split_sizes, input_split_sizes, world, meta)
     for w, name in ((wire, "wire"), (grad_wire, "grad_wire")):
         if w not in WIRES:
@@ -68,34 +71,28 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     if fp8_out and isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
         meta.fail(("option", "fp8_out=True returns FP8 codes with no autograd edge, but the tokens require grad; "
                              "pass tokens.detach() (or use the dequantizing path, which has the backward)"))
-    spec = grad_spec = None
-    try:
-        spec = wire_spec(kw.get("fmt", "e4m3"), kw.get("scaling", "fp32"), kw.get("rounding", "nearest"),
-                         kw.get("backend", "auto"), kw.get("block_size", 128))
-        grad_spec = wire_spec(grad_fmt or spec.fmt, spec.scaling, spec.rounding, spec.backend)
-        meta.pipeline = pipeline_option(kw.get("pipeline"))
-    except ValueError as e:
-        meta.fail(("option", str(e)))
-    if out is not None and meta.error is None:
+    grad_format = None
+    if grad_fmt is not None:
+        try:
+            grad_format = get_format(grad_fmt)
+        except ValueError as e:
+            meta.fail(("option", f"grad_fmt: {e}"))
+
+    def out_check(spec: WireSpec):
+        if out is None or meta.error is not None:
+            return None
         if not fp8_out and tensor.requires_grad and torch.is_grad_enabled():
-            meta.fail(("option", "out= writes in place and has no autograd edge, but the tokens require grad; "
-                                 "pass tokens.detach() or leave out=None"))
-        meta.fail(out_problem(out, (sum(outs), tensor.shape[1]), tensor.dtype, tensor.device,
-                              spec if fp8_out else None))
-    meta.spec = spec if wire == "fp8" else None
-    try:
-        check = should_check(kw.get("check"), group, "all_to_all")
-    except ValueError as e:
-        raise Fp8CommError(f"fp8comm.all_to_all: {e}") from None
+            return ("option", "out= writes in place and has no autograd edge, but the tokens require grad; "
+                              "pass tokens.detach() or leave out=None")
+        return out_problem(out, (sum(outs), tensor.shape[1]), tensor.dtype, tensor.device, spec if fp8_out else None)
+
     even = input_split_sizes is None and output_split_sizes is None
     # Deferred with even splits: the check travels while the first piece is quantized. Uneven splits need its
     # table first (the piece plan below depends on every rank's token count).
-    sent, settle = exchange(meta, group, rank, world, check, defer=even)
-    if sent:
-        record("all_to_all", 0, 0, 0, check_bytes=sent, calls=0)
-    pool = kw["buffer"].pool if kw.get("buffer") is not None else DEFAULT_POOL
-    seed = next_seed(kw.get("seed"), rank, spec.rounding if spec is not None else "nearest")
-    call = Call("all_to_all", group, rank, world, spec, Lease(pool), seed, meta.pipeline, settle=settle)
+    call = start_call("all_to_all", group, meta, kw, out_check, defer=even, fp8_wire=wire == "fp8",
+                      ef=error_feedback)
+    spec = call.spec
+    grad_spec = WireSpec(grad_format or spec.fmt, spec.scaling, spec.rounding, spec.backend) if spec else None
     # Auto pipelining needs a size every rank agrees on: even splits (the token count is checked to be equal), or
     # the largest rank's token count from the metadata check's table of every rank's splits.
     h = tensor.shape[1]
@@ -106,7 +103,7 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         call.size_hint = bwd = tensor.numel()
     else:
         bwd = None
-    s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, pool, bwd, error_feedback)
+    s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, call.state, bwd, error_feedback)
     if fp8_out or out is not None:  # no autograd edge: FP8 codes out, or a caller's preallocated output
         h = guarded(call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all",
                                          fp8_out=fp8_out, out=out, ef=error_feedback))
@@ -176,7 +173,7 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
         call.checked()
         work = dist.all_to_all_single(recv, send, list(outs), list(ins), group=call.group, async_op=True)
         nbytes = (sum(ins) - ins[me]) * h * send.element_size()
-        record(stats_op, nbytes, (sum(ins) - ins[me]) * h * x.element_size(), 0)
+        call.record(stats_op, nbytes, (sum(ins) - ins[me]) * h * x.element_size(), 0)
         return _Pending(work, lambda: out if recv is out else out.copy_(recv))
     spec = call.spec
     # Pipelined on CPU: piece p carries rows row_part(n, p, P) of every destination's chunk (whole tokens, so each
@@ -208,7 +205,7 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
         # Byte splits: each destination's chunk is payload + scales, so one collective carries both.
         works.append(dist.all_to_all_single(recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes),
                                             group=call.group, async_op=True))
-    record(stats_op, sum(lin.total_bytes - lin.chunk_bytes[me] for lin in lins),
+    call.record(stats_op, sum(lin.total_bytes - lin.chunk_bytes[me] for lin in lins),
            (sum(ins) - ins[me]) * h * x.element_size(), x.numel())
     if fp8_out and given is not None:
         codes, scales = given.data.view(torch.uint8), given.scale
@@ -243,8 +240,8 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
 
 def _backward(ctx_spec: _Spec, g: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     s = ctx_spec
-    call = Call("all_to_all.backward", s.group, rank, world, s.grad_spec, Lease(s.pool),
-                next_seed(None, rank, s.grad_spec.rounding), size_hint=s.bwd_hint)
+    call = Call("all_to_all.backward", s.group, rank, world, s.grad_spec, Lease(s.state.pool),
+                s.state.next_seed(None, rank, s.grad_spec.rounding), size_hint=s.bwd_hint, state=s.state)
     try:
         # Reverse direction: what we received (out_splits) goes back to where it came from.
         return _start(call, g.contiguous(), s.in_splits, s.out_splits, s.grad_wire, "all_to_all.backward").wait()

@@ -1,12 +1,13 @@
 """Per-op communication counters: calls, bytes on the wire, and what the same call would move in its input dtype.
 
 "Bytes on the wire" are the bytes this rank sends to OTHER ranks (its own chunk never crosses a link), padding and
-scales included; the baseline uses the same definition for the input dtype, so the ratio is the saving.
+scales included; the baseline uses the same definition for the input dtype, so the ratio is the saving. Every
+Buffer keeps its own Stats; each record also adds to the process totals that comm_stats() reports.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -26,38 +27,49 @@ class OpStats:
                 "check_bytes": self.check_bytes, "elements": self.elements, "ratio": self.ratio}
 
 
-@dataclass
-class _Registry:
-    ops: dict = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+class Stats:
+    """{op: OpStats} with a lock; `parent` (the process totals) receives every record too."""
+
+    def __init__(self, parent: Stats | None = None) -> None:
+        self.ops: dict[str, OpStats] = {}
+        self.parent = parent
+        self._lock = threading.Lock()
+
+    def record(self, op: str, wire_bytes: int, dtype_bytes: int, elements: int = 0, check_bytes: int = 0,
+               calls: int = 1) -> None:
+        with self._lock:
+            s = self.ops.setdefault(op, OpStats())
+            s.calls += calls
+            s.wire_bytes += int(wire_bytes)
+            s.dtype_bytes += int(dtype_bytes)
+            s.check_bytes += int(check_bytes)
+            s.elements += int(elements)
+        if self.parent is not None:
+            self.parent.record(op, wire_bytes, dtype_bytes, elements, check_bytes, calls)
+
+    def snapshot(self, reset: bool = False) -> dict[str, dict]:
+        """{op: {calls, wire_bytes, dtype_bytes, check_bytes, elements, ratio}}; reset=True clears (this object)."""
+        with self._lock:
+            out = {k: v.as_dict() for k, v in sorted(self.ops.items())}
+            if reset:
+                self.ops.clear()
+        return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self.ops.clear()
 
 
-_REG = _Registry()
-
-
-def record(op: str, wire_bytes: int, dtype_bytes: int, elements: int = 0, check_bytes: int = 0,
-           calls: int = 1) -> None:
-    with _REG.lock:
-        s = _REG.ops.setdefault(op, OpStats())
-        s.calls += calls
-        s.wire_bytes += int(wire_bytes)
-        s.dtype_bytes += int(dtype_bytes)
-        s.check_bytes += int(check_bytes)
-        s.elements += int(elements)
+PROCESS_STATS = Stats()  # every Buffer's records, summed: what this process sent
 
 
 def comm_stats(reset: bool = False) -> dict[str, dict]:
     """{op: {calls, wire_bytes, dtype_bytes, check_bytes, elements, ratio}} for this process; reset=True clears."""
-    with _REG.lock:
-        out = {k: v.as_dict() for k, v in sorted(_REG.ops.items())}
-        if reset:
-            _REG.ops.clear()
-    return out
+    return PROCESS_STATS.snapshot(reset)
 
 
 def reset_comm_stats() -> None:
-    with _REG.lock:
-        _REG.ops.clear()
+    PROCESS_STATS.reset()
 
 
 def format_comm_stats(stats: dict | None = None) -> str:

@@ -5,88 +5,36 @@ laid out by Fp8Tensor.scaling over each operand's own [rows, K] view) are consta
 are exact, accumulation is fp32 within a K block, and each block's partial sum is promoted (scaled and added in
 fp32), the DeepSeek-V3 scheme. The emulation is the reference; the others are tested against it.
 
-Routing is never silent: every GEMM increments a telemetry counter `gemm.<backend>[.<why>]` (padding, fallbacks),
+Routing is never silent (routing.py): every GEMM increments a counter `gemm.<backend>[.<why>]` (padding, fallbacks),
 and each new routing decision is logged once at DEBUG on the "fp8comm.gemm" logger (a failed backend at WARNING).
 There is no BF16 fallback: when no FP8 backend can take a GEMM, the exact emulation runs.
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 
 import torch
 import torch.nn.functional as F
 
-from ..quant import Fp8Tensor, Scaling
-from . import telemetry
+from ..quant import Fp8Tensor, Scaling, quantize
+from .operands import check_operands, row_scales, scale_kind, transpose
+from .routing import ROUTING, log
+from ..errors import Fp8CommError, Fp8CommNotImplementedError
 
-log = logging.getLogger("fp8comm.gemm")
+__all__ = ["BACKENDS", "gemm", "emulate", "emulate_f64", "scaled_mm", "scale_kind", "transpose", "check_operands",
+           "row_scales"]
 
 BACKENDS = ("auto", "emulation", "scaled_mm", "triton")
-_failed: dict[tuple, str] = {}  # (backend, signature) -> error: a backend that raised once is not retried
-_logged: set[tuple] = set()
-_blockwise_probe: dict[str, object] = {}  # device -> scale-layout function, or False when unsupported
-
-
-def scale_kind(q: Fp8Tensor) -> str:
-    """tensor | row | block1x128 | block128x128 | mx32 | other: the scale layout of one GEMM operand."""
-    sc = q.scaling
-    if sc.rows is None and sc.cols is None:
-        return "tensor"
-    if sc.rows == 1 and sc.cols is None:
-        return "row"
-    if sc.cols == 128 and sc.rows in (1, 128) and sc.encoding != "e8m0":
-        return f"block{sc.rows}x128"
-    if sc.cols == 32 and sc.rows == 1 and sc.encoding == "e8m0":
-        return "mx32"
-    return "other"
-
-
-def transpose(q: Fp8Tensor, contiguous: bool = False) -> Fp8Tensor:
-    """The transposed operand with the same codes (valid for transpose-invariant scaling: tensor or square blocks);
-    a view, or with `contiguous` a copy laid out row-major (what _scaled_mm wants)."""
-    sc = q.scaling
-    if not (sc.rows is None and sc.cols is None) and sc.rows != sc.cols:
-        raise ValueError(f"{sc.describe()} scales are not transpose-invariant; quantize the transpose instead")
-    data = q.data.t().contiguous() if contiguous else q.data.t()
-    return Fp8Tensor(data, q.scale.t(), q.fmt, Scaling(sc.cols, sc.rows, sc.encoding, sc.margin), q.dtype,
-                     None if q.amax is None else q.amax.t())
-
-
-def _check(a: Fp8Tensor, b: Fp8Tensor) -> None:
-    if a.data.dim() != 2 or b.data.dim() != 2:
-        raise ValueError(f"scaled GEMM needs 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"contraction dims differ: a {tuple(a.shape)} vs b {tuple(b.shape)} (computing a @ b.T)")
-    if a.data.device != b.data.device:
-        raise ValueError(f"operands on different devices: {a.data.device} and {b.data.device}")
-    for name, q in (("a", a), ("b", b)):
-        m, k = q.shape
-        if tuple(q.scale.shape) != q.scaling.scale_shape(m, k):
-            raise ValueError(f"operand {name}: scale shape {tuple(q.scale.shape)} does not match "
-                             f"{q.scaling.describe()} blocks of {tuple(q.shape)}")
-
-
-def _row_scales(q: Fp8Tensor) -> tuple[torch.Tensor, int]:
-    """Scales expanded to one row per operand row -> ([rows, kb] fp32, K-extent of one scale column)."""
-    r, k = q.shape
-    br, bc = q.scaling.block_shape(r, k)
-    s = q.scale.float()
-    if s.shape[0] == 1:  # one scale row (per tensor, or a single block row): broadcast
-        return s.expand(r, s.shape[1]), bc
-    if br > 1:
-        s = s.repeat_interleave(br, 0)[:r]
-    return s, bc
 
 
 def emulate(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The reference: FP8 codes upcast exactly to fp32, one fp32 matmul per K block, scales applied per block."""
-    _check(a, b)
+    check_operands(a, b)
     m, k = a.shape
     n = b.shape[0]
-    sa, ca = _row_scales(a)
-    sb, cb = _row_scales(b)
+    sa, ca = row_scales(a)
+    sb, cb = row_scales(b)
     if k == 0 or m == 0 or n == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
     if sa.shape[1] == 1 and sb.shape[1] == 1:  # scales constant along K: one matmul, scale the result
@@ -111,7 +59,7 @@ def emulate(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32) 
 def emulate_f64(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     """float64 product of the dequantized operands (the ground truth the backends are tested against)."""
     def deq(q):
-        s, c = _row_scales(q)
+        s, c = row_scales(q)
         return q.data.double() * s.double().repeat_interleave(c, 1)[:, :q.shape[1]]
     return deq(a) @ deq(b).t()
 
@@ -134,10 +82,8 @@ def _blockwise_layouts(device: torch.device):
     """Find (once per device) a scale layout torch._scaled_mm accepts for 1x128 x 128x128 blocks, checked against
     the emulation; None when this torch/GPU has no blockwise _scaled_mm."""
     key = str(device)
-    if key in _blockwise_probe:
-        return _blockwise_probe[key] or None
-    from ..quant import quantize
-
+    if key in ROUTING.blockwise_probe:
+        return ROUTING.blockwise_probe[key] or None
     candidates = {
         "as-is": lambda s: s.contiguous(),
         "outer-major": lambda s: s.t().contiguous().t(),
@@ -165,7 +111,7 @@ def _blockwise_layouts(device: torch.device):
             log.warning("blockwise _scaled_mm probe %s/%s disagrees with emulation (rel err %.3g)", name, nameb, err)
         if found:
             break
-    _blockwise_probe[key] = found or False
+    ROUTING.blockwise_probe[key] = found or False
     return found
 
 
@@ -175,17 +121,17 @@ def scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat1
     Dims it cannot take (K or N not a multiple of 16; K not a multiple of 128 for blocks) are zero-padded: zero
     codes add exactly nothing, padded rows are sliced off.
     """
-    _check(a, b)
+    check_operands(a, b)
     ka, kb_ = scale_kind(a), scale_kind(b)
     m, k = a.shape
     n = b.shape[0]
     blockwise = ka == "block1x128" and kb_ in ("block128x128", "block1x128")
     if not ((ka == kb_ and ka in ("tensor", "row")) or blockwise):
-        raise NotImplementedError(f"_scaled_mm takes tensorwise, rowwise or 1x128 blocks, not {ka} x {kb_}")
+        raise Fp8CommNotImplementedError(f"_scaled_mm takes tensorwise, rowwise or 1x128 blocks, not {ka} x {kb_}")
     kmult = 128 if blockwise else 16
     mp, np_, kp = _up(max(m, 1), 16), _up(max(n, 1), 16), _up(max(k, 1), kmult)
     if (mp, np_, kp) != (m, n, k):
-        telemetry.count("gemm.scaled_mm.pad")
+        ROUTING.count("gemm.scaled_mm.pad")
     ad = _pad_to(a.data.contiguous(), mp, kp)
     bd = _pad_to(b.data.contiguous(), np_, kp)
     if ka == "tensor":
@@ -196,7 +142,7 @@ def scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat1
     else:
         layouts = _blockwise_layouts(a.data.device)
         if layouts is None:
-            raise NotImplementedError("this torch/GPU has no blockwise torch._scaled_mm")
+            raise Fp8CommNotImplementedError("this torch/GPU has no blockwise torch._scaled_mm")
         fa, fb = layouts
         kblocks = kp // 128
         sa = fa(_pad_to(a.scale.float(), mp, kblocks, 1.0))
@@ -215,7 +161,7 @@ def _triton_ok(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _candidates(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> list[tuple[str, str]]:
+def candidates(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> list[tuple[str, str]]:
     """Backends to try, best first, each with the reason it is (or is not) the first choice."""
     dev = a.data.device
     ka, kb_ = scale_kind(a), scale_kind(b)
@@ -240,22 +186,22 @@ def _candidates(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> list[tupl
 def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
     """a @ b.T from FP8 operands, fp32 accumulation, output in `out_dtype`; `backend` picks or forces one."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown GEMM backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    _check(a, b)
+        raise Fp8CommError(f"unknown GEMM backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    check_operands(a, b)
     if backend == "auto":
-        cands = _candidates(a, b, out_dtype)
+        cands = candidates(a, b, out_dtype)
     else:
         cands = [(backend, "forced")]
     sig = (str(a.data.device), scale_kind(a), scale_kind(b), a.fmt.name, b.fmt.name, str(out_dtype))
     compiling = torch.compiler.is_compiling()
     for i, (name, why) in enumerate(cands):
-        if (name, sig) in _failed and backend == "auto":
+        if (name, sig) in ROUTING.failed and backend == "auto":
             continue
         if not compiling:
             key = f"gemm.{name}" + (f".{why}" if why else "")
-            telemetry.count(key)
-            if (key, sig) not in _logged:
-                _logged.add((key, sig))
+            ROUTING.count(key)
+            if (key, sig) not in ROUTING.logged:
+                ROUTING.logged.add((key, sig))
                 log.debug("GEMM %s x %s (%s x %s, out %s) -> %s%s", scale_kind(a), scale_kind(b), a.fmt, b.fmt,
                           out_dtype, name, f" ({why})" if why else "")
         fn = _BACKEND_FNS[name]
@@ -264,8 +210,8 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32, bac
         try:
             return fn(a, b, out_dtype)
         except (RuntimeError, NotImplementedError) as e:  # record, warn once, route to the next backend
-            _failed[(name, sig)] = str(e)
-            telemetry.count(f"gemm.{name}.failed")
+            ROUTING.failed[(name, sig)] = str(e)
+            ROUTING.count(f"gemm.{name}.failed")
             log.warning("FP8 GEMM backend %s failed for %s; routing to %s from now on: %s", name, sig,
                         cands[i + 1][0], str(e).splitlines()[0] if str(e) else type(e).__name__)
     raise AssertionError("unreachable: emulation is always a candidate")
@@ -273,7 +219,7 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32, bac
 
 def _triton(a, b, out_dtype):
     if not _triton_ok(a.data.device):
-        raise NotImplementedError(f"the Triton GEMM needs CUDA tensors or TRITON_INTERPRET=1 (got {a.data.device})")
+        raise Fp8CommNotImplementedError(f"the Triton GEMM needs CUDA tensors or TRITON_INTERPRET=1 (got {a.data.device})")
     from .triton_gemm import triton_gemm
 
     return triton_gemm(a, b, out_dtype)

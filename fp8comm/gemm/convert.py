@@ -13,6 +13,7 @@ from torch import nn
 
 from .linear import WEIGHT_CACHES, Fp8Linear
 from .recipes import Fp8Recipe, get_recipe
+from ..errors import Fp8CommError, Fp8CommTypeError
 
 HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "classifier")
 
@@ -61,16 +62,16 @@ def convert_to_fp8(model: nn.Module, recipe: str | Fp8Recipe = "blockwise", *, s
     under ZeRO-3 / FSDP). Returns a ConversionReport.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"convert_to_fp8 needs an nn.Module, got {type(model).__name__}")
+        raise Fp8CommTypeError(f"convert_to_fp8 needs an nn.Module, got {type(model).__name__}")
     if weight_cache not in WEIGHT_CACHES:
-        raise ValueError(f"unknown weight_cache {weight_cache!r}; valid: {', '.join(WEIGHT_CACHES)}")
+        raise Fp8CommError(f"unknown weight_cache {weight_cache!r}; valid: {', '.join(WEIGHT_CACHES)}")
     if skip_first_blocks < 0 or skip_last_blocks < 0 or min_features < 0:
-        raise ValueError("skip_first_blocks, skip_last_blocks and min_features must be >= 0")
+        raise Fp8CommError("skip_first_blocks, skip_last_blocks and min_features must be >= 0")
     rec = get_recipe(recipe)
     report = ConversionReport(rec.name)
     blocks = _find_blocks(model)
     if (skip_first_blocks or skip_last_blocks) and blocks is None:
-        raise ValueError("skip_first_blocks/skip_last_blocks given, but the model has no ModuleList of blocks")
+        raise Fp8CommError("skip_first_blocks/skip_last_blocks given, but the model has no ModuleList of blocks")
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
     def reason(name: str, lin: nn.Linear) -> str | None:
@@ -112,7 +113,7 @@ def convert_to_fp8(model: nn.Module, recipe: str | Fp8Recipe = "blockwise", *, s
         setattr(parent, child, new)
         report.converted.append(name)
     if not targets and isinstance(model, nn.Linear) and not isinstance(model, Fp8Linear):
-        raise ValueError("convert_to_fp8 swaps submodules; wrap a bare nn.Linear (or use Fp8Linear.from_linear)")
+        raise Fp8CommError("convert_to_fp8 swaps submodules; wrap a bare nn.Linear (or use Fp8Linear.from_linear)")
     return report
 
 

@@ -17,13 +17,18 @@ nothing: the forward quantizes the gathered weight, the backward quantizes it ag
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Callable
+
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..quant import Fp8Tensor, quantize, quantize_with_transpose, scale_from_amax
 from ..quant.formats import get_format
 from . import backends
 from .recipes import ROLES, Fp8Recipe, get_recipe
+from ..errors import Fp8CommError, Fp8CommTypeError
 
 
 def _push_history(hist: torch.Tensor, amax: torch.Tensor) -> None:
@@ -93,7 +98,7 @@ class Fp8Linear(nn.Linear):
 
     def _setup(self, recipe, backend: str, quant_backend: str, weight_cache: str = "step") -> None:
         if backend not in backends.BACKENDS:
-            raise ValueError(f"unknown GEMM backend {backend!r}; valid: {', '.join(backends.BACKENDS)}")
+            raise Fp8CommError(f"unknown GEMM backend {backend!r}; valid: {', '.join(backends.BACKENDS)}")
         self.recipe = get_recipe(recipe)
         self.backend = backend
         self.quant_backend = quant_backend
@@ -102,6 +107,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_name = ""
         self.weight_quantizations = 0  # how often the weight was quantized (once per optimizer step)
         self._wcache: tuple | None = None
+        self._quantize_hooks: OrderedDict[int, Callable] = OrderedDict()  # weakref-able, as RemovableHandle needs
         self._ready = {r: False for r in ROLES}  # delayed: the history holds an amax (else use current scaling)
         dev = self.weight.device
         for r in ROLES:
@@ -127,7 +133,7 @@ class Fp8Linear(nn.Linear):
     @weight_cache.setter
     def weight_cache(self, policy: str) -> None:
         if policy not in WEIGHT_CACHES:
-            raise ValueError(f"unknown weight_cache {policy!r}; valid: {', '.join(WEIGHT_CACHES)} ('gathered' "
+            raise Fp8CommError(f"unknown weight_cache {policy!r}; valid: {', '.join(WEIGHT_CACHES)} ('gathered' "
                              "under ZeRO-3 / FSDP, where the full weight exists only while the engine gathers it)")
         self._weight_cache = policy
         self._wcache = None
@@ -169,7 +175,27 @@ class Fp8Linear(nn.Linear):
         tel = self.telemetry
         if primary and tel is not None and not torch.compiler.is_compiling() and tel.active(role):
             tel.record(self.fp8_name, role, t, q)
+        for hook in list(self._quantize_hooks.values()):
+            hook(self, role, primary, q)
+            if with_transpose:  # the transposed operand, as a separate non-primary quantization would be
+                hook(self, role, False, q_t)
         return (q, q_t) if with_transpose else q
+
+    def register_quantize_hook(self, hook: Callable) -> RemovableHandle:
+        """hook(layer, role, primary, q) after every quantization of an operand (q: the Fp8Tensor; primary: the
+        tensor's first quantization this step). Returns a handle whose remove() unregisters it (as torch hooks)."""
+        handle = RemovableHandle(self._quantize_hooks)
+        self._quantize_hooks[handle.id] = hook
+        return handle
+
+    def cached_weight(self) -> tuple[Fp8Tensor, Fp8Tensor | None] | None:
+        """(W, W^T for dgrad or None) as cached for the current weight (weight_cache "step"), or None."""
+        return None if self._wcache is None else (self._wcache[1], self._wcache[2])
+
+    @property
+    def delayed_ready(self) -> dict[str, bool]:
+        """Per role: whether delayed scaling has an amax history to use (else the next step uses current scaling)."""
+        return dict(self._ready)
 
     def _quantize_pair(self, t: torch.Tensor, role: str, transposed: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
         """(t quantized, t^T as a contiguous FP8 operand, or None when not `transposed`): the same codes for
@@ -229,9 +255,9 @@ class Fp8Linear(nn.Linear):
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"Fp8Linear expects input with last dim {self.in_features}, got {tuple(x.shape)}")
+            raise Fp8CommError(f"Fp8Linear expects input with last dim {self.in_features}, got {tuple(x.shape)}")
         if not x.is_floating_point() or x.dtype.itemsize == 1:
-            raise TypeError(f"Fp8Linear needs a float32/bfloat16/float16 input, got {x.dtype}")
+            raise Fp8CommTypeError(f"Fp8Linear needs a float32/bfloat16/float16 input, got {x.dtype}")
         if torch.is_autocast_enabled(x.device.type):  # behave like nn.Linear under autocast
             x = x.to(torch.get_autocast_dtype(x.device.type))
         lead = x.shape[:-1]

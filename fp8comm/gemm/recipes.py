@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..quant import Scaling, get_format
+from ..errors import Fp8CommError
 
 ROLES = ("input", "weight", "grad")
 GRANULARITIES = ("tensor", "row", "block", "mx")
@@ -37,13 +38,13 @@ class RoleConfig:
     def __post_init__(self) -> None:
         get_format(self.fmt)  # raises a clear error for an unknown format
         if self.granularity not in GRANULARITIES:
-            raise ValueError(f"unknown granularity {self.granularity!r}; valid: {', '.join(GRANULARITIES)}")
+            raise Fp8CommError(f"unknown granularity {self.granularity!r}; valid: {', '.join(GRANULARITIES)}")
         if self.source not in SCALE_SOURCES:
-            raise ValueError(f"unknown scale source {self.source!r}; valid: {', '.join(SCALE_SOURCES)}")
+            raise Fp8CommError(f"unknown scale source {self.source!r}; valid: {', '.join(SCALE_SOURCES)}")
         if self.source != "current" and self.granularity != "tensor":
-            raise ValueError(f"{self.source} scaling keeps one scale per tensor; granularity must be 'tensor'")
+            raise Fp8CommError(f"{self.source} scaling keeps one scale per tensor; granularity must be 'tensor'")
         if self.block_rows not in (1, self.block):
-            raise ValueError(f"block_rows must be 1 or equal to block ({self.block}), got {self.block_rows}")
+            raise Fp8CommError(f"block_rows must be 1 or equal to block ({self.block}), got {self.block_rows}")
         Scaling(1, self.block, self.encoding, self.margin)  # validates encoding, margin and block
 
     @property
@@ -86,15 +87,15 @@ class Fp8Recipe:
 
     def __post_init__(self) -> None:
         if self.history_len < 1:
-            raise ValueError(f"history_len must be >= 1, got {self.history_len}")
+            raise Fp8CommError(f"history_len must be >= 1, got {self.history_len}")
         if self.amax_reduce not in ("max", "most_recent"):
-            raise ValueError(f"unknown amax_reduce {self.amax_reduce!r}; valid: max, most_recent")
+            raise Fp8CommError(f"unknown amax_reduce {self.amax_reduce!r}; valid: max, most_recent")
         if not isinstance(self.constant_bias, int) or abs(self.constant_bias) > 100:
-            raise ValueError(f"constant_bias must be an int in [-100, 100], got {self.constant_bias!r}")
+            raise Fp8CommError(f"constant_bias must be an int in [-100, 100], got {self.constant_bias!r}")
 
     def role(self, role: str) -> RoleConfig:
         if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; valid: {', '.join(ROLES)}")
+            raise Fp8CommError(f"unknown role {role!r}; valid: {', '.join(ROLES)}")
         return getattr(self, role)
 
     @property
@@ -148,5 +149,5 @@ def get_recipe(recipe: "str | Fp8Recipe", **overrides) -> Fp8Recipe:
     elif isinstance(recipe, str) and recipe in RECIPES:
         r = RECIPES[recipe]
     else:
-        raise ValueError(f"unknown recipe {recipe!r}; valid: {', '.join(RECIPES)} (or an Fp8Recipe)")
+        raise Fp8CommError(f"unknown recipe {recipe!r}; valid: {', '.join(RECIPES)} (or an Fp8Recipe)")
     return replace(r, **overrides) if overrides else r

@@ -13,20 +13,22 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-_COUNTERS: Counter = Counter()
+from .linear import Fp8Linear
+from .routing import ROUTING
+from ..errors import Fp8CommError
 
 
 def count(key: str, n: int = 1) -> None:
-    _COUNTERS[key] += n
+    ROUTING.count(key, n)
 
 
 def counters(prefix: str = "") -> dict[str, int]:
-    """A snapshot of the counters whose key starts with `prefix`."""
-    return {k: v for k, v in sorted(_COUNTERS.items()) if k.startswith(prefix)}
+    """A snapshot of the routing and telemetry counters whose key starts with `prefix`."""
+    return ROUTING.snapshot(prefix)
 
 
 def reset_counters() -> None:
-    _COUNTERS.clear()
+    ROUTING.reset(counters_only=True)
 
 
 @dataclass
@@ -53,7 +55,7 @@ class Telemetry:
 
     def __init__(self, interval: int = 1, roles: tuple[str, ...] = ("input", "weight", "grad")):
         if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
+            raise Fp8CommError(f"interval must be >= 1, got {interval}")
         self.interval = interval
         self.roles = roles
         self.step_count = 0
@@ -62,15 +64,13 @@ class Telemetry:
 
     def attach(self, model: torch.nn.Module) -> "Telemetry":
         """Record for every Fp8Linear in `model` (named by its module path)."""
-        from .linear import Fp8Linear
-
         n = 0
         for name, m in model.named_modules():
             if isinstance(m, Fp8Linear):
                 m.telemetry, m.fp8_name = self, name or m.fp8_name
                 n += 1
         if n == 0:
-            raise ValueError("attach: the model has no Fp8Linear modules (convert it with convert_to_fp8 first)")
+            raise Fp8CommError("attach: the model has no Fp8Linear modules (convert it with convert_to_fp8 first)")
         return self
 
     def step(self) -> None:
@@ -137,7 +137,7 @@ class Telemetry:
 
         roles = [r for r in self.roles if any(rec.role == r for rec in self.records)]
         if not roles:
-            raise ValueError("no telemetry records to plot (was the Telemetry attached and the model run?)")
+            raise Fp8CommError("no telemetry records to plot (was the Telemetry attached and the model run?)")
         fig, axes = plt.subplots(1, len(roles), figsize=(5 * len(roles), 3.8), squeeze=False)
         layers = list(dict.fromkeys(r.layer for r in self.records))
         cmap = plt.get_cmap("viridis")

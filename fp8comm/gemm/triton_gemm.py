@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from ..quant import Fp8Tensor
+from .operands import check_operands, row_scales
+from ..errors import Fp8CommError, Fp8CommNotImplementedError
 
 
 # Tile configs on CUDA by K tile: >= 64 (per-tensor, rows, 128-blocks) and < 64 (MX 1x32). From a sweep of 16
@@ -70,7 +72,7 @@ def _scale_args(q: Fp8Tensor, kblock: int) -> tuple[torch.Tensor, int, int, int]
     br, bc = q.scaling.block_shape(r, k)
     s = q.scale.float()
     if bc % kblock and bc < k:
-        raise ValueError(f"scale block {bc} along K is not a multiple of the K tile {kblock}")
+        raise Fp8CommError(f"scale block {bc} along K is not a multiple of the K tile {kblock}")
     # a scale column covers bc // kblock K tiles; stride 0 when one scale spans all of K
     s_k = 0 if s.shape[1] == 1 else s.stride(1)
     if s_k and bc != kblock:
@@ -83,9 +85,7 @@ def _scale_args(q: Fp8Tensor, kblock: int) -> tuple[torch.Tensor, int, int, int]
 def triton_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32,
                 block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """a @ b.T for FP8 operands with any scale layout whose K blocks are multiples of 16 (or span all of K)."""
-    from .backends import _check, _row_scales
-
-    _check(a, b)
+    check_operands(a, b)
     m, k = a.shape
     n = b.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.data.device)
@@ -93,13 +93,13 @@ def triton_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float
         return out
     if k == 0:
         return out.zero_()
-    _, ca = _row_scales(a)
-    _, cb = _row_scales(b)
+    _, ca = row_scales(a)
+    _, cb = row_scales(b)
     kblock = min(min(ca, k), min(cb, k))
     if ca >= k and cb >= k:  # scales constant along K: any tile works
         kblock = 128
     if kblock < 16 or (kblock & (kblock - 1)):
-        raise NotImplementedError(f"Triton GEMM needs power-of-two K blocks >= 16, got {kblock}")
+        raise Fp8CommNotImplementedError(f"Triton GEMM needs power-of-two K blocks >= 16, got {kblock}")
     sa, sa_r, sa_k, ra = _scale_args(a, kblock)
     sb, sb_r, sb_k, rb = _scale_args(b, kblock)
     interp = os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,5 +1,6 @@
 """fp8comm.quant: FP8 formats, scaling, Fp8Tensor, the packed wire format and the kernels that produce it."""
-from .api import dequantize, quantize, quantize_with_transpose, resolve_backend
+from .api import dequantize, quantize, quantize_with_transpose
+from .dispatch import resolve_backend
 from .formats import E4M3, E5M2, Fp8Format, get_format
 from .scaling import (DelayedScaling, Scaling, BlockScaling, MXScaling, RowScaling, TensorScaling, get_scaling,
                       scale_from_amax)

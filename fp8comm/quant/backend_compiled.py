@@ -41,7 +41,7 @@ def encode_nearest(x2: torch.Tensor, scale: torch.Tensor, scaling, fmt) -> torch
 
 
 _encode = torch.compile(ref.encode)
-_encode_nearest = torch.compile(encode_nearest)
+encode_nearest_compiled = torch.compile(encode_nearest)
 _amax = torch.compile(ref.block_amax)
 _dequant = torch.compile(ref.dequantize_2d)
 
@@ -51,7 +51,7 @@ def quantize_2d(x2, fmt, scaling, rounding="nearest", seed=0, scale=None, index_
     if scale is None:
         scale = scale_from_amax(amax, fmt, scaling)
     if rounding == "nearest":
-        codes = _encode_nearest(x2, scale, scaling, fmt).view(torch.uint8)
+        codes = encode_nearest_compiled(x2, scale, scaling, fmt).view(torch.uint8)
     else:
         codes = _encode(x2, scale, scaling, fmt, rounding, seed, index_base)
     return codes, scale, amax

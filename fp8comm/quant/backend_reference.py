@@ -5,8 +5,7 @@ import torch
 
 from . import reference as ref
 from .formats import Fp8Format
-from .tensor import decode_scales, encode_scales
-from .wire import ChunkLayout
+from .layout import ChunkLayout, decode_scales, encode_scales
 
 name = "reference"
 quantize_2d = ref.quantize_2d

@@ -18,7 +18,8 @@ from . import reference as ref
 from . import triton_kernels as tk
 from .formats import Fp8Format
 from .scaling import Scaling, scale_from_amax
-from .wire import ChunkLayout
+from .layout import ChunkLayout
+from ..errors import Fp8CommError, Fp8CommTypeError
 
 name = "triton"
 
@@ -109,7 +110,7 @@ def _limits() -> tuple[int, int]:
     return (INTERP_TILE, INTERP_FIT) if _interpreting() else (GPU_TILE, GPU_FIT)
 
 
-def _plan(m: int, k: int, br: int, bc: int) -> _Plan:
+def plan(m: int, k: int, br: int, bc: int) -> _Plan:
     # host time per launch matters for small collectives: plans are cached (the limits are part of the key)
     return _plan_cached(m, k, br, bc, *_limits())
 
@@ -117,7 +118,7 @@ def _plan(m: int, k: int, br: int, bc: int) -> _Plan:
 @lru_cache(maxsize=1024)
 def _plan_cached(m: int, k: int, br: int, bc: int, tile: int, fit_limit: int) -> _Plan:
     if k >= 1 << 31:  # column indices inside a row are int32 (row and byte offsets are int64)
-        raise ValueError(f"triton backend: rows of {k} elements (>= 2^31) are not supported; split the row")
+        raise Fp8CommError(f"triton backend: rows of {k} elements (>= 2^31) are not supported; split the row")
     if _p2(br) * _p2(bc) <= fit_limit:
         seg, segw = bc, _p2(bc)
         nseg = _cdiv(k, seg)
@@ -129,7 +130,7 @@ def _plan_cached(m: int, k: int, br: int, bc: int, tile: int, fit_limit: int) ->
             r = max(1, min(_p2(m), _p2_floor(tile // (nb * segw))))
             rstep = r
         fit, rows2d = True, br > 1
-    else:  # blocks larger than a tile: amax from _amax_kernel, the tile is just a window
+    else:  # blocks larger than a tile: amax from amax_kernel, the tile is just a window
         segw = min(_p2(k), tile)
         seg, nseg, nb, fit, rows2d = segw, _cdiv(k, segw), 1, False, False
         r = rstep = max(1, min(_p2(m), tile // segw))
@@ -138,7 +139,7 @@ def _plan_cached(m: int, k: int, br: int, bc: int, tile: int, fit_limit: int) ->
     return _Plan(fit, rows2d, rstep, seg, r, nb, segw, (_cdiv(m, rstep), _cdiv(nseg, nb)))
 
 
-def _launch(kernel, grid, *args, num_warps: int = 4, **meta) -> None:
+def launch(kernel, grid, *args, num_warps: int = 4, **meta) -> None:
     # FMA contraction off: the reference rounds every product and every sum separately (unpack_sum's acc + q*s).
     # The interpreter drops launch options it does not know.
     compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **meta)
@@ -154,7 +155,7 @@ def _quant_meta(fmt: Fp8Format, scaling: Scaling, rounding: str) -> dict:
                 MARGIN_MUL=float(2.0 ** scaling.margin), FM_FRAC=int((2 * fm - 1) * 2 ** 23), FK=fk)
 
 
-def _dec_meta(fmt: Fp8Format, device: torch.device) -> dict:
+def decode_meta(fmt: Fp8Format, device: torch.device) -> dict:
     return dict(_fmt_meta(fmt), HW=_hw(device))
 
 
@@ -177,14 +178,14 @@ def _as_input(x2: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _out_target(out: torch.Tensor):
     """(contiguous tensor the kernel writes, its view for the kernel, OUT_BF16)."""
     if out.dtype not in _OUT_DTYPES:
-        raise TypeError(f"triton backend: output dtype must be one of {_OUT_DTYPES}, got {out.dtype}")
+        raise Fp8CommTypeError(f"triton backend: output dtype must be one of {_OUT_DTYPES}, got {out.dtype}")
     o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
     # the interpreter's fp32->bf16 cast truncates: there the kernel rounds in integers and stores int16 bits
     bf16 = o.dtype == torch.bfloat16 and _interpreting()
     return o, (o.view(torch.int16) if bf16 else o), bf16
 
 
-def _tables(layout: ChunkLayout, device: torch.device):
+def chunk_tables(layout: ChunkLayout, device: torch.device):
     """Per-chunk first row (int32, + total), byte offset (int64, + total) and payload bytes (int64), cached (LRU).
 
     On CUDA a cache miss (every MoE step: its splits change) must not stall the host: the tables are built in
@@ -219,8 +220,8 @@ def _amax_big(x: torch.Tensor, bf16: bool, amax: torch.Tensor, m: int, k: int, b
     nsr = _cdiv(min(br, m) if mb == 1 else br, tr)
     nsc = _cdiv(min(bc, k) if kb == 1 else bc, tc)
     if kb * nsc > MAX_GRID_1:
-        raise ValueError(f"triton backend: {kb * nsc} column tiles exceed CUDA's grid limit; use the reference backend")
-    _launch(tk._amax_kernel, (mb * nsr, kb * nsc), x, amax.view(torch.int32), m, k, br, bc, kb, nsr, nsc,
+        raise Fp8CommError(f"triton backend: {kb * nsc} column tiles exceed CUDA's grid limit; use the reference backend")
+    launch(tk.amax_kernel, (mb * nsr, kb * nsc), x, amax.view(torch.int32), m, k, br, bc, kb, nsr, nsc,
             TR=tr, TC=tc, IN_BF16=bf16, num_warps=min(8, max(1, tr * tc // 1024)))
 
 
@@ -241,11 +242,11 @@ def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: st
     x, bf16 = _as_input(x2)
     given = scale is not None
     s_out = scale.to(dev, torch.float32).contiguous() if given else torch.empty(mb, kb, dtype=torch.float32, device=dev)
-    p = _plan(m, k, br, bc)
+    p = plan(m, k, br, bc)
     if not p.fit:
         _amax_big(x, bf16, amax, m, k, br, bc)
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
-    _launch(tk._quant_kernel, p.grid, x, codes, s_out, amax, codes, codes, codes, 0, m, k, br, bc, kb,
+    launch(tk.quant_kernel, p.grid, x, codes, s_out, amax, codes, codes, codes, 0, m, k, br, bc, kb,
             _i32(index_base), _i32(key), SCALE_GIVEN=given, PACK=False, SCALE_BYTES=4, NCH_STEPS=0,
             K16=k % 16 == 0, PADC=1, IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
             **_quant_meta(fmt, scaling, rounding))
@@ -258,7 +259,7 @@ def quantize_2d_t(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: 
     contiguous (codes again when not `transposed`), fp32 scale [1, 1], fp32 amax [1, 1]). The tensor amax is
     one read of x before it."""
     if scaling.rows is not None or scaling.cols is not None:
-        raise ValueError(f"quantize_2d_t is per tensor only, got {scaling.describe()} blocks")
+        raise Fp8CommError(f"quantize_2d_t is per tensor only, got {scaling.describe()} blocks")
     m, k = x2.shape
     dev = x2.device
     codes = torch.empty(m, k, dtype=torch.uint8, device=dev)
@@ -278,9 +279,9 @@ def quantize_2d_t(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: 
         bm, bk = GPU_T_TILE
         warps = GPU_T_WARPS
     if _cdiv(k, bk) > MAX_GRID_1:
-        raise ValueError(f"triton backend: {k} columns need {_cdiv(k, bk)} column tiles, over CUDA's grid limit")
+        raise Fp8CommError(f"triton backend: {k} columns need {_cdiv(k, bk)} column tiles, over CUDA's grid limit")
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
-    _launch(tk._quant_tensor_t_kernel, (_cdiv(m, bm), _cdiv(k, bk)), x, codes, codes_t, s_out, amax, m, k,
+    launch(tk.quant_tensor_t_kernel, (_cdiv(m, bm), _cdiv(k, bk)), x, codes, codes_t, s_out, amax, m, k,
             _i32(index_base), _i32(key), BM=bm, BK=bk, SCALE_GIVEN=given, WRITE_T=transposed, IN_BF16=bf16, HW=_hw(dev),
             num_warps=warps, **_quant_meta(fmt, scaling, rounding))
     return codes, codes_t, (scale if given else s_out), amax
@@ -296,7 +297,7 @@ def quantize_2d_rowcol(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, round
     """quantize_2d(x2) and quantize_2d(x2.t()) with 1 x B blocks (B = scaling.cols <= ROWCOL_MAX_BLOCK, power of
     two), both from one read of x2: (codes, scale, amax) of x2 [M, K], then of x2^T [K, M] (contiguous)."""
     if not rowcol_supported(scaling):
-        raise ValueError(f"quantize_2d_rowcol takes 1xB blocks, B a power of two in [16, {ROWCOL_MAX_BLOCK}], "
+        raise Fp8CommError(f"quantize_2d_rowcol takes 1xB blocks, B a power of two in [16, {ROWCOL_MAX_BLOCK}], "
                          f"got {scaling.describe()}")
     m, k = x2.shape
     b = scaling.cols
@@ -310,7 +311,7 @@ def quantize_2d_rowcol(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, round
     if m and k:
         x, bf16 = _as_input(x2)
         key = ref.seed_key(seed) if rounding == "stochastic" else 0
-        _launch(tk._quant_rowcol_kernel, (mb, kb), x, codes, codes_t, s, s_t, a, a_t, m, k, kb, mb, _i32(key), B=b,
+        launch(tk.quant_rowcol_kernel, (mb, kb), x, codes, codes_t, s, s_t, a, a_t, m, k, kb, mb, _i32(key), B=b,
                 IN_BF16=bf16, HW=_hw(dev), num_warps=min(8, max(1, b * b // 2048)), **_quant_meta(fmt, scaling, rounding))
     return (codes, s, a), (codes_t, s_t, a_t)
 
@@ -327,9 +328,9 @@ def dequantize_2d(codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scal
     c = (codes if codes.dtype == torch.uint8 else codes.view(torch.uint8)).contiguous()
     s = scale.to(codes.device, torch.float32).contiguous()
     o, ov, bf16 = _out_target(out)
-    p = _plan(m, k, br, bc)
-    _launch(tk._dequant_kernel, p.grid, c, s, ov, c, c, c, 0, 0, m, k, br, bc, kb, MODE=0, SCALE_BYTES=4,
-            NCH_STEPS=0, K16=k % 16 == 0, OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt, c.device))
+    p = plan(m, k, br, bc)
+    launch(tk.dequant_kernel, p.grid, c, s, ov, c, c, c, 0, 0, m, k, br, bc, kb, MODE=0, SCALE_BYTES=4,
+            NCH_STEPS=0, K16=k % 16 == 0, OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **decode_meta(fmt, c.device))
     return o
 
 
@@ -342,15 +343,15 @@ def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding:
         return out
     x, bf16 = _as_input(x2)
     dev = x.device
-    starts, offs, pbytes = _tables(layout, dev)
+    starts, offs, pbytes = chunk_tables(layout, dev)
     n, bc, kb = len(layout.rows), layout.block, layout.kb
-    p = _plan(m, k, 1, bc)
+    p = plan(m, k, 1, bc)
     amax = starts
     if not p.fit:
         amax = torch.zeros(m, kb, dtype=torch.float32, device=dev)
         _amax_big(x, bf16, amax, m, k, 1, bc)
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
-    _launch(tk._quant_kernel, p.grid, x, out, starts, amax, starts, offs, pbytes, n, m, k, 1, bc, kb, 0, _i32(key),
+    launch(tk.quant_kernel, p.grid, x, out, starts, amax, starts, offs, pbytes, n, m, k, 1, bc, kb, 0, _i32(key),
             SCALE_GIVEN=False, PACK=True, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=(n - 1).bit_length(),
             K16=k % 16 == 0, PADC=min(_p2(n), 64), IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
             **_quant_meta(fmt, layout.scaling, rounding))
@@ -362,13 +363,13 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: t
     m, k = layout.total_rows, layout.k
     if m == 0 or k == 0:
         return out
-    starts, offs, pbytes = _tables(layout, buf.device)
+    starts, offs, pbytes = chunk_tables(layout, buf.device)
     n = len(layout.rows)
     o, ov, bf16 = _out_target(out)
-    p = _plan(m, k, 1, layout.block)
-    _launch(tk._dequant_kernel, p.grid, buf, buf, ov, starts, offs, pbytes, n, 0, m, k, 1, layout.block, layout.kb,
+    p = plan(m, k, 1, layout.block)
+    launch(tk.dequant_kernel, p.grid, buf, buf, ov, starts, offs, pbytes, n, 0, m, k, 1, layout.block, layout.kb,
             MODE=1, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=(n - 1).bit_length(), K16=k % 16 == 0,
-            OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt, buf.device))
+            OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **decode_meta(fmt, buf.device))
     if o is not out:
         out.copy_(o)
     return out
@@ -380,12 +381,12 @@ def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torc
     rows = layout.rows[0] if n else 0
     if n == 0 or rows == 0 or k == 0:
         return out.zero_()
-    _, _, pbytes = _tables(layout, buf.device)
+    _, _, pbytes = chunk_tables(layout, buf.device)
     o, ov, _ = _out_target(out)
-    p = _plan(rows, k, 1, layout.block)
-    _launch(tk._dequant_kernel, p.grid, buf, buf, ov, pbytes, pbytes, pbytes, n, layout.chunk_bytes[0], rows, k, 1,
+    p = plan(rows, k, 1, layout.block)
+    launch(tk.dequant_kernel, p.grid, buf, buf, ov, pbytes, pbytes, pbytes, n, layout.chunk_bytes[0], rows, k, 1,
             layout.block, layout.kb, MODE=2, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=0, K16=k % 16 == 0,
-            OUT_BF16=False, num_warps=p.num_warps, **p.meta(), **_dec_meta(fmt, buf.device))
+            OUT_BF16=False, num_warps=p.num_warps, **p.meta(), **decode_meta(fmt, buf.device))
     if o is not out:
         out.copy_(o)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from ..errors import Fp8CommError
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ E8M0_MIN_EXP = -126  # we never emit 2**-127 so that every scale is a normal fp3
 E8M0_MAX_EXP = 127
 
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+                           torch.float8_e8m0fnu})
 _ALIASES = {"e4m3fn": "e4m3", "float8_e4m3fn": "e4m3", "fp8_e4m3": "e4m3", "float8_e5m2": "e5m2", "fp8_e5m2": "e5m2"}
 
 
@@ -57,9 +60,9 @@ def get_format(fmt: str | Fp8Format | torch.dtype) -> Fp8Format:
         for f in FORMATS.values():
             if f.dtype == fmt:
                 return f
-        raise ValueError(f"unknown FP8 format {fmt}; valid: {', '.join(FORMATS)}")
+        raise Fp8CommError(f"unknown FP8 format {fmt}; valid: {', '.join(FORMATS)}")
     if isinstance(fmt, str):
         key = _ALIASES.get(fmt.lower(), fmt.lower())
         if key in FORMATS:
             return FORMATS[key]
-    raise ValueError(f"unknown FP8 format {fmt!r}; valid: {', '.join(FORMATS)} (or their torch float8 dtypes)")
+    raise Fp8CommError(f"unknown FP8 format {fmt!r}; valid: {', '.join(FORMATS)} (or their torch float8 dtypes)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .formats import E8M0_MAX_EXP, E8M0_MIN_EXP, Fp8Format
+from ..errors import Fp8CommError, Fp8CommTypeError
 
 ENCODINGS = ("fp32", "pow2", "e8m0")
 """fp32: exact amax/max scale. pow2: a power of two (with `margin`), stored as fp32. e8m0: a power of two, one byte."""
@@ -33,11 +34,11 @@ class Scaling:
         for name in ("rows", "cols"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                raise ValueError(f"invalid block size: {name}={v!r}; expected a positive int or None (whole extent)")
+                raise Fp8CommError(f"invalid block size: {name}={v!r}; expected a positive int or None (whole extent)")
         if self.encoding not in ENCODINGS:
-            raise ValueError(f"unknown scale encoding {self.encoding!r}; valid: {', '.join(ENCODINGS)}")
+            raise Fp8CommError(f"unknown scale encoding {self.encoding!r}; valid: {', '.join(ENCODINGS)}")
         if not isinstance(self.margin, int) or abs(self.margin) > 64:
-            raise ValueError(f"invalid margin {self.margin!r}; expected an int in [-64, 64]")
+            raise Fp8CommError(f"invalid margin {self.margin!r}; expected an int in [-64, 64]")
 
     @property
     def scale_bytes(self) -> int:
@@ -96,7 +97,7 @@ def get_scaling(s: "str | Scaling") -> Scaling:
         return s
     if isinstance(s, str) and s in PRESETS:
         return PRESETS[s]
-    raise ValueError(f"unknown scaling {s!r}; valid presets: {', '.join(PRESETS)} (or a Scaling object)")
+    raise Fp8CommError(f"unknown scaling {s!r}; valid presets: {', '.join(PRESETS)} (or a Scaling object)")
 
 
 def pow2_scale_exponent(amax: torch.Tensor, fmt: Fp8Format, margin: int) -> torch.Tensor:
@@ -133,23 +134,23 @@ def check_scale(scale: torch.Tensor, expected_shape: tuple[int, int], scaling: S
     if not isinstance(scale, torch.Tensor):
         scale = torch.tensor(float(scale), dtype=torch.float32)
     if not scale.is_floating_point():
-        raise TypeError(f"scale must be a floating tensor, got {scale.dtype}")
+        raise Fp8CommTypeError(f"scale must be a floating tensor, got {scale.dtype}")
     s = scale.float()
     if s.numel() == 1 and expected_shape == (1, 1):
         s = s.reshape(1, 1)
     if tuple(s.shape) != tuple(expected_shape):
-        raise ValueError(
+        raise Fp8CommError(
             f"scale tensor has shape {tuple(scale.shape)}, expected {tuple(expected_shape)} for {scaling.describe()} "
             "blocks of this input"
         )
     if s.device.type != "cpu":
         return s
     if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
-        raise ValueError("scale must be finite and > 0 everywhere")
+        raise Fp8CommError("scale must be finite and > 0 everywhere")
     if scaling.encoding != "fp32":
         _, e = torch.frexp(s)
         if not bool((torch.ldexp(torch.ones_like(s), e - 1) == s).all()):
-            raise ValueError(f"{scaling.encoding} scaling needs power-of-two scales")
+            raise Fp8CommError(f"{scaling.encoding} scaling needs power-of-two scales")
     return s
 
 
@@ -168,9 +169,9 @@ class DelayedScaling:
 
     def __post_init__(self) -> None:
         if self.history_len < 1:
-            raise ValueError(f"history_len must be >= 1, got {self.history_len}")
+            raise Fp8CommError(f"history_len must be >= 1, got {self.history_len}")
         if self.reduce not in ("max", "most_recent"):
-            raise ValueError(f"unknown amax reduction {self.reduce!r}; valid: max, most_recent")
+            raise Fp8CommError(f"unknown amax reduction {self.reduce!r}; valid: max, most_recent")
         if self.history is None:
             self.history = torch.zeros(self.history_len, dtype=torch.float32)
 
@@ -198,5 +199,5 @@ class DelayedScaling:
     def load_state_dict(self, sd: dict) -> None:
         h = sd["history"]
         if h.numel() != self.history_len:
-            raise ValueError(f"amax history has {h.numel()} entries, this DelayedScaling keeps {self.history_len}")
+            raise Fp8CommError(f"amax history has {h.numel()} entries, this DelayedScaling keeps {self.history_len}")
         self.history = h.clone().float()

@@ -5,28 +5,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .dispatch import resolve_backend
 from .formats import Fp8Format, get_format
+from .layout import align, decode_scales, encode_scales, view_2d
 from .scaling import Scaling
+from ..errors import Fp8CommError
 
-ALIGN = 16
-
-
-def align(n: int, a: int = ALIGN) -> int:
-    return -(-n // a) * a
-
-
-def view_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """The [M, K] view every layout is defined on: K is the last dim, M the product of the others (0-d: 1x1)."""
-    if len(shape) == 0:
-        return 1, 1
-    k = shape[-1]
-    m = 1
-    for d in shape[:-1]:
-        m *= d
-    return m, k
-
-
-@dataclass
+@dataclass(repr=False)
 class Fp8Tensor:
     """FP8 `data` (torch float8, the input's shape) with fp32 `scale` per block of the [M, K] view.
 
@@ -45,18 +30,28 @@ class Fp8Tensor:
     def shape(self) -> torch.Size:
         return self.data.shape
 
+    def __repr__(self) -> str:
+        return (f"Fp8Tensor(shape={tuple(self.shape)}, fmt={self.fmt.name}, scaling={self.scaling.describe()}, "
+                f"dtype={self.dtype}, device={self.data.device})")
+
     def codes_2d(self) -> torch.Tensor:
         return self.data.view(torch.uint8).reshape(view_2d(self.shape))
 
     def dequantize(self, dtype: torch.dtype | None = torch.float32, backend: str = "auto") -> torch.Tensor:
-        from .api import dequantize
-
-        return dequantize(self, dtype=dtype, backend=backend)
+        """data * scale in `dtype` (None: the original dtype), shaped like the quantized tensor."""
+        dtype = self.dtype if dtype is None else dtype
+        m, k = view_2d(self.shape)
+        if tuple(self.scale.shape) != self.scaling.scale_shape(m, k):
+            raise Fp8CommError(f"Fp8Tensor scale has shape {tuple(self.scale.shape)}, expected "
+                             f"{self.scaling.scale_shape(m, k)} for {self.scaling.describe()} blocks of shape "
+                             f"{tuple(self.shape)}")
+        b = resolve_backend(backend, self.data.device, self.data.numel())
+        return b.dequantize_2d(self.codes_2d(), self.scale, self.fmt, self.scaling, dtype).reshape(self.shape)
 
     def scale_e8m0(self) -> torch.Tensor:
         """The scales as torch.float8_e8m0fnu (only for power-of-two encodings)."""
         if self.scaling.encoding == "fp32":
-            raise ValueError("fp32-encoded scales are not powers of two; E8M0 needs pow2 or e8m0 encoding")
+            raise Fp8CommError("fp32-encoded scales are not powers of two; E8M0 needs pow2 or e8m0 encoding")
         return self.scale.to(torch.float8_e8m0fnu)
 
     def nonfinite_count(self) -> int:
@@ -75,7 +70,7 @@ class Fp8Tensor:
         n, ns = self.data.numel(), self.scale.numel()
         buf = out if out is not None else torch.zeros(self.packed_size(), dtype=torch.uint8, device=self.data.device)
         if buf.dtype != torch.uint8 or buf.numel() < self.packed_size():
-            raise ValueError(f"pack buffer must be uint8 with >= {self.packed_size()} bytes")
+            raise Fp8CommError(f"pack buffer must be uint8 with >= {self.packed_size()} bytes")
         buf[:n] = self.data.reshape(-1).view(torch.uint8)
         off = align(n)
         buf[off:off + ns * self.scaling.scale_bytes] = encode_scales(self.scale.reshape(-1), self.scaling)
@@ -91,22 +86,8 @@ class Fp8Tensor:
         n = shape.numel()
         need = align(n) + align(mb * kb * scaling.scale_bytes)
         if buf.dtype != torch.uint8 or buf.numel() < need:
-            raise ValueError(f"unpack buffer must be uint8 with >= {need} bytes, got {buf.dtype} x {buf.numel()}")
+            raise Fp8CommError(f"unpack buffer must be uint8 with >= {need} bytes, got {buf.dtype} x {buf.numel()}")
         data = buf[:n].view(fmt.dtype).reshape(shape)
         off = align(n)
         scale = decode_scales(buf[off:off + mb * kb * scaling.scale_bytes], scaling).reshape(mb, kb)
         return cls(data, scale, fmt, scaling, dtype)
-
-
-def encode_scales(scale: torch.Tensor, scaling: Scaling) -> torch.Tensor:
-    """fp32 scales -> wire bytes: 4 bytes each, or the E8M0 biased exponent (one byte) for e8m0."""
-    scale = scale.float().contiguous()
-    if scaling.encoding == "e8m0":
-        return ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-    return scale.view(torch.uint8)
-
-
-def decode_scales(b: torch.Tensor, scaling: Scaling) -> torch.Tensor:
-    if scaling.encoding == "e8m0":
-        return (b.to(torch.int32) << 23).view(torch.float32)
-    return b.contiguous().view(torch.float32)

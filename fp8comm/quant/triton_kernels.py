@@ -9,7 +9,7 @@ are assembled from integer bit fields. launch/device_check.py checks the HW path
 
 Tiles are [R rows, NB segments, SEGW columns]. With FIT, one segment is one 1xB block (or one block-row slice of a
 2-D block when ROWS2D), so block amax is a reduction inside the tile and the whole quantization is one pass.
-Without FIT (blocks larger than a tile) amax comes from `_amax_kernel` and each element looks its block up.
+Without FIT (blocks larger than a tile) amax comes from `amax_kernel` and each element looks its block up.
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def _store_scale_bytes(ptr, off, s, mask, SCALE_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.constexpr, TC: tl.constexpr,
+def amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.constexpr, TC: tl.constexpr,
                  IN_BF16: tl.constexpr):
     """Partial amax of one TR x TC sub-tile of one (large) block, merged with an integer atomic max (exact and
     order-free: non-negative fp32 values order like their bit patterns). amax must start at +0."""
@@ -249,7 +249,7 @@ def _amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.conste
 
 
 @triton.jit(do_not_specialize=["index_base", "key"])  # bitcast below needs them as i32, never constexpr 1
-def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks,
+def quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks,
                   M, K, BR, BC, KB, index_base, key,
                   RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr,
                   ROWS2D: tl.constexpr, FIT: tl.constexpr, SCALE_GIVEN: tl.constexpr, PACK: tl.constexpr,
@@ -354,7 +354,7 @@ def _load_tile(x_ptr, pid_m, pid_k, M, K, BM: tl.constexpr, BK: tl.constexpr, IN
 
 
 @triton.jit(do_not_specialize=["index_base", "key"])
-def _quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K, index_base, key,
+def quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K, index_base, key,
                            BM: tl.constexpr, BK: tl.constexpr, SCALE_GIVEN: tl.constexpr, WRITE_T: tl.constexpr,
                            FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
                            STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr,
@@ -378,7 +378,7 @@ def _quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K,
     if POW2:
         r2 = _recip_pow2(s2)
     idx = None
-    if STOCHASTIC:  # the SR counter is the element's flat index in [M, K] (+ index_base), as in _quant_kernel
+    if STOCHASTIC:  # the SR counter is the element's flat index in [M, K] (+ index_base), as in quant_kernel
         idx = (index_base.to(tl.uint32, bitcast=True) + rows.to(tl.uint32)[:, None] * K + cols.to(tl.uint32)[None, :])
         key = key.to(tl.uint32, bitcast=True)
     codes = _encode(x, finite, s2, r2, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
@@ -392,7 +392,7 @@ def _quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K,
 
 
 @triton.jit(do_not_specialize=["key"])
-def _quant_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr, amax_ptr, amax_t_ptr, M, K, KB, MB,
+def quant_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr, amax_ptr, amax_t_ptr, M, K, KB, MB,
                          key, B: tl.constexpr,
                          FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
                          STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr,
@@ -437,7 +437,7 @@ def _quant_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr, amax
 
 
 @triton.jit
-def _dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks, chunk_stride,
+def dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks, chunk_stride,
                     M, K, BR, BC, KB,
                     RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr,
                     ROWS2D: tl.constexpr, FIT: tl.constexpr, MODE: tl.constexpr, SCALE_BYTES: tl.constexpr,

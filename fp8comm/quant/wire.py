@@ -6,104 +6,26 @@ E8M0 byte, each), both sections 16-byte aligned. Reduce-scatter and all-gather u
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
-
 import torch
 
+from .dispatch import resolve_backend
 from .formats import Fp8Format
-from .scaling import Scaling
-from .tensor import align, decode_scales
+from .layout import ChunkLayout, decode_scales, layout_of
+from ..errors import Fp8CommError
 
-
-@dataclass(frozen=True)
-class ChunkLayout:
-    """Byte layout of `rows` (a row count per chunk) of width `k`, blocked 1 x scaling.cols along k."""
-
-    rows: tuple[int, ...]
-    k: int
-    scaling: Scaling
-
-    def __post_init__(self) -> None:
-        if self.scaling.rows != 1:
-            raise ValueError(f"wire chunks need 1xB blocks (rows=1), got {self.scaling.describe()}")
-        if any(r < 0 for r in self.rows):
-            raise ValueError(f"chunk row counts must be >= 0, got {self.rows}")
-
-    @property
-    def block(self) -> int:
-        return self.scaling.cols if self.scaling.cols is not None else max(self.k, 1)
-
-    @property
-    def kb(self) -> int:
-        """Scales per row."""
-        return -(-self.k // self.block) if self.k else 0
-
-    def payload_bytes(self, c: int) -> int:
-        return align(self.rows[c] * self.k)
-
-    def scale_bytes(self, c: int) -> int:
-        return align(self.rows[c] * self.kb * self.scaling.scale_bytes)
-
-    @cached_property
-    def chunk_bytes(self) -> tuple[int, ...]:
-        return tuple(self.payload_bytes(c) + self.scale_bytes(c) for c in range(len(self.rows)))
-
-    @cached_property
-    def offsets(self) -> tuple[int, ...]:
-        out, o = [], 0
-        for b in self.chunk_bytes:
-            out.append(o)
-            o += b
-        return tuple(out)
-
-    @cached_property
-    def row_starts(self) -> tuple[int, ...]:
-        out, r = [], 0
-        for n in self.rows:
-            out.append(r)
-            r += n
-        return tuple(out)
-
-    @property
-    def total_rows(self) -> int:
-        return sum(self.rows)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.chunk_bytes)
-
-    def chunk(self, c: int) -> "ChunkLayout":
-        """Chunk c alone: its bytes are the same as at offsets[c] here (every chunk is aligned on its own)."""
-        return layout_of((self.rows[c],), self.k, self.scaling)
-
-    def with_rows(self, rows) -> "ChunkLayout":
-        return layout_of(tuple(int(r) for r in rows), self.k, self.scaling)
-
-
-@lru_cache(maxsize=4096)
-def layout_of(rows: tuple[int, ...], k: int, scaling: Scaling) -> ChunkLayout:
-    """ChunkLayout(rows, k, scaling), shared per process: steady-state calls repeat their layouts, and a shared
-    one keeps its computed offsets (host time per call matters next to a GPU collective's ~30 us)."""
-    return ChunkLayout(rows, k, scaling)
-
-
-def _backend(name: str, device: torch.device, numel: int):
-    from .api import resolve_backend
-
-    return resolve_backend(name, device, numel)
+__all__ = ["ChunkLayout", "layout_of", "pack_chunks", "unpack_chunks", "unpack_sum", "unpack_codes"]
 
 
 def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding: str = "nearest", seed: int = 0,
                 out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Quantize x2 [M, K] (M = layout.total_rows) and write every chunk into one uint8 buffer (fused on GPU)."""
     if x2.dim() != 2 or tuple(x2.shape) != (layout.total_rows, layout.k):
-        raise ValueError(f"pack_chunks: input shape {tuple(x2.shape)} != layout {(layout.total_rows, layout.k)}")
+        raise Fp8CommError(f"pack_chunks: input shape {tuple(x2.shape)} != layout {(layout.total_rows, layout.k)}")
     if out is None:
         out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x2.device)
     elif out.dtype != torch.uint8 or out.numel() < layout.total_bytes or not out.is_contiguous():
-        raise ValueError(f"pack_chunks: out must be contiguous uint8 with >= {layout.total_bytes} bytes")
-    return _backend(backend, x2.device, x2.numel()).pack_chunks(x2, layout, fmt, rounding, seed, out)
+        raise Fp8CommError(f"pack_chunks: out must be contiguous uint8 with >= {layout.total_bytes} bytes")
+    return resolve_backend(backend, x2.device, x2.numel()).pack_chunks(x2, layout, fmt, rounding, seed, out)
 
 
 def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, dtype: torch.dtype = torch.float32,
@@ -112,7 +34,7 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, dtype:
     _check_buf(buf, layout)
     if out is None:
         out = torch.empty(layout.total_rows, layout.k, dtype=dtype, device=buf.device)
-    return _backend(backend, buf.device, buf.numel()).unpack_chunks(buf, layout, fmt, out)
+    return resolve_backend(backend, buf.device, buf.numel()).unpack_chunks(buf, layout, fmt, out)
 
 
 def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torch.Tensor | None = None,
@@ -120,13 +42,13 @@ def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torc
     """Dequantize N equal chunks and sum them in fp32, in chunk order (the receive side of a reduce-scatter)."""
     _check_buf(buf, layout)
     if len(set(layout.rows)) > 1:
-        raise ValueError(f"unpack_sum needs equal chunks, got rows {layout.rows}")
+        raise Fp8CommError(f"unpack_sum needs equal chunks, got rows {layout.rows}")
     rows = layout.rows[0] if layout.rows else 0
     if out is None:
         out = torch.empty(rows, layout.k, dtype=torch.float32, device=buf.device)
     elif out.dtype != torch.float32 or tuple(out.shape) != (rows, layout.k):
-        raise ValueError(f"unpack_sum: out must be fp32 {(rows, layout.k)}")
-    return _backend(backend, buf.device, buf.numel()).unpack_sum(buf, layout, fmt, out)
+        raise Fp8CommError(f"unpack_sum: out must be fp32 {(rows, layout.k)}")
+    return resolve_backend(backend, buf.device, buf.numel()).unpack_sum(buf, layout, fmt, out)
 
 
 def unpack_codes(buf: torch.Tensor, layout: ChunkLayout, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -135,9 +57,9 @@ def unpack_codes(buf: torch.Tensor, layout: ChunkLayout, codes: torch.Tensor, sc
     _check_buf(buf, layout)
     m, k, kb = layout.total_rows, layout.k, layout.kb
     if codes.dtype != torch.uint8 or tuple(codes.shape) != (m, k):
-        raise ValueError(f"unpack_codes: codes must be uint8 {(m, k)}, got {codes.dtype} {tuple(codes.shape)}")
+        raise Fp8CommError(f"unpack_codes: codes must be uint8 {(m, k)}, got {codes.dtype} {tuple(codes.shape)}")
     if scales.dtype != torch.float32 or tuple(scales.shape) != (m, kb):
-        raise ValueError(f"unpack_codes: scales must be fp32 {(m, kb)}, got {scales.dtype} {tuple(scales.shape)}")
+        raise Fp8CommError(f"unpack_codes: scales must be fp32 {(m, kb)}, got {scales.dtype} {tuple(scales.shape)}")
     for c, rows in enumerate(layout.rows):
         if not rows:
             continue
@@ -149,5 +71,5 @@ def unpack_codes(buf: torch.Tensor, layout: ChunkLayout, codes: torch.Tensor, sc
 
 def _check_buf(buf: torch.Tensor, layout: ChunkLayout) -> None:
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < layout.total_bytes:
-        raise ValueError(f"wire buffer must be 1-D uint8 with >= {layout.total_bytes} bytes, "
+        raise Fp8CommError(f"wire buffer must be 1-D uint8 with >= {layout.total_bytes} bytes, "
                          f"got {buf.dtype} {tuple(buf.shape)}")

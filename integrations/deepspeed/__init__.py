@@ -11,9 +11,12 @@ option, what each hook replaces, the supported versions and how to check that FP
 """
 from __future__ import annotations
 
-from .compat import SUPPORTED_BELOW, SUPPORTED_MIN, UnsupportedError
-from .config import Fp8CommConfig, Fp8CommConfigError, defaults, parse
-from .engine import Fp8CommStateError, enable_config_flag, initialize, install, state, uninstall
+from fp8comm.deprecation import renamed
+from fp8comm.errors import Fp8CommConfigError, Fp8CommError, Fp8CommStateError, Fp8CommUnsupportedError
+
+from .compat import SUPPORTED_BELOW, SUPPORTED_MIN
+from .config import Fp8CommDeepSpeedConfig, TrafficConfig, defaults, parse
+from .engine import enable_config_flag, initialize, install, state, uninstall
 
 
 def is_installed() -> bool:
@@ -42,5 +45,10 @@ def summary() -> str:
 enable_config_flag()
 
 __all__ = ["initialize", "install", "uninstall", "is_installed", "hook_stats", "reset_hook_stats", "summary",
-           "parse", "defaults", "Fp8CommConfig", "Fp8CommConfigError", "UnsupportedError", "Fp8CommStateError",
+           "parse", "defaults", "Fp8CommDeepSpeedConfig", "TrafficConfig", "Fp8CommError", "Fp8CommConfigError",
+           "Fp8CommUnsupportedError", "Fp8CommStateError",
            "enable_config_flag", "SUPPORTED_MIN", "SUPPORTED_BELOW"]
+
+__getattr__ = renamed(__name__, {"Fp8CommConfig": ("Fp8CommDeepSpeedConfig", Fp8CommDeepSpeedConfig),
+                                 "UnsupportedError": ("fp8comm.errors.Fp8CommUnsupportedError",
+                                                      Fp8CommUnsupportedError)})

@@ -13,16 +13,14 @@ import os
 import types
 from dataclasses import dataclass
 
-from .config import Fp8CommConfig
+from fp8comm.errors import Fp8CommUnsupportedError
+
+from .config import Fp8CommDeepSpeedConfig
 
 # Tested: 0.19.8. Older 0.19.x releases predate the compact gradient-partition buffers the ZeRO-1/2 hook feeds.
 SUPPORTED_MIN = "0.19.8"
 SUPPORTED_BELOW = "0.20"
 ANY_VERSION_ENV = "FP8COMM_DEEPSPEED_ANY_VERSION"  # =1: let the per-target checks alone decide (untested release)
-
-
-class UnsupportedError(RuntimeError):
-    """This DeepSpeed version or configuration cannot run with the requested fp8_comm hooks; nothing was patched."""
 
 
 @dataclass(frozen=True)
@@ -104,37 +102,37 @@ def deepspeed_version() -> str:
 
 
 def check_version() -> str:
-    """The installed DeepSpeed version; UnsupportedError outside the supported range (unless overridden)."""
+    """The installed DeepSpeed version; Fp8CommUnsupportedError outside the supported range (unless overridden)."""
     from packaging.version import Version
 
     try:
         v = deepspeed_version()
     except ImportError as e:
-        raise UnsupportedError(f"fp8_comm needs DeepSpeed ({SUPPORTED_MIN} <= version < {SUPPORTED_BELOW}); "
+        raise Fp8CommUnsupportedError(f"fp8_comm needs DeepSpeed ({SUPPORTED_MIN} <= version < {SUPPORTED_BELOW}); "
                                f"import failed: {e}. Install: pip install deepspeed=={SUPPORTED_MIN}") from e
     ok = Version(SUPPORTED_MIN) <= Version(v) < Version(SUPPORTED_BELOW)
     if not ok and os.environ.get(ANY_VERSION_ENV, "") != "1":
-        raise UnsupportedError(f"DeepSpeed {v} is outside the range fp8comm supports ({SUPPORTED_MIN} <= version < "
+        raise Fp8CommUnsupportedError(f"DeepSpeed {v} is outside the range fp8comm supports ({SUPPORTED_MIN} <= version < "
                                f"{SUPPORTED_BELOW}). Install deepspeed=={SUPPORTED_MIN}, or set {ANY_VERSION_ENV}=1 "
                                "to let the per-hook signature checks decide (untested).")
     return v
 
 
 def check_target(t: Target) -> None:
-    """UnsupportedError unless `t` exists with the expected parameters and its callers still use it by name."""
+    """Fp8CommUnsupportedError unless `t` exists with the expected parameters and its callers still use it by name."""
     where = f"{t.module}.{t.attr}"
     try:
         obj = _resolve(t.module, t.attr)
     except (ImportError, AttributeError) as e:
-        raise UnsupportedError(f"fp8_comm hook {t.key}: {where} not found in DeepSpeed {deepspeed_version()} "
+        raise Fp8CommUnsupportedError(f"fp8_comm hook {t.key}: {where} not found in DeepSpeed {deepspeed_version()} "
                                f"({e}); this release is not supported") from e
     fn = obj if callable(obj) and not isinstance(obj, type) else None
     if fn is None:
-        raise UnsupportedError(f"fp8_comm hook {t.key}: {where} is not a function")
+        raise Fp8CommUnsupportedError(f"fp8_comm hook {t.key}: {where} is not a function")
     fn = _unwrap(fn)
     params = tuple(inspect.signature(fn).parameters)
     if params != t.params:
-        raise UnsupportedError(f"fp8_comm hook {t.key}: {where} has parameters {params}, the hook was written for "
+        raise Fp8CommUnsupportedError(f"fp8_comm hook {t.key}: {where} has parameters {params}, the hook was written for "
                                f"{t.params} (DeepSpeed {deepspeed_version()}); not supported")
     name = t.attr.rsplit(".", 1)[-1]
     if name == "forward" and "." in t.attr:  # a class used as a whole (autograd Function): callers name the class
@@ -143,24 +141,24 @@ def check_target(t: Target) -> None:
         caller = _unwrap(_resolve(t.caller_module or t.module, c))
         code = getattr(caller, "__code__", None)
         if code is None or not _refers_to(code, name):
-            raise UnsupportedError(f"fp8_comm hook {t.key}: {t.module}.{c} no longer calls {name!r} in DeepSpeed "
+            raise Fp8CommUnsupportedError(f"fp8_comm hook {t.key}: {t.module}.{c} no longer calls {name!r} in DeepSpeed "
                                    f"{deepspeed_version()}; the hook would be a silent no-op, so this release is "
                                    "not supported")
 
 
-def targets_for(cfg: Fp8CommConfig) -> list[Target]:
+def targets_for(cfg: Fp8CommDeepSpeedConfig) -> list[Target]:
     want = {"weights": cfg.weights.enabled, "gradients": cfg.gradients.enabled, "moe": cfg.moe.enabled}
     return [t for t in TARGETS.values() if want.get(t.role, False)]
 
 
-def check_targets(cfg: Fp8CommConfig) -> None:
+def check_targets(cfg: Fp8CommDeepSpeedConfig) -> None:
     for t in targets_for(cfg):
         check_target(t)
     if cfg.gradients.enabled:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
         if not hasattr(DeepSpeedZeroOptimizer, "_add_to_grad_partition_buffer"):
-            raise UnsupportedError("fp8_comm hook zero12.grad_reduce: DeepSpeedZeroOptimizer has no "
+            raise Fp8CommUnsupportedError("fp8_comm hook zero12.grad_reduce: DeepSpeedZeroOptimizer has no "
                                    "_add_to_grad_partition_buffer in this DeepSpeed release; not supported")
 
 
@@ -181,8 +179,8 @@ def zero_config(ds: dict):
     return DeepSpeedZeroConfig(**ds.get("zero_optimization", {}))
 
 
-def check_combination(ds: dict, cfg: Fp8CommConfig, model=None) -> dict:
-    """UnsupportedError for DeepSpeed settings the enabled hooks cannot serve; returns a summary for the log."""
+def check_combination(ds: dict, cfg: Fp8CommDeepSpeedConfig, model=None) -> dict:
+    """Fp8CommUnsupportedError for DeepSpeed settings the enabled hooks cannot serve; returns a summary for the log."""
     z = zero_config(ds)
     stage, mode = int(z.stage), _dtype_mode(ds)
     problems = []
@@ -225,6 +223,6 @@ def check_combination(ds: dict, cfg: Fp8CommConfig, model=None) -> dict:
             problems.append("AutoEP MoE layers call all_to_all_single directly; fp8_comm.moe hooks only "
                             "deepspeed.moe (set \"moe\": false)")
     if problems:
-        raise UnsupportedError("fp8_comm cannot run with this DeepSpeed config:\n  - " + "\n  - ".join(problems))
+        raise Fp8CommUnsupportedError("fp8_comm cannot run with this DeepSpeed config:\n  - " + "\n  - ".join(problems))
     return {"stage": stage, "dtype": mode, "qgz": bool(z.zero_quantized_gradients),
             "hpz": int(z.zero_hpz_partition_size)}

@@ -23,23 +23,20 @@ from __future__ import annotations
 import difflib
 from dataclasses import asdict, dataclass, field
 
+from fp8comm.comm import FORMATS, KERNEL_BACKENDS, ROUNDINGS, SCALE_ENCODINGS, WIRES, WireConfig
+from fp8comm.errors import Fp8CommConfigError
+from fp8comm.gemm import BACKENDS as GEMM_BACKENDS
+from fp8comm.gemm import RECIPES
+
 SECTION = "fp8_comm"
-FORMATS = ("e4m3", "e5m2")
-SCALINGS = ("fp32", "pow2", "e8m0")
-ROUNDINGS = ("nearest", "stochastic")
 MODES = ("fp8", "measure")
 # MoE combine / backward wires: "native" keeps DeepSpeed's own all-to-all in the model dtype (bit-exact).
 MOE_WIRES = ("native", "bf16", "fp8")
-GEMM_BACKENDS = ("auto", "emulation", "scaled_mm", "triton")
-QUANT_BACKENDS = ("auto", "reference", "compiled", "triton")
-
-
-class Fp8CommConfigError(ValueError):
-    """The fp8_comm section of a DeepSpeed config is invalid; the message names the key and the valid choices."""
+assert set(MOE_WIRES) == set(WIRES)
 
 
 @dataclass(frozen=True)
-class WireConfig:
+class TrafficConfig:
     """How one kind of traffic is quantized: FP8 format and 1 x block_size block scales (see fp8comm.comm)."""
 
     enabled: bool = True
@@ -48,18 +45,17 @@ class WireConfig:
     block_size: int = 128
     rounding: str = "nearest"
 
-    def wire_kwargs(self, check) -> dict:
-        """Keyword options for fp8comm.comm collectives."""
-        return {"fmt": self.fmt, "scaling": self.scaling, "block_size": self.block_size, "rounding": self.rounding,
-                "check": check}
+    def wire(self, check: bool | None) -> WireConfig:
+        """The fp8comm.comm WireConfig of this traffic (check: the section's metadata-check setting)."""
+        return WireConfig(fmt=self.fmt, scaling=self.scaling, block_size=self.block_size, rounding=self.rounding,
+                          check=check)
 
     def describe(self) -> str:
-        return f"{self.fmt} 1x{self.block_size} {self.scaling} scales" + \
-            (", stochastic rounding" if self.rounding == "stochastic" else "")
+        return self.wire(None).describe()
 
 
 @dataclass(frozen=True)
-class MoeConfig(WireConfig):
+class MoeConfig(TrafficConfig):
     """MoE all-to-all: the dispatch is FP8; combine and the backward keep the model dtype unless asked."""
 
     combine: str = "native"
@@ -80,13 +76,15 @@ class GemmConfig:
 
 
 @dataclass(frozen=True)
-class Fp8CommConfig:
+class Fp8CommDeepSpeedConfig:
+    """The validated "fp8_comm" section of a DeepSpeed config (parse() builds it; defaults() lists it)."""
+
     enabled: bool = False
     mode: str = "fp8"
     log: bool = True
     check: bool | None = None
-    weights: WireConfig = field(default_factory=WireConfig)
-    gradients: WireConfig = field(default_factory=WireConfig)
+    weights: TrafficConfig = field(default_factory=TrafficConfig)
+    gradients: TrafficConfig = field(default_factory=TrafficConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     gemm: GemmConfig = field(default_factory=GemmConfig)
 
@@ -107,16 +105,16 @@ def _nonneg(v) -> str | None:
     return None if v >= 0 else "must be >= 0"
 
 
-_WIRE = {"enabled": (bool, None, None), "fmt": (str, FORMATS, None), "scaling": (str, SCALINGS, None),
+_WIRE = {"enabled": (bool, None, None), "fmt": (str, FORMATS, None), "scaling": (str, SCALE_ENCODINGS, None),
          "block_size": (int, None, _positive_pow2), "rounding": (str, ROUNDINGS, None)}
 _MOE = {**_WIRE, "combine": (str, MOE_WIRES, None), "grad": (str, MOE_WIRES, None)}
 _GEMM = {"enabled": (bool, None, None), "recipe": (str, None, None),
          "skip_first_blocks": (int, None, _nonneg), "skip_last_blocks": (int, None, _nonneg),
          "min_features": (int, None, _nonneg), "backend": (str, GEMM_BACKENDS, None),
-         "quant_backend": (str, QUANT_BACKENDS, None)}
+         "quant_backend": (str, KERNEL_BACKENDS, None)}
 _TOP = {"enabled": (bool, None, None), "mode": (str, MODES, None), "log": (bool, None, None),
         "check": ((bool, type(None)), None, None)}
-_SECTIONS = {"weights": (_WIRE, WireConfig), "gradients": (_WIRE, WireConfig), "moe": (_MOE, MoeConfig),
+_SECTIONS = {"weights": (_WIRE, TrafficConfig), "gradients": (_WIRE, TrafficConfig), "moe": (_MOE, MoeConfig),
              "gemm": (_GEMM, GemmConfig)}
 
 
@@ -157,10 +155,10 @@ def _section(name: str, raw, schema: dict, cls):
     return cls(**raw)
 
 
-def parse(ds_config: dict | None) -> Fp8CommConfig:
+def parse(ds_config: dict | None) -> Fp8CommDeepSpeedConfig:
     """The validated fp8_comm section of a DeepSpeed config dict (disabled when absent)."""
     if not ds_config or SECTION not in ds_config:
-        return Fp8CommConfig()
+        return Fp8CommDeepSpeedConfig()
     raw = ds_config[SECTION]
     if isinstance(raw, bool):
         raw = {"enabled": raw}
@@ -178,15 +176,13 @@ def parse(ds_config: dict | None) -> Fp8CommConfig:
         else:
             raise _unknown(k, f"{SECTION}.", valid)
     kw.setdefault("enabled", True)  # writing the section at all means "on" unless it says otherwise
-    cfg = Fp8CommConfig(**kw)
+    cfg = Fp8CommDeepSpeedConfig(**kw)
     if cfg.gemm.enabled:
         _check_recipe(cfg.gemm.recipe)
     return cfg
 
 
 def _check_recipe(name: str) -> None:
-    from fp8comm.gemm import RECIPES
-
     if name not in RECIPES:
         hint = difflib.get_close_matches(name, list(RECIPES), n=1)
         did = f" (did you mean {hint[0]!r}?)" if hint else ""
@@ -196,5 +192,5 @@ def _check_recipe(name: str) -> None:
 
 def defaults() -> dict:
     """Every option with its default (docs and tests use this, so the two never drift apart)."""
-    return Fp8CommConfig(enabled=True).as_dict()
+    return Fp8CommDeepSpeedConfig(enabled=True).as_dict()
 

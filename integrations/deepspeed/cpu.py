@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from fp8comm.errors import Fp8CommRuntimeError
 
 
 def prepare(skip_shm_op: bool = True) -> None:
@@ -20,6 +21,6 @@ def prepare(skip_shm_op: bool = True) -> None:
         # sys.modules to reach DeepSpeed's own module.
         mod = sys.modules["deepspeed.comm.torch"]
         if not hasattr(mod, "build_shm_op"):
-            raise RuntimeError("deepspeed.comm.torch.build_shm_op not found; this DeepSpeed release builds its CPU "
+            raise Fp8CommRuntimeError("deepspeed.comm.torch.build_shm_op not found; this DeepSpeed release builds its CPU "
                                "comm op elsewhere")
         mod.build_shm_op = lambda: None

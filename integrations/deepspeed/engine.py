@@ -17,18 +17,19 @@ import inspect
 import torch
 
 from . import compat, moe, zero3, zero12
-from .config import SECTION, Fp8CommConfig, parse
+from fp8comm.comm import default_check_policy
+from fp8comm.errors import Fp8CommStateError, Fp8CommUnsupportedError
+from fp8comm.gemm import Fp8Linear, convert_to_fp8
+
+from .config import SECTION, Fp8CommDeepSpeedConfig, parse
 from .patching import Accounting, Patcher, log
-
-
-class Fp8CommStateError(RuntimeError):
-    """fp8comm hooks and the engine being built disagree (different settings, or an unwrapped initialize)."""
+from fp8comm.errors import Fp8CommRuntimeError
 
 
 class State:
     """What is installed: the validated settings, patches, byte accounting, master-weight storages, gemm hooks."""
 
-    def __init__(self, cfg: Fp8CommConfig) -> None:
+    def __init__(self, cfg: Fp8CommDeepSpeedConfig) -> None:
         self.cfg = cfg
         self.patcher = Patcher()
         self.acct = Accounting()
@@ -41,7 +42,7 @@ class State:
 
     def check_not_master(self, t: torch.Tensor, what: str) -> None:
         if self.masters and t.untyped_storage().data_ptr() in self.masters:
-            raise RuntimeError(f"fp8comm {what}: the gather output is the fp32 master weights' storage; a lossy FP8 "
+            raise Fp8CommRuntimeError(f"fp8comm {what}: the gather output is the fp32 master weights' storage; a lossy FP8 "
                                "gather would overwrite the master copy. Set fp8_comm.weights false for this setup.")
 
 
@@ -96,8 +97,6 @@ def install(ds_config: dict, model: torch.nn.Module | None = None) -> State | No
         st.acct.reset()
         _STATE = st
     if model is not None and cfg.gemm.enabled:
-        from fp8comm.gemm import convert_to_fp8
-
         g = cfg.gemm
         # ZeRO-3 holds a full weight only while it is gathered: keep no FP8 copy beyond its GEMM (Fp8Linear)
         st.conversion = convert_to_fp8(model, g.recipe, skip_first_blocks=g.skip_first_blocks,
@@ -139,7 +138,7 @@ def _after_build(st: State, engine) -> None:
         masters = getattr(opt, "fp32_partitioned_groups_flat", None) if stage == 3 else \
             getattr(opt, "single_partition_of_fp32_groups", None)
         if masters is None:
-            raise compat.UnsupportedError(f"fp8comm: ZeRO-{stage} optimizer {type(opt).__name__} has no fp32 master "
+            raise Fp8CommUnsupportedError(f"fp8comm: ZeRO-{stage} optimizer {type(opt).__name__} has no fp32 master "
                                           "partitions where expected; this optimizer is not supported")
         st.masters |= {m.untyped_storage().data_ptr() for m in masters if m.numel()}
         if stage == 3 and cfg.weights.enabled and not cfg.measure_only:
@@ -157,11 +156,9 @@ def _track_weight_changes(st: State, engine) -> None:
     Fp8Linear caches its FP8 weight keyed on (version counter, data_ptr). DeepSpeed updates weights through
     other views (ZeRO-1/2 gathers into the flat buffer) or swaps `.data` (ZeRO-3), neither of which moves the
     parameter's own version counter, so the cache would go stale; a generation counter closes that gap."""
-    from fp8comm.gemm import Fp8Linear
-
     basic = getattr(engine, "basic_optimizer", None)
     if not isinstance(basic, torch.optim.Optimizer):
-        raise compat.UnsupportedError(f"fp8_comm.gemm needs a torch.optim.Optimizer underneath DeepSpeed, got "
+        raise Fp8CommUnsupportedError(f"fp8_comm.gemm needs a torch.optim.Optimizer underneath DeepSpeed, got "
                                       f"{type(basic).__name__}")
 
     def bump(*_):
@@ -189,7 +186,7 @@ def _track_weight_changes(st: State, engine) -> None:
     engine.load_checkpoint = load_checkpoint
 
 
-def _describe(cfg: Fp8CommConfig, version: str, combo: dict, model, conversion) -> str:
+def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, conversion) -> str:
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else "?"
@@ -208,8 +205,6 @@ def _describe(cfg: Fp8CommConfig, version: str, combo: dict, model, conversion) 
     if cfg.gemm.enabled and conversion is not None:
         parts.append(f"GEMMs FP8 {conversion.recipe} ({len(conversion.converted)} linears)")
     if cfg.check is None:
-        from fp8comm.comm.options import default_check_policy
-
         check = {"first": "on the first calls per group", "always": "on every call (FP8COMM_CHECK=always)",
                  "never": "off (FP8COMM_CHECK=never)"}[default_check_policy()]
     else:

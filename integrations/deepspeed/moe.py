@@ -42,9 +42,7 @@ def _counting_forward(orig):
 
 def _make_all_to_all(state, orig_cls):
     cfg = state.cfg.moe
-    kw = cfg.wire_kwargs(state.cfg.check)
-    kw.pop("block_size")  # all_to_all takes per-row blocks of block_size through the same keyword below
-    block = cfg.block_size
+    wcfg = cfg.wire(state.cfg.check)
 
     class _AllToAll:
         """Stands in for sharded_moe._AllToAll: `_AllToAll.apply(group, input)` like the autograd Function."""
@@ -68,7 +66,7 @@ def _make_all_to_all(state, orig_cls):
                 return orig_cls.apply(group, input)
             tokens = x.view(rows, x.shape[-1])
             with state.acct.fp8(phase):
-                out = fc.all_to_all(tokens, None, None, group, wire=wire, grad_wire=cfg.grad, block_size=block, **kw)
+                out = fc.all_to_all(tokens, None, None, group, wire=wire, grad_wire=cfg.grad, config=wcfg)
             return out.view(x.shape)
 
     return _AllToAll

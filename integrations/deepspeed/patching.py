@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from fp8comm.comm import comm_stats
+from fp8comm.errors import Fp8CommRuntimeError
 
 log = logging.getLogger("fp8comm.deepspeed")
 MARK = "_fp8comm_hook"  # set on every replacement, so a second install can tell ours from DeepSpeed's
@@ -47,7 +48,7 @@ class Patcher:
         """Replace `module.dotted` ("name" or "Class.name") with make(original); returns the replacement."""
         owner, name, original = self._locate(module, dotted)
         if getattr(original, MARK, False):
-            raise RuntimeError(f"{module}.{dotted} is already an fp8comm hook (installed twice without uninstall)")
+            raise Fp8CommRuntimeError(f"{module}.{dotted} is already an fp8comm hook (installed twice without uninstall)")
         replacement = make(original)
         try:
             setattr(replacement, MARK, True)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import fp8comm.comm as fc
 
 from .compat import S12
+from fp8comm.errors import Fp8CommRuntimeError
 
 
 def install(patcher, state) -> None:
@@ -41,7 +42,7 @@ def _owner(ranks) -> int | None:
 
 def _grad_reduce(state, orig):
     wire = state.cfg.gradients
-    kw = wire.wire_kwargs(state.cfg.check)
+    wcfg = wire.wire(state.cfg.check)
     H = wire.block_size
 
     def allreduce_and_scatter(self, bucket, communication_data_type, numel_per_bucket=500000000, log=None,
@@ -83,7 +84,7 @@ def _grad_reduce(state, orig):
                 flat[row0 * H:row0 * H + t.numel()].copy_(t.reshape(-1))
                 row0 += -(-t.numel() // H)
         with state.acct.fp8("gradients", baseline=baseline), torch.no_grad():
-            recv = fc.all_to_all(send, [rows[me]] * world, rows, pg, wire="fp8", **kw)
+            recv = fc.all_to_all(send, [rows[me]] * world, rows, pg, wire="fp8", config=wcfg)
         acc = recv.view(world, rows[me] * H).float().sum(0)
         if scale is not None:
             acc.mul_(scale)
@@ -98,7 +99,7 @@ def _grad_reduce(state, orig):
 
 
 def _param_gather(state, orig):
-    kw = state.cfg.weights.wire_kwargs(state.cfg.check)
+    wcfg = state.cfg.weights.wire(state.cfg.check)
 
     def all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
                              allgather_bucket_size):
@@ -117,10 +118,10 @@ def _param_gather(state, orig):
                 continue  # nothing to gather (DeepSpeed skips it too)
             src = parts[me]
             if flat.numel() != world * src.numel():
-                raise RuntimeError(f"fp8comm ZeRO-1/2 weight gather: flat group has {flat.numel()} elements, "
+                raise Fp8CommRuntimeError(f"fp8comm ZeRO-1/2 weight gather: flat group has {flat.numel()} elements, "
                                    f"expected world ({world}) x partition ({src.numel()})")
             state.check_not_master(flat, "ZeRO-1/2 weight all-gather")
             with state.acct.fp8("weights"):
-                fc.all_gather_into(flat, src, pg, **kw)
+                fc.all_gather_into(flat, src, pg, config=wcfg)
 
     return all_gather_dp_groups

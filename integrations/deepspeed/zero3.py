@@ -26,6 +26,7 @@ import torch.distributed as dist
 import fp8comm.comm as fc
 
 from .compat import PP, S3
+from fp8comm.errors import Fp8CommTypeError
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # The parameters of the all_gather_coalesced call in progress (set by the per-parameter wrapper below).
@@ -117,7 +118,7 @@ def _spans(sizes: list[int], block: int) -> tuple[list, int]:
 def _param_gather(state, orig):
     """The hook keeps DeepSpeed's function for dtypes it does not quantize (e.g. qwZ's int8 codes and scales)."""
     wire = state.cfg.weights
-    kw = wire.wire_kwargs(state.cfg.check)
+    wcfg = wire.wire(state.cfg.check)
 
     def _dist_allgather_fn(input_tensor, output_tensor, group=None):
         _, world = _world(group)
@@ -139,12 +140,12 @@ def _param_gather(state, orig):
         baseline = (world - 1) * n  # DeepSpeed's all-gather of the unpadded shards
         with state.acct.fp8("weights", baseline=baseline):
             if total == input_tensor.numel():
-                return fc.all_gather_into(output_tensor, input_tensor, group, async_op=True, **kw)
+                return fc.all_gather_into(output_tensor, input_tensor, group, async_op=True, config=wcfg)
             pin = torch.zeros(total, dtype=input_tensor.dtype, device=input_tensor.device)
             for off, poff, k in spans:
                 pin[poff:poff + k].copy_(input_tensor[off:off + k])
             pout = torch.empty(world * total, dtype=input_tensor.dtype, device=input_tensor.device)
-            h = fc.all_gather_into(pout, pin, group, async_op=True, **kw)
+            h = fc.all_gather_into(pout, pin, group, async_op=True, config=wcfg)
         return _UnpadHandle(h, pout, output_tensor, spans, world)
 
     return _dist_allgather_fn
@@ -152,7 +153,7 @@ def _param_gather(state, orig):
 
 def _grad_reduce(state, orig, path: str):
     wire = state.cfg.gradients
-    kw = wire.wire_kwargs(state.cfg.check)
+    wcfg = wire.wire(state.cfg.check)
     B = wire.block_size
 
     def fp8_reduce(tensors, group=None):
@@ -161,7 +162,7 @@ def _grad_reduce(state, orig, path: str):
         rank, world = _world(pg)
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOATS:
-            raise TypeError(f"fp8comm ZeRO-3 gradient hook: expected one float dtype per bucket, got {dtypes}")
+            raise Fp8CommTypeError(f"fp8comm ZeRO-3 gradient hook: expected one float dtype per bucket, got {dtypes}")
         dtype = next(iter(dtypes))
         chunks = [math.ceil(t.numel() / world) for t in tensors]
         itemsize = tensors[0].element_size()
@@ -184,7 +185,7 @@ def _grad_reduce(state, orig, path: str):
                 flat[full, poff:poff + n - full * c].copy_(v[full * c:])
         out = torch.empty(L, dtype=dtype, device=flat.device)
         with state.acct.fp8("gradients", baseline=baseline):
-            fc.reduce_scatter_into(out, flat.view(-1), pg, op="avg", **kw)
+            fc.reduce_scatter_into(out, flat.view(-1), pg, op="avg", config=wcfg)
         result = []
         for t, (_, poff, c) in zip(tensors, spans):
             mine = max(0, min(c, t.numel() - rank * c))

@@ -4,7 +4,7 @@
     enable(model, weights=False)                               # gradients only
     enable(model, gradients={"fmt": "e5m2", "rounding": "stochastic", "error_feedback": True}, check=False)
 
-A direction is True/False or a dict of the keys below; an unknown key or bad value is an Fp8Fsdp2Error that names
+A direction is True/False or a dict of the keys below; an unknown key or bad value is an Fp8CommFsdp2Error that names
 the key and lists what is valid (with a "did you mean" for typos).
 """
 from __future__ import annotations
@@ -12,12 +12,11 @@ from __future__ import annotations
 import difflib
 from dataclasses import asdict, dataclass, field, fields
 
-FORMATS = ("e4m3", "e5m2")
-SCALINGS = ("fp32", "pow2", "e8m0")
-ROUNDINGS = ("nearest", "stochastic")
+from fp8comm.comm import FORMATS, RESIDUAL_DTYPES, ROUNDINGS, SCALE_ENCODINGS, WireConfig
+from fp8comm.errors import Fp8CommConfigError
 
 
-class Fp8Fsdp2Error(ValueError):
+class Fp8CommFsdp2Error(Fp8CommConfigError):
     """enable()/disable() cannot honour a request (bad option, unsupported module, reduce op or dtype); raised
     before any hook is installed and, inside a hook, before any bytes move."""
 
@@ -31,8 +30,9 @@ class WeightWire:
     scaling: str = "fp32"
     block_size: int = 128
 
-    def wire_kwargs(self, check) -> dict:
-        return {"fmt": self.fmt, "scaling": self.scaling, "block_size": self.block_size, "check": check}
+    def wire(self, check: bool | None) -> WireConfig:
+        """The fp8comm.comm WireConfig of the weight all-gather (check: enable()'s metadata-check setting)."""
+        return WireConfig(fmt=self.fmt, scaling=self.scaling, block_size=self.block_size, check=check)
 
     def describe(self) -> str:
         return f"{self.fmt} 1x{self.block_size} {self.scaling} scales" if self.enabled else "off (FSDP2's own)"
@@ -43,10 +43,13 @@ class GradientWire(WeightWire):
     """FP8 reduce-scatter of the flat gradients (fp32 accumulation on the receiver), plus gradient-only options."""
 
     rounding: str = "nearest"
-    error_feedback: bool = False  # one fp8comm ErrorFeedback per FSDP module (its residual is fp32, padded size)
+    error_feedback: bool = False  # one fp8comm ErrorFeedback per FSDP module (its residual has the padded size)
+    residual_dtype: str = "float32"  # float32 or bfloat16 (half the residual memory)
 
-    def wire_kwargs(self, check) -> dict:
-        return {**super().wire_kwargs(check), "rounding": self.rounding}
+    def wire(self, check: bool | None) -> WireConfig:
+        """The fp8comm.comm WireConfig of the gradient reduce-scatter (check: enable()'s metadata-check setting)."""
+        return WireConfig(fmt=self.fmt, scaling=self.scaling, block_size=self.block_size, rounding=self.rounding,
+                          check=check, error_feedback=self.error_feedback, residual_dtype=self.residual_dtype)
 
     def describe(self) -> str:
         if not self.enabled:
@@ -57,7 +60,7 @@ class GradientWire(WeightWire):
 
 
 @dataclass(frozen=True)
-class Fsdp2Config:
+class Fp8CommFsdp2Config:
     """Everything enable() installs. check: the fp8comm metadata check (None: library default, True: every call,
     False: never). align_blocks: each parameter's shard starts a new block on the wire (see docs/fsdp2.md)."""
 
@@ -75,9 +78,10 @@ def _pow2(v) -> str | None:
 
 
 # key -> (type, allowed values or None, extra check or None)
-_WEIGHT_KEYS = {"enabled": (bool, None, None), "fmt": (str, FORMATS, None), "scaling": (str, SCALINGS, None),
+_WEIGHT_KEYS = {"enabled": (bool, None, None), "fmt": (str, FORMATS, None), "scaling": (str, SCALE_ENCODINGS, None),
                 "block_size": (int, None, _pow2)}
-_GRAD_KEYS = {**_WEIGHT_KEYS, "rounding": (str, ROUNDINGS, None), "error_feedback": (bool, None, None)}
+_GRAD_KEYS = {**_WEIGHT_KEYS, "rounding": (str, ROUNDINGS, None), "error_feedback": (bool, None, None),
+              "residual_dtype": (str, RESIDUAL_DTYPES, None)}
 
 
 def _did_you_mean(key: str, valid) -> str:
@@ -88,11 +92,11 @@ def _did_you_mean(key: str, valid) -> str:
 def _check_value(path: str, v, spec) -> None:
     typ, allowed, extra = spec
     if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-        raise Fp8Fsdp2Error(f"{path} must be {typ.__name__}, got {v!r}")
+        raise Fp8CommFsdp2Error(f"{path} must be {typ.__name__}, got {v!r}")
     if allowed is not None and v not in allowed:
-        raise Fp8Fsdp2Error(f"{path} = {v!r} is not valid; valid: {', '.join(map(repr, allowed))}")
+        raise Fp8CommFsdp2Error(f"{path} = {v!r} is not valid; valid: {', '.join(map(repr, allowed))}")
     if extra is not None and (msg := extra(v)):
-        raise Fp8Fsdp2Error(f"{path} = {v!r} {msg}")
+        raise Fp8CommFsdp2Error(f"{path} = {v!r} {msg}")
 
 
 def _direction(name: str, raw, schema: dict, cls):
@@ -101,35 +105,35 @@ def _direction(name: str, raw, schema: dict, cls):
     if isinstance(raw, bool):
         return cls(enabled=raw)
     if not isinstance(raw, dict):
-        raise Fp8Fsdp2Error(f"{name} must be True/False, a dict or a {cls.__name__}, got {raw!r}")
+        raise Fp8CommFsdp2Error(f"{name} must be True/False, a dict or a {cls.__name__}, got {raw!r}")
     for k, v in raw.items():
         if k not in schema:
-            raise Fp8Fsdp2Error(f"unknown key {name}[{k!r}]{_did_you_mean(k, schema)}; valid: {', '.join(schema)}")
+            raise Fp8CommFsdp2Error(f"unknown key {name}[{k!r}]{_did_you_mean(k, schema)}; valid: {', '.join(schema)}")
         _check_value(f"{name}[{k!r}]", v, schema[k])
     return cls(**raw)
 
 
-def parse(**options) -> Fsdp2Config:
-    """The validated config for enable(model, **options); raises Fp8Fsdp2Error naming the first bad option."""
-    valid = [f.name for f in fields(Fsdp2Config)]
+def parse(**options) -> Fp8CommFsdp2Config:
+    """The validated config for enable(model, **options); raises Fp8CommFsdp2Error naming the first bad option."""
+    valid = [f.name for f in fields(Fp8CommFsdp2Config)]
     for k in options:
         if k not in valid:
-            raise Fp8Fsdp2Error(f"unknown option {k!r}{_did_you_mean(k, valid)}; valid: {', '.join(valid)}")
+            raise Fp8CommFsdp2Error(f"unknown option {k!r}{_did_you_mean(k, valid)}; valid: {', '.join(valid)}")
     check = options.get("check")
     if check is not None and not isinstance(check, bool):
-        raise Fp8Fsdp2Error(f"check must be None, True or False, got {check!r}")
+        raise Fp8CommFsdp2Error(f"check must be None, True or False, got {check!r}")
     align = options.get("align_blocks", True)
     if not isinstance(align, bool):
-        raise Fp8Fsdp2Error(f"align_blocks must be True or False, got {align!r}")
-    cfg = Fsdp2Config(weights=_direction("weights", options.get("weights", True), _WEIGHT_KEYS, WeightWire),
+        raise Fp8CommFsdp2Error(f"align_blocks must be True or False, got {align!r}")
+    cfg = Fp8CommFsdp2Config(weights=_direction("weights", options.get("weights", True), _WEIGHT_KEYS, WeightWire),
                       gradients=_direction("gradients", options.get("gradients", True), _GRAD_KEYS, GradientWire),
                       check=check, align_blocks=align)
     if not (cfg.weights.enabled or cfg.gradients.enabled):
-        raise Fp8Fsdp2Error("weights and gradients are both off: nothing to enable (call disable() to restore "
+        raise Fp8CommFsdp2Error("weights and gradients are both off: nothing to enable (call disable() to restore "
                             "FSDP2's own collectives)")
     return cfg
 
 
 def defaults() -> dict:
     """Every option with its default (docs and tests use this, so the two never drift apart)."""
-    return Fsdp2Config().as_dict()
+    return Fp8CommFsdp2Config().as_dict()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from . import hooks, layout
-from .config import Fp8Fsdp2Error, Fsdp2Config, parse
+from .config import Fp8CommFsdp2Error, Fp8CommFsdp2Config, parse
 
 _ATTR = "_fp8comm_fsdp2"  # where an enabled model keeps what disable() needs
 
@@ -35,7 +35,7 @@ class ModuleEntry:
 class Fsdp2Report:
     """What enable() did, per FSDP2 module, in the style of convert_to_fp8's report."""
 
-    config: Fsdp2Config
+    config: Fp8CommFsdp2Config
     modules: list = field(default_factory=list)
     fp8_linears: int = 0
     weight_cache: str = ""
@@ -74,12 +74,12 @@ def _fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = []
     for name, m in model.named_modules():
         if FSDP1 and isinstance(m, FSDP1):
-            raise Fp8Fsdp2Error(f"module {name or '<root>'} is wrapped by FullyShardedDataParallel (FSDP1); "
+            raise Fp8CommFsdp2Error(f"module {name or '<root>'} is wrapped by FullyShardedDataParallel (FSDP1); "
                                 "fp8comm.integrations.fsdp2 supports FSDP2's fully_shard only")
         if isinstance(m, FSDPModule):
             found.append((name or "<root>", m))
     if not found:
-        raise Fp8Fsdp2Error(f"{type(model).__name__} has no module sharded by FSDP2: call "
+        raise Fp8CommFsdp2Error(f"{type(model).__name__} has no module sharded by FSDP2: call "
                             "torch.distributed.fsdp.fully_shard on its blocks and on the root first, then enable()")
     return found
 
@@ -87,7 +87,7 @@ def _fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _param_group(name: str, module) -> object | None:
     groups = module._get_fsdp_state()._fsdp_param_groups
     if len(groups) > 1:
-        raise Fp8Fsdp2Error(f"FSDP2 module {name} has {len(groups)} param groups (per-parameter meshes from "
+        raise Fp8CommFsdp2Error(f"FSDP2 module {name} has {len(groups)} param groups (per-parameter meshes from "
                             "shard_placement_fn); FSDP2's comm hooks take one hook per module, so fp8comm cannot "
                             "install a hook there. Shard such parameters in a separate fully_shard call")
     return groups[0] if groups else None
@@ -114,13 +114,13 @@ def _gathered_dtype(orig, param_dtype):
     return param_dtype if param_dtype is not None and orig.is_floating_point else orig
 
 
-def _entry(name: str, pg, cfg: Fsdp2Config) -> ModuleEntry:
+def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
     """The report line of one FSDP2 module; raises for a module whose mesh has nothing to shard."""
     if pg is None:
         return ModuleEntry(name, 0, 0, "-", "none (no parameters of its own)", "none")
     mesh, notes = _mesh(pg)
     if not mesh:
-        raise Fp8Fsdp2Error(f"FSDP2 module {name} is replicated, not sharded ({type(pg.mesh_info).__name__}): "
+        raise Fp8CommFsdp2Error(f"FSDP2 module {name} is replicated, not sharded ({type(pg.mesh_info).__name__}): "
                             "there is no all-gather or reduce-scatter to replace")
     fps = pg.fsdp_params
     dtypes = {_gathered_dtype(fp.sharded_param.dtype, pg.mp_policy.param_dtype) for fp in fps}
@@ -142,16 +142,16 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
     """Install FP8 all-gather / reduce-scatter hooks on every FSDP2 module of `model` (already fully_shard-ed).
 
     Options (see config.py / docs/fsdp2.md): weights, gradients (True/False or a dict), check, align_blocks.
-    Returns an Fsdp2Report; raises Fp8Fsdp2Error, changing nothing, for anything it cannot honour."""
+    Returns an Fsdp2Report; raises Fp8CommFsdp2Error, changing nothing, for anything it cannot honour."""
     cfg = parse(**options)
     if getattr(model, _ATTR, None) is not None:
-        raise Fp8Fsdp2Error("fp8comm FSDP2 hooks are already enabled on this model; call disable(model) first")
+        raise Fp8CommFsdp2Error("fp8comm FSDP2 hooks are already enabled on this model; call disable(model) first")
     mods = _fsdp_modules(model)
     plan = []
     for name, m in mods:
         pg = _param_group(name, m)
         if pg is not None and (hooks.is_ours(pg._all_gather_comm) or hooks.is_ours(pg._reduce_scatter_comm)):
-            raise Fp8Fsdp2Error(f"FSDP2 module {name} already carries fp8comm hooks (enabled through another "
+            raise Fp8CommFsdp2Error(f"FSDP2 module {name} already carries fp8comm hooks (enabled through another "
                                 "model object?); call disable() on that model first")
         plan.append((name, m, pg, _entry(name, pg, cfg)))
     report = Fsdp2Report(cfg, [e for *_, e in plan])

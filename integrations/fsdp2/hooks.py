@@ -16,7 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 import fp8comm.comm as fc
 
 from . import layout
-from .config import Fp8Fsdp2Error, GradientWire, WeightWire
+from .config import Fp8CommFsdp2Error, GradientWire, WeightWire
 
 FP8_DTYPES_IN = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -161,7 +161,7 @@ class Fp8AllGather(_Alloc, AllGather):
 
     def __init__(self, param_group, wire: WeightWire, check, align: bool) -> None:
         self.param_group, self.wire, self.align = param_group, wire, align
-        self.kw = wire.wire_kwargs(check)
+        self.config = wire.wire(check)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
@@ -172,7 +172,7 @@ class Fp8AllGather(_Alloc, AllGather):
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             return fn(output_tensor, input_tensor, group=group, async_op=async_op)
         if output_tensor.numel() != world * n:
-            raise Fp8Fsdp2Error(f"all-gather output has {output_tensor.numel()} elements, expected world ({world})"
+            raise Fp8CommFsdp2Error(f"all-gather output has {output_tensor.numel()} elements, expected world ({world})"
                                 f" x input ({n})")
         sizes = layout.ag_sizes(self.param_group, n)
         sp, wn = layout.spans(sizes or [n], self.wire.block_size, self.align and sizes is not None)
@@ -180,12 +180,12 @@ class Fp8AllGather(_Alloc, AllGather):
         if layout.is_identity(sp, n, wn):
             # The input is FSDP2's view of this rank's slot in the output: quantized before any slot is written.
             with counted:
-                h = fc.all_gather_into(output_tensor, input_tensor, group, async_op=True, **self.kw)
+                h = fc.all_gather_into(output_tensor, input_tensor, group, async_op=True, config=self.config)
             return _finish(h, None, async_op)
         win = layout.pack_rows(input_tensor.view(1, n), sp, wn).view(-1)
         wout = torch.empty(world * wn, dtype=dt, device=input_tensor.device)
         with counted:
-            h = fc.all_gather_into(wout, win, group, async_op=True, **self.kw)
+            h = fc.all_gather_into(wout, win, group, async_op=True, config=self.config)
         return _finish(h, _unpad_after(output_tensor.view(world, n), wout.view(world, wn), sp), async_op)
 
 
@@ -196,23 +196,23 @@ class Fp8ReduceScatter(_Alloc, ReduceScatter):
 
     def __init__(self, param_group, wire: GradientWire, check, align: bool) -> None:
         self.param_group, self.wire, self.align = param_group, wire, align
-        self.kw = wire.wire_kwargs(check)
-        self.error_feedback = fc.ErrorFeedback() if wire.error_feedback else None
+        self.config = wire.wire(check)
+        self.error_feedback = fc.ErrorFeedback(self.config.residual_torch_dtype) if wire.error_feedback else None
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
         kind, factor = layout.reduce_op(op)  # unsupported ops raise here, before any bytes move
         dt = input_tensor.dtype
         if dt not in FP8_DTYPES_IN:
-            raise Fp8Fsdp2Error(f"FSDP2 reduce-scatter input is {dt}; the FP8 gradient hook takes float32, bfloat16 "
+            raise Fp8CommFsdp2Error(f"FSDP2 reduce-scatter input is {dt}; the FP8 gradient hook takes float32, bfloat16 "
                                 "or float16 (set MixedPrecisionPolicy.reduce_dtype, or gradients=False)")
         world, L = dist.get_world_size(group), output_tensor.numel()
         if input_tensor.numel() != world * L:
-            raise Fp8Fsdp2Error(f"reduce-scatter input has {input_tensor.numel()} elements, expected world ({world})"
+            raise Fp8CommFsdp2Error(f"reduce-scatter input has {input_tensor.numel()} elements, expected world ({world})"
                                 f" x output ({L}); FSDP2 always pads to that")
         sizes = layout.rs_sizes(self.param_group, L)
         sp, wl = layout.spans(sizes or [L], self.wire.block_size, self.align and sizes is not None)
-        kw = dict(self.kw, error_feedback=self.error_feedback)
+        kw = {"config": self.config, "error_feedback": self.error_feedback}
         counted = _Counted("gradients", (world - 1) * L * input_tensor.element_size(), world * L,
                            world * (wl - L), sizes is not None)
         if layout.is_identity(sp, L, wl):

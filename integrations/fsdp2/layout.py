@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
-from .config import Fp8Fsdp2Error
+from .config import Fp8CommFsdp2Error
 
 # Private FSDP2 names read here and in enable.py; check_fsdp2_internals() fails loudly when torch renames one.
 FSDP2_INTERNALS = {
@@ -105,7 +105,7 @@ def unpack_rows(dst: torch.Tensor, src: torch.Tensor, sp) -> None:
 
 
 def reduce_op(op) -> tuple[str, float | None]:
-    """("sum" | "avg", premultiply factor or None) for the op FSDP2 passes; Fp8Fsdp2Error for any other op.
+    """("sum" | "avg", premultiply factor or None) for the op FSDP2 passes; Fp8CommFsdp2Error for any other op.
 
     FSDP2 passes AVG, SUM (then divides before/after itself), or PREMUL_SUM(1/factor) from
     set_gradient_divide_factor: NCCL multiplies every input by the factor before summing, so do we."""
@@ -115,12 +115,12 @@ def reduce_op(op) -> tuple[str, float | None]:
         if kind == ReduceOp.PREMUL_SUM:
             factor = getattr(op, "factor", None)
             if not isinstance(factor, float):
-                raise Fp8Fsdp2Error(f"PREMUL_SUM with a tensor factor ({type(factor).__name__}) is not supported "
+                raise Fp8CommFsdp2Error(f"PREMUL_SUM with a tensor factor ({type(factor).__name__}) is not supported "
                                     "by the fp8comm FSDP2 reduce-scatter; pass a float gradient divide factor")
             return "sum", factor
     if kind == ReduceOp.SUM:
         return "sum", None
     if kind == ReduceOp.AVG:
         return "avg", None
-    raise Fp8Fsdp2Error(f"the fp8comm FSDP2 reduce-scatter supports SUM, AVG and PREMUL_SUM; FSDP2 passed {op!r} "
+    raise Fp8CommFsdp2Error(f"the fp8comm FSDP2 reduce-scatter supports SUM, AVG and PREMUL_SUM; FSDP2 passed {op!r} "
                         "(disable the gradient hook with enable(model, gradients=False) for this setup)")

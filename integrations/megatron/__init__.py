@@ -1,14 +1,24 @@
-"""fp8comm for Megatron-Core / Megatron-LM: FP8 gradient reduce-scatter, FP8 parameter all-gather, FP8 MoE dispatch.
+"""fp8comm for Megatron-Core / Megatron-LM: FP8 gradient reduce-scatter (optional error feedback), FP8 parameter
+all-gather, FP8 MoE dispatch and combine (alltoall and allgather dispatchers).
 
 Megatron-LM:  args = parse_args(extra_args_provider=add_args); ...; install(args)   (before the model is built)
 Megatron-Core: install(ddp_config=ddp_config, transformer_config=config, grad_reduce=True, param_gather=True)
 uninstall() restores every patched name. See docs/megatron.md.
 """
+from fp8comm.deprecation import renamed
+
 from .args import add_args
-from .config import Fp8commConfig, Fp8commMegatronError, hook_stats
+from .config import Fp8CommMegatronConfig, Fp8CommMegatronError, hook_stats
+from .error_feedback import load_state_dict as load_error_feedback_state_dict
+from .error_feedback import nbytes as error_feedback_nbytes
+from .error_feedback import state_dict as error_feedback_state_dict
 from .install import (PATCH_POINTS, SUPPORTED_SERIES, active_config, check_patch_points, check_version, install,
                       megatron_version, uninstall)
 
-__all__ = ["add_args", "install", "uninstall", "active_config", "hook_stats", "Fp8commConfig",
-           "Fp8commMegatronError", "PATCH_POINTS", "SUPPORTED_SERIES", "check_patch_points", "check_version",
-           "megatron_version"]
+__all__ = ["add_args", "install", "uninstall", "active_config", "hook_stats", "Fp8CommMegatronConfig",
+           "Fp8CommMegatronError", "PATCH_POINTS", "SUPPORTED_SERIES", "check_patch_points", "check_version",
+           "megatron_version", "error_feedback_state_dict", "load_error_feedback_state_dict",
+           "error_feedback_nbytes"]
+
+__getattr__ = renamed(__name__, {"Fp8commConfig": ("Fp8CommMegatronConfig", Fp8CommMegatronConfig),
+                                 "Fp8commMegatronError": ("Fp8CommMegatronError", Fp8CommMegatronError)})

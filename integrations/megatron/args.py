@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from .config import CHECKS, FORMATS, MOE_GRAD_WIRES, ROUNDINGS, SCALINGS, Fp8commConfig
+from .config import CHECKS, EF_DTYPES, FORMATS, MOE_COMBINES, MOE_GRAD_WIRES, ROUNDINGS, SCALINGS, Fp8CommMegatronConfig
 
-_D = Fp8commConfig()  # one source of defaults for argparse, keywords and docs
+_D = Fp8CommMegatronConfig()  # one source of defaults for argparse, keywords and docs
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -23,8 +23,16 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="FP8 parameter all-gather of the distributed optimizer (needs --bf16 or --fp16 params so "
                         "the fp32 master weights are separate)")
     g.add_argument("--fp8comm-moe-dispatch", action="store_true", default=_D.moe_dispatch,
-                   help="FP8 token dispatch (1xB scales per token) in MoEAlltoAllTokenDispatcher; probs and "
-                        "combine stay in the model dtype")
+                   help="FP8 token dispatch (1xB scales per token) in the alltoall or allgather MoE dispatcher; "
+                        "probs and routing stay in the model dtype")
+    g.add_argument("--fp8comm-moe-combine", choices=MOE_COMBINES, default=_D.moe_combine,
+                   help="MoE combine (expert outputs back): native = Megatron's own collective, bf16 or fp8 "
+                        "through fp8comm (default %(default)s)")
+    g.add_argument("--fp8comm-error-feedback", action="store_true", default=_D.error_feedback,
+                   help="error feedback for --fp8comm-grad-reduce: each bucket's quantization residual is added "
+                        "to the next step's gradients (+4 bytes per gradient element in fp32, +2 in bf16)")
+    g.add_argument("--fp8comm-error-feedback-dtype", choices=EF_DTYPES, default=_D.error_feedback_dtype,
+                   help="dtype of the error-feedback residuals (default %(default)s)")
     g.add_argument("--fp8comm-format", dest="fp8comm_fmt", choices=FORMATS, default=_D.fmt,
                    help="FP8 format for parameters and MoE tokens (default %(default)s)")
     g.add_argument("--fp8comm-grad-format", dest="fp8comm_grad_fmt", choices=FORMATS, default=_D.grad_fmt,
@@ -42,5 +50,6 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="cross-rank metadata check: on the first call per buffer, every call, or never "
                         "(default %(default)s)")
     g.add_argument("--fp8comm-moe-grad-wire", choices=MOE_GRAD_WIRES, default=_D.moe_grad_wire,
-                   help="wire for the MoE dispatch backward (token gradients) (default %(default)s)")
+                   help="wire for the MoE backward (token gradients of a hooked dispatch/combine) "
+                        "(default %(default)s)")
     return parser

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from fp8comm import comm as fcomm
 
-from .config import Fp8commConfig, Fp8commMegatronError, count
+from . import error_feedback
+from .config import Fp8CommMegatronConfig, Fp8CommMegatronError, count
 
 _tls = threading.local()
 _seen: set = set()  # buffers whose first call ran the metadata check (check="first")
@@ -117,7 +118,7 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _check(cfg: Fp8commConfig, kind: str, t: torch.Tensor, group) -> bool:
+def _check(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group) -> bool:
     """Run fp8comm's cross-rank metadata check per policy; every rank takes the same decision for a buffer."""
     if cfg.check != "first":
         return cfg.check == "always"
@@ -135,13 +136,13 @@ def hierarchical_groups(group):
         return _hier_cache[key]
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     if not lws:
-        raise Fp8commMegatronError("fp8comm: --fp8comm-hierarchical needs LOCAL_WORLD_SIZE (set by torchrun)")
+        raise Fp8CommMegatronError("fp8comm: --fp8comm-hierarchical needs LOCAL_WORLD_SIZE (set by torchrun)")
     ranks = dist.get_process_group_ranks(group)
     nodes = [r // int(lws) for r in ranks]
     per_node = {n: nodes.count(n) for n in nodes}
     local = per_node[nodes[0]]
     if len(set(per_node.values())) != 1 or nodes != sorted(nodes):
-        raise Fp8commMegatronError(f"fp8comm: hierarchical mode needs every node to hold the same number of "
+        raise Fp8CommMegatronError(f"fp8comm: hierarchical mode needs every node to hold the same number of "
                                    f"consecutive members of the group; group ranks {ranks} with "
                                    f"LOCAL_WORLD_SIZE={lws} give per-node counts {per_node}")
     hg = fcomm.node_groups(group, local_size=local)
@@ -149,20 +150,21 @@ def hierarchical_groups(group):
     return hg
 
 
-def _options(cfg: Fp8commConfig, kind: str, t: torch.Tensor, group) -> dict:
-    kw = cfg.wire_kwargs(kind)
-    kw["check"] = _check(cfg, kind, t, group)
+def _options(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group) -> dict:
+    kw = {"config": cfg.wire(kind, _check(cfg, kind, t, group))}
     if cfg.hierarchical:
         kw["hierarchical"] = hierarchical_groups(group)
     return kw
 
 
-def make_reduce_scatter(orig, cfg: Fp8commConfig):
+def make_reduce_scatter(orig, cfg: Fp8CommMegatronConfig):
     """FP8 counterpart of torch's reduce_scatter_tensor and Megatron's reduce_scatter_with_fp32_accumulation.
 
     Same call signature; each rank quantizes its bucket with its own 1xB block scales, one all_to_all of bytes,
     the receiver dequantizes every contribution and sums in fp32 (SUM or AVG) into the output shard. The async
     handle finishes (accumulates and writes the shard) in wait(), like the fp32-accumulation variant's handle.
+    With cfg.error_feedback the bucket's residual (keyed by its gradient buffer, `input`) is added before
+    quantizing and replaced by this call's quantization error (error_feedback.py).
     """
 
     def fp8comm_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -170,10 +172,12 @@ def make_reduce_scatter(orig, cfg: Fp8commConfig):
             count("grad_reduce_scatter", "passthrough_calls")
             return orig(output, input, op=op, group=group, async_op=async_op)
 
+        ef = error_feedback.for_bucket(input) if cfg.error_feedback else None
+
         def start():
             count("grad_reduce_scatter", "fp8_calls")
             count("grad_reduce_scatter", "elements", input.numel())
-            return fcomm.reduce_scatter_into(output, input, group, op, async_op=True,
+            return fcomm.reduce_scatter_into(output, input, group, op, async_op=True, error_feedback=ef,
                                              **_options(cfg, "grad", input, group))
 
         return _issue(start, async_op)
@@ -182,7 +186,7 @@ def make_reduce_scatter(orig, cfg: Fp8commConfig):
     return fp8comm_reduce_scatter
 
 
-def make_all_gather(orig, cfg: Fp8commConfig):
+def make_all_gather(orig, cfg: Fp8CommMegatronConfig):
     """FP8 counterpart of all_gather_into_tensor for the distributed optimizer's parameter buffers.
 
     Every rank, the owner included, decodes the same bytes, so replicas stay bit-identical. Refuses fp32 param
@@ -192,7 +196,7 @@ def make_all_gather(orig, cfg: Fp8commConfig):
 
     def fp8comm_all_gather(output, input, group=None, async_op=False):
         if output.dtype == torch.float32:
-            raise Fp8commMegatronError(
+            raise Fp8CommMegatronError(
                 "fp8comm: FP8 param all-gather on an fp32 parameter buffer would overwrite the distributed "
                 "optimizer's fp32 master weights (they share that buffer) with FP8-rounded values; train with "
                 "bf16/fp16 params (--bf16/--fp16, Float16Module) or turn --fp8comm-param-gather off")

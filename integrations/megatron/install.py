@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ddp_hooks, moe_hooks
-from .config import Fp8commConfig, Fp8commMegatronError
+from . import ddp_hooks, error_feedback, moe_hooks
+from .config import HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError
 
 logger = logging.getLogger("fp8comm.integrations.megatron")
 
@@ -26,13 +26,15 @@ ALLOW_UNTESTED_ENV = "FP8COMM_MEGATRON_ALLOW_UNTESTED"
 
 PGB = "megatron.core.distributed.param_and_grad_buffer"
 TD = "megatron.core.transformer.moe.token_dispatcher"
+OPT = "megatron.core.optimizer.optimizer"
 
 
 @dataclass(frozen=True)
 class PatchPoint:
     """A module attribute fp8comm replaces, and the Megatron functions that must still call it by that name."""
 
-    feature: str  # "ddp" (either DDP hook), "grad", "param" or "moe"
+    feature: str  # "ddp" (either DDP hook), "grad", "param", "ef" (error feedback), "moe" (alltoall dispatcher),
+    # "moe_ag" (allgather dispatcher), "flex" (the refusal wrapper, when the dispatcher type is unknown at install)
     module: str
     name: str  # attribute of `module` (a "Class.method" for methods)
     users: tuple[str, ...]  # "Class.method" in `module` whose code must reference `name`
@@ -46,8 +48,22 @@ PATCH_POINTS = (
     # ddp_config.reduce_scatter_with_fp32_accumulation is on; patching it keeps FP8 in that mode too.
     PatchPoint("grad", PGB, "reduce_scatter_with_fp32_accumulation", ("_ParamAndGradBucketGroup.__init__",)),
     PatchPoint("param", PGB, "dist_all_gather_func", ("_ParamAndGradBucketGroup.start_param_sync",)),
-    PatchPoint("moe", TD, "all_to_all", ("MoEAlltoAllTokenDispatcher.token_dispatch",)),
+    PatchPoint("moe", TD, "all_to_all", ("MoEAlltoAllTokenDispatcher.token_dispatch",
+                                         "MoEAlltoAllTokenDispatcher.token_combine")),
     PatchPoint("moe", TD, "MoEAlltoAllTokenDispatcher.token_dispatch", ()),
+    PatchPoint("moe", TD, "MoEAlltoAllTokenDispatcher.token_combine", ()),
+    PatchPoint("moe_ag", TD, "gather_from_sequence_parallel_region", ("MoEAllGatherTokenDispatcher.token_dispatch",)),
+    PatchPoint("moe_ag", TD, "reduce_scatter_to_sequence_parallel_region",
+               ("MoEAllGatherTokenDispatcher.token_combine",)),
+    PatchPoint("moe_ag", TD, "MoEAllGatherTokenDispatcher.token_dispatch", ()),
+    PatchPoint("moe_ag", TD, "MoEAllGatherTokenDispatcher.token_combine", ()),
+    PatchPoint("flex", TD, "MoEFlexTokenDispatcher.token_dispatch", ()),
+    # A step that reports a skipped update resets the error-feedback residuals. DistributedOptimizer and
+    # Float16OptimizerWithFloat16Params inherit MixedPrecisionOptimizer.step; ChainedOptimizer.step does not call
+    # its members' step().
+    PatchPoint("ef", OPT, "MixedPrecisionOptimizer.step", ()),
+    PatchPoint("ef", OPT, "FP32Optimizer.step", ()),
+    PatchPoint("ef", OPT, "ChainedOptimizer.step", ()),
 )
 
 # DistributedDataParallelConfig fields the checks read (a rename would make a check silently pass).
@@ -55,7 +71,7 @@ DDP_FIELDS = ("use_distributed_optimizer", "num_distributed_optimizer_instances"
               "overlap_grad_reduce", "overlap_param_gather", "reduce_scatter_with_fp32_accumulation")
 
 _SAVED: list[tuple[object, str, object]] = []
-_ACTIVE: list[Fp8commConfig] = []
+_ACTIVE: list[Fp8CommMegatronConfig] = []
 
 
 def megatron_version() -> str:
@@ -81,7 +97,7 @@ def check_version(allow_untested: bool = False) -> str:
         logger.warning("fp8comm: megatron-core %s is untested (supported: %s); every patched name was still "
                        "checked", v, _series_text())
         return v
-    raise Fp8commMegatronError(f"fp8comm: megatron-core {v} is not a supported version (supported: "
+    raise Fp8CommMegatronError(f"fp8comm: megatron-core {v} is not a supported version (supported: "
                                f"{_series_text()}); set {ALLOW_UNTESTED_ENV}=1 or install(..., "
                                "allow_untested_version=True) to try it (all patched names are still checked)")
 
@@ -110,7 +126,7 @@ def _code_names(fn) -> set[str]:
     return names
 
 
-def check_patch_points(features=("ddp", "grad", "param", "moe")) -> list[str]:
+def check_patch_points(features=("ddp", "grad", "param", "ef", "moe", "moe_ag", "flex")) -> list[str]:
     """Problems with the patch points of the given features ([] = every name is present and still used)."""
     problems = []
     for p in PATCH_POINTS:
@@ -163,6 +179,7 @@ class _Facts:
     num_experts: int | None = None
     dispatcher: str | None = None
     ep: int | None = None
+    tp: int | None = None
 
 
 def _facts_from_args(args) -> _Facts:
@@ -177,7 +194,8 @@ def _facts_from_args(args) -> _Facts:
                                                  "reuse_grad_buf_for_mxfp8_param_ag") if g(n)), None),
                   params_dtype=dtype, moe_known=True, num_experts=g("num_experts"),
                   dispatcher=g("moe_token_dispatcher_type"),
-                  ep=int(g("expert_model_parallel_size", 1) or 1))
+                  ep=int(g("expert_model_parallel_size", 1) or 1),
+                  tp=int(g("tensor_model_parallel_size", 1) or 1))
 
 
 def _facts_from_configs(ddp_config, transformer_config, params_dtype) -> _Facts:
@@ -194,12 +212,13 @@ def _facts_from_configs(ddp_config, transformer_config, params_dtype) -> _Facts:
         f.num_experts = transformer_config.num_moe_experts
         f.dispatcher = transformer_config.moe_token_dispatcher_type
         f.ep = transformer_config.expert_model_parallel_size
+        f.tp = getattr(transformer_config, "tensor_model_parallel_size", 1)
     if params_dtype is not None:
         f.params_dtype = params_dtype
     return f
 
 
-def validate(cfg: Fp8commConfig, f: _Facts) -> list[str]:
+def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
     """Settings that would corrupt training or make a hook silently do nothing."""
     errs = []
     ddp = cfg.grad_reduce or cfg.param_gather
@@ -219,14 +238,31 @@ def validate(cfg: Fp8commConfig, f: _Facts) -> list[str]:
     if cfg.param_gather and f.params_dtype == torch.float32:
         errs.append("--fp8comm-param-gather with fp32 parameters: the distributed optimizer's fp32 master weights "
                     "are a view of the parameter buffer, so the FP8 gather would overwrite them; use --bf16/--fp16")
-    if cfg.moe_dispatch and f.moe_known:
+    if cfg.error_feedback and not cfg.grad_reduce:
+        errs.append("--fp8comm-error-feedback needs --fp8comm-grad-reduce: the residuals are the FP8 gradient "
+                    "reduce-scatter's quantization error")
+    if cfg.error_feedback_dtype != "fp32" and not cfg.error_feedback:
+        errs.append(f"--fp8comm-error-feedback-dtype {cfg.error_feedback_dtype} without --fp8comm-error-feedback: "
+                    "it would do nothing")
+    if cfg.moe and f.moe_known:
+        flags = " / ".join(n for n, on in (("--fp8comm-moe-dispatch", cfg.moe_dispatch),
+                                           (f"--fp8comm-moe-combine {cfg.moe_combine}", cfg.moe_combine != "native"))
+                           if on)
         if not f.num_experts:
-            errs.append("--fp8comm-moe-dispatch without MoE layers (--num-experts): nothing to dispatch")
-        elif f.dispatcher is not None and f.dispatcher != "alltoall":
-            errs.append(f"--fp8comm-moe-dispatch hooks MoEAlltoAllTokenDispatcher, but --moe-token-dispatcher-type "
-                        f"is {f.dispatcher!r}: use 'alltoall'")
-        elif f.ep is not None and f.ep == 1:
-            errs.append("--fp8comm-moe-dispatch with --expert-model-parallel-size 1: tokens never leave the rank")
+            errs.append(f"{flags} without MoE layers (--num-experts): nothing to dispatch")
+        elif f.dispatcher == "flex":
+            errs.append(f"{flags} with --moe-token-dispatcher-type flex: the flex dispatcher runs DeepEP/HybridEP "
+                        "fused kernels (CUDA only), which fp8comm does not hook; supported dispatchers: "
+                        f"{', '.join(HOOKED_DISPATCHERS)}")
+        elif f.dispatcher is not None and f.dispatcher not in HOOKED_DISPATCHERS:
+            errs.append(f"{flags}: --moe-token-dispatcher-type {f.dispatcher!r} is not hooked; supported "
+                        f"dispatchers: {', '.join(HOOKED_DISPATCHERS)}")
+        elif f.dispatcher == "alltoall" and f.ep is not None and f.ep == 1:
+            errs.append(f"{flags} with --expert-model-parallel-size 1 and the alltoall dispatcher: tokens never "
+                        "leave the rank")
+        elif f.dispatcher == "allgather" and f.ep is not None and f.ep * (f.tp or 1) == 1:
+            errs.append(f"{flags} with the allgather dispatcher and tensor x expert parallel size 1: tokens never "
+                        "leave the rank")
     if cfg.hierarchical and ddp and not os.environ.get("LOCAL_WORLD_SIZE"):
         errs.append("--fp8comm-hierarchical needs LOCAL_WORLD_SIZE (ranks per node; torchrun sets it)")
     if cfg.hierarchical and not ddp:
@@ -235,42 +271,74 @@ def validate(cfg: Fp8commConfig, f: _Facts) -> list[str]:
 
 
 def install(args=None, *, ddp_config=None, transformer_config=None, params_dtype=None, grad_reduce=False,
-            param_gather=False, moe_dispatch=False, allow_untested_version=False, **options) -> Fp8commConfig:
+            param_gather=False, moe_dispatch=False, allow_untested_version=False, **options) -> Fp8CommMegatronConfig:
     """Turn the fp8comm hooks on: install(args) after Megatron-LM parses args (add_args) and before the model
     is built, or install(ddp_config=..., transformer_config=..., grad_reduce=True, ...) for Megatron-Core.
 
-    `options` are Fp8commConfig fields (fmt, grad_fmt, block_size, scaling, rounding, hierarchical, check,
-    moe_grad_wire). Raises Fp8commMegatronError, with nothing patched, on an unsupported version, a missing
-    Megatron name or a combination that would corrupt training or silently do nothing.
+    `options` are Fp8CommMegatronConfig fields (fmt, grad_fmt, block_size, scaling, rounding, hierarchical, check,
+    moe_grad_wire, moe_combine, error_feedback, error_feedback_dtype). Raises Fp8CommMegatronError, with nothing
+    patched, on an unsupported version, a missing Megatron name or a combination that would corrupt training or
+    silently do nothing.
     """
     if _ACTIVE:
-        raise Fp8commMegatronError("fp8comm: already installed; call uninstall() first")
+        raise Fp8CommMegatronError("fp8comm: already installed; call uninstall() first")
     if args is not None:
         if grad_reduce or param_gather or moe_dispatch or options or ddp_config is not None or \
                 transformer_config is not None or params_dtype is not None:
             # The args carry both the fp8comm settings and the Megatron facts the checks read: one source only.
-            raise Fp8commMegatronError("fp8comm: pass either args (from add_args) or keywords, not both")
-        cfg = Fp8commConfig.from_args(args)
+            raise Fp8CommMegatronError("fp8comm: pass either args (from add_args) or keywords, not both")
+        cfg = Fp8CommMegatronConfig.from_args(args)
         facts = _facts_from_args(args)
     else:
-        cfg = Fp8commConfig(grad_reduce=bool(grad_reduce), param_gather=bool(param_gather),
+        cfg = Fp8CommMegatronConfig(grad_reduce=bool(grad_reduce), param_gather=bool(param_gather),
                             moe_dispatch=bool(moe_dispatch), **options)
         facts = _facts_from_configs(ddp_config, transformer_config, params_dtype)
-    if not cfg.any:
+    errs = validate(cfg, facts)  # also when no hook is on: e.g. --fp8comm-error-feedback alone would do nothing
+    if not cfg.any and not errs:
         _log(cfg.describe())
         return cfg
     version = check_version(allow_untested_version)
-    features = ({"ddp"} if cfg.grad_reduce or cfg.param_gather else set()) | \
-               ({"grad"} if cfg.grad_reduce else set()) | ({"param"} if cfg.param_gather else set()) | \
-               ({"moe"} if cfg.moe_dispatch else set())
+    features = _features(cfg, facts)
     problems = check_patch_points(features)
     if problems:
-        raise Fp8commMegatronError(f"fp8comm: megatron-core {version} does not match what fp8comm patches:\n  - "
+        raise Fp8CommMegatronError(f"fp8comm: megatron-core {version} does not match what fp8comm patches:\n  - "
                                    + "\n  - ".join(problems))
-    errs = validate(cfg, facts)
     if errs:
-        raise Fp8commMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
+        raise Fp8CommMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
+    patches = _patches(cfg, features)
+    error_feedback.configure(cfg.error_feedback_dtype)
+    for obj, name, new in patches:
+        _SAVED.append((obj, name, getattr(obj, name) if not isinstance(obj, type) else obj.__dict__[name]))
+        setattr(obj, name, new)
+    _ACTIVE.append(cfg)
+    _log(cfg.describe() + f" [megatron-core {version}]")
+    return cfg
 
+
+def _features(cfg: Fp8CommMegatronConfig, facts: _Facts) -> set[str]:
+    """The patch-point features this configuration needs (MoE: by dispatcher type; both when it is unknown)."""
+    f = set()
+    if cfg.grad_reduce or cfg.param_gather:
+        f.add("ddp")
+    if cfg.grad_reduce:
+        f.add("grad")
+    if cfg.param_gather:
+        f.add("param")
+    if cfg.error_feedback:
+        f.add("ef")
+    if cfg.moe:
+        known = facts.dispatcher if facts.moe_known else None
+        if known in (None, "alltoall"):
+            f.add("moe")
+        if known in (None, "allgather"):
+            f.add("moe_ag")
+        if known is None:
+            f.add("flex")  # refuse at run time what install could not see
+    return f
+
+
+def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[object, str, object]]:
+    """(object, attribute, replacement) for every name to patch; nothing is patched yet."""
     patches = []
     if features & {"grad", "param"}:
         pgb = importlib.import_module(PGB)
@@ -282,17 +350,35 @@ def install(args=None, *, ddp_config=None, transformer_config=None, params_dtype
                             ddp_hooks.make_reduce_scatter(pgb.reduce_scatter_with_fp32_accumulation, cfg)))
         if cfg.param_gather:
             patches.append((pgb, "dist_all_gather_func", ddp_hooks.make_all_gather(pgb.dist_all_gather_func, cfg)))
-    if cfg.moe_dispatch:
-        td = importlib.import_module(TD)
+    if "ef" in features:
+        opt = importlib.import_module(OPT)
+        for cls in (opt.MixedPrecisionOptimizer, opt.FP32Optimizer, opt.ChainedOptimizer):
+            patches.append((cls, "step", error_feedback.make_optimizer_step(cls.__dict__["step"])))
+    td = importlib.import_module(TD) if features & {"moe", "moe_ag", "flex"} else None
+    combine = cfg.moe_combine != "native"
+    if "moe" in features:
         cls = td.MoEAlltoAllTokenDispatcher
         patches.append((td, "all_to_all", moe_hooks.make_all_to_all(td.all_to_all, cfg)))
-        patches.append((cls, "token_dispatch", moe_hooks.make_token_dispatch(cls.__dict__["token_dispatch"])))
-    for obj, name, new in patches:
-        _SAVED.append((obj, name, getattr(obj, name) if not isinstance(obj, type) else obj.__dict__[name]))
-        setattr(obj, name, new)
-    _ACTIVE.append(cfg)
-    _log(cfg.describe() + f" [megatron-core {version}]")
-    return cfg
+        if cfg.moe_dispatch:
+            patches.append((cls, "token_dispatch", moe_hooks.make_token_dispatch(cls.__dict__["token_dispatch"])))
+        if combine:
+            patches.append((cls, "token_combine", moe_hooks.make_token_combine(cls.__dict__["token_combine"])))
+    if "moe_ag" in features:
+        cls = td.MoEAllGatherTokenDispatcher
+        if cfg.moe_dispatch:
+            patches.append((td, "gather_from_sequence_parallel_region",
+                            moe_hooks.make_gather_from_sequence_parallel_region(
+                                td.gather_from_sequence_parallel_region, cfg)))
+            patches.append((cls, "token_dispatch", moe_hooks.make_ag_token_dispatch(cls.__dict__["token_dispatch"])))
+        if combine:
+            patches.append((td, "reduce_scatter_to_sequence_parallel_region",
+                            moe_hooks.make_reduce_scatter_to_sequence_parallel_region(
+                                td.reduce_scatter_to_sequence_parallel_region, cfg)))
+            patches.append((cls, "token_combine", moe_hooks.make_ag_token_combine(cls.__dict__["token_combine"])))
+    if "flex" in features:
+        cls = td.MoEFlexTokenDispatcher
+        patches.append((cls, "token_dispatch", moe_hooks.make_flex_refusal(cls.__dict__["token_dispatch"])))
+    return patches
 
 
 def uninstall() -> None:
@@ -303,9 +389,10 @@ def uninstall() -> None:
     _ACTIVE.clear()
     ddp_hooks.reset_state()
     moe_hooks.reset_state()
+    error_feedback.reset_state()
 
 
-def active_config() -> Fp8commConfig | None:
+def active_config() -> Fp8CommMegatronConfig | None:
     return _ACTIVE[0] if _ACTIVE else None
 
 

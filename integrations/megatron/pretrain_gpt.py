@@ -10,19 +10,26 @@
 The three fp8comm lines are what a real pretrain script needs: `extra_args_provider=add_args` when parsing,
 `install(args)` after parsing and before the model is built, and (optionally) logging comm_stats(). Everything else
 is plain Megatron-Core: GPTModel, Float16Module, DistributedDataParallel, get_megatron_optimizer and the
-forward-backward schedule. Pipeline parallelism is left out to keep the example short (the hooks do not care).
+forward-backward schedule (pipeline stages too: --pipeline-model-parallel-size, no virtual stages).
+Rank 0 ends with one `pretrain_gpt summary: {json}` line: median step time (warm-up excluded), bytes its node's
+network interface sent per step (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / FP8COMM_LINK_IFNAME counters, when
+set), first/last loss and fp8comm's per-collective wire bytes.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import statistics
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from fp8comm.comm import comm_stats, format_comm_stats, reset_comm_stats
-from fp8comm.integrations.megatron import add_args, hook_stats, install, uninstall
+from fp8comm.integrations.megatron import add_args, error_feedback_nbytes, hook_stats, install, uninstall
 
 
 def _init_distributed() -> None:
@@ -42,7 +49,28 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _link_ifname() -> str | None:
+    """The network interface whose counters measure this node's link (None: not measured)."""
+    for var in ("FP8COMM_LINK_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        name = os.environ.get(var, "").split(",")[0].strip()
+        if name and (Path("/sys/class/net") / name / "statistics").is_dir():
+            return name
+    return None
+
+
+def _link_tx_bytes(ifname: str | None) -> int | None:
+    if ifname is None:
+        return None
+    return int((Path("/sys/class/net") / ifname / "statistics" / "tx_bytes").read_text())
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def model_provider(args, config):
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -54,7 +82,9 @@ def model_provider(args, config):
                                                           moe_grouped_gemm=args.moe_grouped_gemm)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,
-                    position_embedding_type=args.position_embedding_type)
+                    position_embedding_type=args.position_embedding_type,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
 
 
 def _fields_from_args(cls, args) -> dict:
@@ -109,9 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
         args = parse_and_validate_args(extra_args_provider=add_args)  # 1. the fp8comm argument group
     finally:
         sys.argv = saved_argv
-    if args.pipeline_model_parallel_size != 1:
-        raise SystemExit("this example does not set up pipeline stages; use --pipeline-model-parallel-size 1")
+    if args.virtual_pipeline_model_parallel_size:
+        raise SystemExit("this example builds one model chunk per stage; drop --num-layers-per-virtual-pipeline-stage")
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                  expert_model_parallel_size=args.expert_model_parallel_size)
     model_parallel_cuda_manual_seed(args.seed)
 
@@ -137,29 +168,59 @@ def main(argv: list[str] | None = None) -> dict:
 
         data = _batches(args, ps.get_data_parallel_rank())
         fb = get_forward_backward_func()
-        history = {"loss": [], "grad_norm": []}
+        history = {"loss": [], "grad_norm": [], "step_s": [], "link_tx_bytes": []}
+        ifname = _link_ifname()
         reset_comm_stats()
         for it in range(args.train_iters):
+            dist.barrier()  # every step starts together: its time and link bytes are this step's
+            tx0, t0 = _link_tx_bytes(ifname), time.perf_counter()
             model.zero_grad_buffer()
             optimizer.zero_grad()
             out = fb(forward_step_func=forward_step, data_iterator=data, model=[model],
                      num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
                      micro_batch_size=args.micro_batch_size, forward_only=False)
-            ok, grad_norm, _ = optimizer.step()
-            s = torch.stack([o["lm loss"] for o in out]).sum(0)
-            dist.all_reduce(s, group=ps.get_data_parallel_group())
+            ok, grad_norm, _ = optimizer.step()  # with overlap_param_gather, the next forward gathers (steady state)
+            _sync()
+            history["step_s"].append(time.perf_counter() - t0)
+            tx1 = _link_tx_bytes(ifname)
+            history["link_tx_bytes"].append(None if tx0 is None else tx1 - tx0)
+            # Only the last pipeline stage has losses: the others add zeros to one world-wide sum.
+            s = torch.stack([o["lm loss"] for o in out]).sum(0) if out else torch.zeros(2, device=_device())
+            dist.all_reduce(s)
             history["loss"].append(float(s[0] / s[1]))
             history["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
             if dist.get_rank() == 0 and (it + 1) % args.log_interval == 0:
                 print(f"iteration {it + 1}/{args.train_iters} | lm loss {history['loss'][-1]:.4f} | grad norm "
-                      f"{history['grad_norm'][-1]:.4f} | update {'ok' if ok else 'skipped'}", flush=True)
-        if dist.get_rank() == 0:
-            print(format_comm_stats(), flush=True)  # 3. FP8 bytes moved per collective
+                      f"{history['grad_norm'][-1]:.4f} | step {history['step_s'][-1] * 1e3:.0f} ms | "
+                      f"update {'ok' if ok else 'skipped'}", flush=True)
+        if ddp_config.overlap_param_gather:
+            model.start_param_sync(force_sync=True)  # the last step's gather, dispatched lazily otherwise
         history["comm_stats"] = comm_stats()
         history["hook_stats"] = hook_stats()
+        history["error_feedback_bytes"] = error_feedback_nbytes()
+        if dist.get_rank() == 0:
+            print(format_comm_stats(), flush=True)  # 3. FP8 bytes moved per collective
+            print("pretrain_gpt summary: " + json.dumps(_summary(history, args, ifname)), flush=True)
         return history
     finally:
         uninstall()
+
+
+def _summary(h: dict, args, ifname: str | None) -> dict:
+    """Step time and link bytes per step (medians without the warm-up: the first 2 steps of >= 5, else the first),
+    loss, fp8comm wire bytes per step."""
+    n = len(h["step_s"])
+    later = slice(2 if n >= 5 else 1 if n > 1 else 0, None)
+    link = [b for b in h["link_tx_bytes"][later] if b is not None]
+    return {"fp8comm": {k: getattr(args, "fp8comm_" + k) for k in ("grad_reduce", "param_gather", "moe_dispatch",
+                                                                   "moe_combine", "error_feedback")},
+            "world": dist.get_world_size(), "steps": len(h["loss"]),
+            "step_time_s_median": round(statistics.median(h["step_s"][later]), 4),
+            "link": ifname, "link_tx_bytes_per_step_median": statistics.median(link) if link else None,
+            "loss_first": round(h["loss"][0], 5), "loss_last": round(h["loss"][-1], 5),
+            "error_feedback_bytes": h["error_feedback_bytes"],
+            "fp8comm_wire_bytes_per_step": {k: v["wire_bytes"] // max(1, len(h["loss"]))
+                                            for k, v in h["comm_stats"].items()}}
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from fp8comm.bench.scaling import link_bytes
+    from fp8comm.tools.bench.scaling import link_bytes
     from fp8comm.distributed import init_distributed
 
     torch.set_num_threads(1)

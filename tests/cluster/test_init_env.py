@@ -7,7 +7,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from fp8comm.distributed import (DistEnvError, _mpi_env, _slurm_env, _torchrun_env, detect_launcher,
+from fp8comm.distributed import (DistEnvError, mpi_env, slurm_env, torchrun_env, detect_launcher,
                                  expand_nodelist, init_distributed, tasks_on_node)
 
 
@@ -34,24 +34,24 @@ def test_no_launcher_names_all_options():
 
 def test_incomplete_torchrun_lists_missing():
     with pytest.raises(DistEnvError) as e:
-        _torchrun_env({"RANK": "0", "WORLD_SIZE": "2"})
+        torchrun_env({"RANK": "0", "WORLD_SIZE": "2"})
     assert "MASTER_ADDR" in str(e.value) and "MASTER_PORT" in str(e.value) and "RANK" in str(e.value)
     with pytest.raises(DistEnvError, match="not an integer"):
-        _torchrun_env({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+        torchrun_env({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
 
 
 def test_incomplete_slurm_and_mpi():
     with pytest.raises(DistEnvError, match="SLURM_NTASKS.*SLURM_JOB_NODELIST"):
-        _slurm_env({"SLURM_PROCID": "0"})
+        slurm_env({"SLURM_PROCID": "0"})
     with pytest.raises(DistEnvError, match="PMI_SIZE"):
-        _mpi_env({"PMI_RANK": "0"})
+        mpi_env({"PMI_RANK": "0"})
 
 
 def test_slurm_layout():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
            "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_ID": "123",
            "MASTER_ADDR": "10.0.0.7"}
-    i = _slurm_env(env)
+    i = slurm_env(env)
     assert (i["rank"], i["world"], i["local"], i["lws"], i["addr"]) == (3, 5, 1, 2, "10.0.0.7")
     assert i["port"] == 20123  # every rank derives the same port from the job id
     assert tasks_on_node("2(x2),1", 2) == 1
@@ -61,7 +61,7 @@ def test_slurm_layout():
 
 
 def test_mpi_layout_from_env():
-    i = _mpi_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    i = mpi_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
                   "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
     assert (i["rank"], i["world"], i["local"], i["lws"]) == (2, 4, 0, 2)
 

@@ -1,9 +1,9 @@
-"""fp8comm.bench.scaling's report: speedups, link bytes and the codec table from result files (no cluster)."""
+"""fp8comm.tools.bench.scaling's report: speedups, link bytes and the codec table from result files (no cluster)."""
 from __future__ import annotations
 
 import json
 
-from fp8comm.bench import scaling
+from fp8comm.tools.bench import scaling
 
 
 def _row(key, ms, link=None, mib=32.0):

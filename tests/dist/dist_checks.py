@@ -448,9 +448,9 @@ def check_check_policy(ctx: Ctx) -> None:
     add no collective (and no host sync on GPU); a mismatch in a first call still raises on every rank."""
     import os
 
-    from fp8comm.comm import checks
+    from fp8comm.comm import state
 
-    FIRST_CALLS = getattr(checks, "FIRST_CALLS", 3)  # (getattr: this check also runs against fp8comm 0.1)
+    FIRST_CALLS = getattr(state, "FIRST_CALLS", 3)
     r, W = ctx.rank, ctx.world
     assert os.environ.get("FP8COMM_CHECK") is None, "this check measures the library default"
     g = dist.new_group(list(range(W)), backend="gloo")  # a fresh group: no calls made on it yet

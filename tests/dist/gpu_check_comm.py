@@ -149,7 +149,7 @@ def main() -> None:
     if "dist" in parts:
         dist_part(out)
     if "bench" in parts:
-        cmd = [sys.executable, "-m", "fp8comm.cli", "bench", "comm", "--nproc", os.environ.get("BENCH_NPROC", "4"),
+        cmd = [sys.executable, "-m", "fp8comm.tools.cli", "bench", "comm", "--nproc", os.environ.get("BENCH_NPROC", "4"),
                "--max-size", os.environ.get("BENCH_MAX", "256M"), "--json", str(out / "bench.jsonl"),
                "--timeout", os.environ.get("BENCH_TIMEOUT", "240"), "--target-s", "0.5", "--iters", "10"]
         with open(out / "bench.txt", "w") as f:

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.dist
 
 
 def test_bench_comm_prints_ratios():
-    cmd = [sys.executable, "-m", "fp8comm.cli", "bench", "comm", "--nproc", "2", "--max-size", "64K",
+    cmd = [sys.executable, "-m", "fp8comm.tools.cli", "bench", "comm", "--nproc", "2", "--max-size", "64K",
            "--ops", "all_gather,reduce_scatter", "--iters", "1", "--target-s", "0", "--ef-steps", "2",
            "--hidden", "1024", "--timeout", "150"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)

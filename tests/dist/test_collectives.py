@@ -1,33 +1,68 @@
-"""Multi-process FP8 collectives on gloo (CPU): one launch per world size runs every check in dist_checks*.py."""
+"""Multi-process FP8 collectives on gloo (CPU): one pytest id per dist check and run, one launch per run.
+
+Each run (a world size, or the staged backend) launches its ranks once and runs every selected check inside them
+(dist_checks*.py); each test id asserts one check's result on every rank, so `pytest -k error_feedback` selects
+one check (and launches only it). "staged": the same checks through the staged backend and the device proxy (on
+CPU copies here; on a GPU, launch/gpu_ready_check.py runs them with CUDA tensors, several ranks on one GPU).
+"""
 from __future__ import annotations
 
 import json
 
 import pytest
 
+import dist_checks
 import dist_harness
 
 pytestmark = pytest.mark.dist
 
+# run id -> (world size, environment); 4 ranks are laid out as 2 "nodes" x 2 for the hierarchical checks
+RUNS = {
+    "w2": (2, {}),
+    "w3": (3, {}),
+    "w4": (4, {"LOCAL_WORLD_SIZE": "2"}),
+    "w4-staged": (4, {"LOCAL_WORLD_SIZE": "2", "FP8COMM_TEST_BACKEND": "staged", "FP8COMM_TEST_PROXY": "1"}),
+}
+CHECKS = [c.__name__ for c in dist_checks.CHECKS]
 
-@pytest.mark.parametrize("world,backend", [(2, "gloo"), (3, "gloo"), (4, "gloo"), (4, "staged")])
-def test_collectives(world, backend, tmp_path):
-    # 4 ranks are laid out as 2 "nodes" x 2 for the hierarchical checks. "staged": the same checks through the
-    # staged backend and the device proxy (on CPU copies here; on a GPU, launch/gpu_ready_check.py runs them with
-    # CUDA tensors: several ranks on one GPU), which is how those two test tools are themselves tested.
-    env = {"LOCAL_WORLD_SIZE": "2"} if world == 4 else {}
-    if backend == "staged":
-        env.update(FP8COMM_TEST_BACKEND="staged", FP8COMM_TEST_PROXY="1")
-    run = dist_harness.launch(world, tmp_path, env=env, timeout=240)
-    for r, recs in run["results"].items():
-        for x in recs:
-            if x.get("state") == "done" and x.get("info"):
-                print(f"[world {world} rank {r}] {x['check']} ({x['seconds']} s): {json.dumps(x['info'])}")
-    fails = dist_harness.failures(run)
-    assert not fails, "\n".join(fails)
-    # Every check ran to the end on every rank (none skipped by an early stop).
-    import dist_checks
 
-    names = [c.__name__ for c in dist_checks.CHECKS]
-    for r, recs in run["results"].items():
-        assert [x["check"] for x in recs if x.get("state") == "done"] == names, f"rank {r} did not run every check"
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """run id -> the harness result of ONE launch running every check pytest selected for that run."""
+    runs: dict = {}
+
+    def get(run: str) -> dict:
+        if run not in runs:
+            selected = [i.callspec.params["check"] for i in request.session.items
+                        if i.module is request.module and getattr(i, "callspec", None)
+                        and i.callspec.params.get("run") == run]
+            world, env = RUNS[run]
+            names = [c for c in CHECKS if c in selected]  # the harness order, which the checks assume
+            runs[run] = dist_harness.launch(world, tmp_path_factory.mktemp(run), env=env, names=names, timeout=240)
+        return runs[run]
+
+    return get
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("check", CHECKS)
+def test_collective(check, run, launched):
+    result = launched(run)
+    problems = []
+    for rank, recs in result["results"].items():
+        done = [x for x in recs if x.get("check") == check and x.get("state") == "done"]
+        if not done:
+            stopped = [x["after"] for x in recs if x.get("state") == "stopped"]
+            started = any(x.get("check") == check and x.get("state") == "started" for x in recs)
+            why = ("never finished (timeout or crash)" if started else
+                   f"not run: the ranks stopped after {stopped[0]} failed" if stopped else "not run")
+            problems.append(f"rank {rank}: {why}")
+            continue
+        x = done[0]
+        if x.get("info"):
+            print(f"[{run} rank {rank}] {check} ({x['seconds']} s): {json.dumps(x['info'])}")
+        if not x["ok"]:
+            problems.append(f"rank {rank}: {x['error']}\n{x.get('trace', '')}")
+    if result["timed_out"]:
+        problems.append("the launch timed out")
+    assert not problems, "\n".join(problems)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import fp8comm
-from fp8comm.comm.options import PIPELINE_MAX, PIPELINE_PIECE, pipeline_option, plan_pieces, row_part
+from fp8comm.comm import WireConfig
+from fp8comm.comm.pieces import PIPELINE_MAX, PIPELINE_PIECE, plan_pieces, row_part
 from fp8comm.quant import BlockScaling, ChunkLayout, get_format, pack_chunks
 from fp8comm.quant.wire import unpack_codes
 
@@ -42,11 +43,14 @@ def test_row_part_covers_chunk(n, pieces):
 
 
 def test_pipeline_option():
-    assert pipeline_option(None) == 0 and pipeline_option("auto") == 0 and pipeline_option(False) == 1
-    assert pipeline_option(6) == 6
-    for bad in ("many", 0, -2, 2.5, 5000):
+    def pieces(v):
+        return WireConfig(pipeline=v).pipeline
+
+    assert pieces(None) == 0 and pieces("auto") == 0 and pieces(0) == 0 and pieces(False) == 1
+    assert pieces(6) == 6
+    for bad in ("many", -2, 2.5, 5000):
         with pytest.raises(ValueError, match="pipeline"):
-            pipeline_option(bad)
+            pieces(bad)
 
 
 def test_unpack_codes_is_the_quantizer_output():

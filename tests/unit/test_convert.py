@@ -1,15 +1,10 @@
 """convert_to_fp8: what is converted and why the rest is skipped; checkpoints both ways; delayed-scaling state."""
-import os
-import sys
-
 import pytest
 import torch
 from torch import nn
 
 from fp8comm.gemm import Fp8Linear, convert_to_fp8, strip_fp8_state
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from fp8comm.tools.gpt import GPT, GPTConfig
 
 
 def _gpt(seed=0, n_layer=4):
@@ -106,7 +101,7 @@ def test_delayed_scaling_state_survives_save_load_and_resume_is_identical(tmp_pa
     m2.load_state_dict(ck["model"])
     opt2.load_state_dict(ck["opt"])
     assert torch.equal(m2.h[0].mlp.c_fc.input_amax_history, ck["model"]["h.0.mlp.c_fc.input_amax_history"])
-    assert m2.h[0].mlp.c_fc._ready == {"input": True, "weight": True, "grad": True}
+    assert m2.h[0].mlp.c_fc.delayed_ready == {"input": True, "weight": True, "grad": True}
     assert _run(m2, opt2, 4, seed=1) == cont  # bit-identical continuation
 
 

@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 
+from fp8comm.gemm.routing import ROUTING
 from fp8comm.gemm import backends, telemetry
 from fp8comm.quant import Scaling, quantize
 
@@ -78,8 +79,7 @@ def test_scaled_mm_rejects_block_scales_it_cannot_take():
 
 def test_auto_on_cpu_is_emulation_and_counted(caplog):
     a, b = _operands(16, 16, 128, "block_1x128_128x128")
-    telemetry.reset_counters()
-    backends._logged.clear()
+    ROUTING.reset()
     with caplog.at_level(logging.DEBUG, logger="fp8comm.gemm"):
         backends.gemm(a, b)
     assert telemetry.counters("gemm.") == {"gemm.emulation": 1}
@@ -153,22 +153,21 @@ def test_triton_block_scaled_gemm_under_interpreter():
 
 
 def test_bench_gemm_command_prints_ratios(capsys):
-    from fp8comm.cli import main
+    from fp8comm.tools.cli import main
     assert main(["bench", "gemm", "--shapes", "32x48x64", "--linear-shapes", "32x16x64", "--reps", "1",
                  "--warmup", "0", "--backends", "emulation,scaled_mm", "--recipes", "blockwise"]) == 0
     out = capsys.readouterr().out
     assert "SLOWER than bf16" in out  # the CPU caveat is part of the output
     assert "| gemm | 32x48x64 | blockwise | emulation |" in out
-    assert "| gemm | 32x48x64 | mxfp8 | scaled_mm | error: NotImplementedError" in out
+    assert "| gemm | 32x48x64 | mxfp8 | scaled_mm | error: Fp8CommNotImplementedError" in out
     assert "| linear | 32x64->16 | blockwise | emulation:3 |" in out
 
 
 def test_failing_backend_is_routed_around_visibly(monkeypatch, caplog):
     """A backend that raises is recorded, warned about once, counted, and skipped from then on (never bf16)."""
     a, b = _operands(16, 16, 64, "mx")
-    monkeypatch.setattr(backends, "_candidates", lambda *_: [("scaled_mm", ""), ("emulation", "fallback")])
-    backends._failed.clear()
-    telemetry.reset_counters()
+    monkeypatch.setattr(backends, "candidates", lambda *_: [("scaled_mm", ""), ("emulation", "fallback")])
+    ROUTING.reset()
     with caplog.at_level(logging.WARNING, logger="fp8comm.gemm"):
         out1 = backends.gemm(a, b)
         out2 = backends.gemm(a, b)
@@ -176,4 +175,5 @@ def test_failing_backend_is_routed_around_visibly(monkeypatch, caplog):
     assert telemetry.counters("gemm.") == {"gemm.scaled_mm": 1, "gemm.scaled_mm.failed": 1,
                                            "gemm.emulation.fallback": 2}
     assert sum("routing to emulation" in r.getMessage() for r in caplog.records) == 1
-    backends._failed.clear()
+    assert list(ROUTING.failures()) == [("scaled_mm", ("cpu", "mx32", "mx32", "e4m3", "e4m3", "torch.float32"))]
+    ROUTING.reset()

@@ -14,15 +14,7 @@ BOUND = {"e4m3": 0.06, "e5m2": 0.10}
 def _capture(layer):
     """Record every (role, primary, Fp8Tensor) that the layer quantizes."""
     seen = []
-    orig = layer._quantize
-
-    def spy(t, role, primary=True, with_transpose=False):
-        q = orig(t, role, primary, with_transpose)
-        seen.append((role, primary, q[0] if with_transpose else q))
-        if with_transpose:  # the transposed operand, as a separate non-primary quantization would be
-            seen.append((role, False, q[1]))
-        return q
-    layer._quantize = spy
+    layer.register_quantize_hook(lambda _layer, role, primary, q: seen.append((role, primary, q)))
     return seen
 
 
@@ -142,7 +134,7 @@ def test_weight_transpose_cached_per_step(recipe):
     wq_ts = []
     for _ in range(3):
         layer(torch.randn(8, 64, requires_grad=True)).sum().backward()
-        wq_ts.append(layer._wcache[2])
+        wq_ts.append(layer.cached_weight()[1])
     assert layer.weight_quantizations == 1 and wq_ts[0] is not None
     assert all(t is wq_ts[0] for t in wq_ts)  # W^T made with W once, then reused
 
@@ -266,16 +258,17 @@ def test_transposed_weight_comes_with_weight_and_follows_updates():
     layer = Fp8Linear(64, 32, recipe="tensorwise")
     with torch.no_grad():
         layer(torch.randn(4, 64))  # no-grad forward: no transposed copy yet
-    assert layer._wcache[2] is None
+    assert layer.cached_weight()[1] is None
     layer(torch.randn(4, 64, requires_grad=True)).sum().backward()  # dgrad makes it once, from the cached codes
-    wq, wq_t = layer._wcache[1], layer._wcache[2]
+    wq, wq_t = layer.cached_weight()
     assert wq_t.data.is_contiguous() and torch.equal(wq_t.data.view(torch.uint8), wq.data.view(torch.uint8).t())
     assert layer.weight_quantizations == 1
     with torch.no_grad():
         layer.weight.mul_(2)  # an optimizer step: both layouts are re-made from the new weight
     layer(torch.randn(4, 64, requires_grad=True)).sum().backward()
     assert layer.weight_quantizations == 2
-    assert torch.equal(layer._wcache[2].data.view(torch.uint8), layer._wcache[1].data.view(torch.uint8).t())
+    wq, wq_t = layer.cached_weight()
+    assert torch.equal(wq_t.data.view(torch.uint8), wq.data.view(torch.uint8).t())
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise", "rowwise", "mxfp8", "delayed"])

@@ -47,12 +47,12 @@ def test_unpack_sum_chunk_offsets_past_2gib():
             big[ci * S:ci * S + one.total_bytes] = chunk
             tight[ci * one.total_bytes:(ci + 1) * one.total_bytes] = chunk
         want = br.unpack_sum(tight, one.with_rows((1,) * n), E4M3, torch.empty(1, k))
-        _, _, pbytes = bt._tables(one, big.device)
+        _, _, pbytes = bt.chunk_tables(one, big.device)
         out = torch.empty(1, k)
-        p = bt._plan(1, k, 1, 128)
-        bt._launch(tk._dequant_kernel, p.grid, big, big, out, pbytes, pbytes, pbytes, n, S, 1, k, 1, 128, 1,
+        p = bt.plan(1, k, 1, 128)
+        bt.launch(tk.dequant_kernel, p.grid, big, big, out, pbytes, pbytes, pbytes, n, S, 1, k, 1, 128, 1,
                    MODE=2, SCALE_BYTES=4, NCH_STEPS=0, K16=True, OUT_BF16=False, num_warps=p.num_warps,
-                   **p.meta(), **bt._dec_meta(E4M3, big.device))
+                   **p.meta(), **bt.decode_meta(E4M3, big.device))
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (out[0, :4], want[0, :4])
         print("OK")
     """)

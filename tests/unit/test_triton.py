@@ -191,7 +191,7 @@ def test_two_pass_path(bt, monkeypatch):
                            (Scaling(128, 128, "e8m0"), "nearest", False), (Scaling(1, 128), "stochastic", True),
                            (Scaling(None, None), "nearest", True)]:
         br_, bc_ = sc.block_shape(*x.shape)
-        assert not bt._plan(*x.shape, br_, bc_).fit, "the small tile limits did not force the two-pass path"
+        assert not bt.plan(*x.shape, br_, bc_).fit, "the small tile limits did not force the two-pass path"
         scale = given_scales(*sc.scale_shape(*x.shape), sc.encoding != "fp32") if given else None
         for fmt in FORMATS:
             same_quant(bt.quantize_2d(x, fmt, sc, rnd, 1, scale), br.quantize_2d(x, fmt, sc, rnd, 1, scale),

@@ -86,6 +86,6 @@ def test_nearest_cast_matches_round_to_grid(fmt):
     y = torch.cat([y, torch.zeros((-y.numel()) % 128)]).view(-1, 128)
     ones = torch.ones(y.shape[0], 1)
     want = reference.encode(y, ones, sc, f, "nearest", 0)
-    for enc in (backend_compiled.encode_nearest, backend_compiled._encode_nearest):  # eager, then compiled
+    for enc in (backend_compiled.encode_nearest, backend_compiled.encode_nearest_compiled):  # eager, then compiled
         assert torch.equal(enc(y, ones, sc, f).view(torch.uint8), want)
 

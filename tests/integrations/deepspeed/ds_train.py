@@ -6,21 +6,16 @@ baseline and an FP8 run differ only by what fp8comm changes.
 from __future__ import annotations
 
 import hashlib
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
-
-import deepspeed  # noqa: E402
-import fp8comm.integrations.deepspeed as fd  # noqa: E402
+import deepspeed
+import fp8comm.integrations.deepspeed as fd
+from fp8comm.tools.gpt import GPT, GPTConfig
 
 BLOCK = 32
 BATCH = 8

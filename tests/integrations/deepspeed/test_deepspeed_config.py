@@ -102,7 +102,7 @@ def test_typo_fails_through_deepspeed_initialize(tmp_path):
     ({"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
 ])
 def test_unsupported_combination(over, fragment):
-    with pytest.raises(fd.UnsupportedError, match=fragment):
+    with pytest.raises(fd.Fp8CommUnsupportedError, match=fragment):
         fd.install(with_fp8({"gemm": False}, **over))
     assert not fd.is_installed()
 
@@ -116,7 +116,7 @@ def test_stage0_without_comm_is_fine():
 # ------------------------------------------------------------------------------------------ version and targets
 def test_version_range(monkeypatch):
     monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
-    with pytest.raises(fd.UnsupportedError, match="outside the range"):
+    with pytest.raises(fd.Fp8CommUnsupportedError, match="outside the range"):
         fd.install(with_fp8({"gemm": False}))
     monkeypatch.setenv(compat.ANY_VERSION_ENV, "1")
     assert fd.install(with_fp8({"gemm": False})) is not None  # the per-target checks alone decide
@@ -130,14 +130,14 @@ def test_changed_signature_is_an_error_and_patches_nothing(monkeypatch):
 
     monkeypatch.setattr(stage3, "reduce_scatter_coalesced", reduce_scatter_coalesced)
     before = pp._dist_allgather_fn
-    with pytest.raises(fd.UnsupportedError, match="zero3.grad_reduce.*parameters"):
+    with pytest.raises(fd.Fp8CommUnsupportedError, match="zero3.grad_reduce.*parameters"):
         fd.install(with_fp8({"gemm": False}))
     assert pp._dist_allgather_fn is before and not fd.is_installed()
 
 
 def test_caller_that_stopped_calling_is_an_error():
     t = compat.Target("demo", __name__, "with_fp8", ("section", "over"), ("test_every_target_checks_out",))
-    with pytest.raises(fd.UnsupportedError, match="no longer calls 'with_fp8'"):
+    with pytest.raises(fd.Fp8CommUnsupportedError, match="no longer calls 'with_fp8'"):
         compat.check_target(t)
 
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.dist
 
 
 def test_demo_smoke(tmp_path, capsys):
-    from fp8comm import demo
+    from fp8comm.tools import demo
 
     p = argparse.ArgumentParser()
     demo.add_args(p)

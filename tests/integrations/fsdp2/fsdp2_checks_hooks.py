@@ -235,7 +235,7 @@ def bad_inputs_are_refused(rank, world, info):
     def refused(name, fn, match):
         try:
             fn()
-        except f2.Fp8Fsdp2Error as e:
+        except f2.Fp8CommFsdp2Error as e:
             errors[name] = str(e)
             assert match in str(e), (name, str(e))
             return

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from fp8comm.comm import WireConfig
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
@@ -39,8 +41,8 @@ def test_defaults_and_parse():
     assert d["check"] is None and d["align_blocks"] is True
     cfg = f2.parse(weights=False, gradients={"fmt": "e5m2", "error_feedback": True}, check=False)
     assert not cfg.weights.enabled and cfg.gradients.fmt == "e5m2" and cfg.gradients.error_feedback
-    assert cfg.gradients.wire_kwargs(cfg.check) == {"fmt": "e5m2", "scaling": "fp32", "block_size": 128,
-                                                    "rounding": "nearest", "check": False}
+    assert cfg.gradients.wire(cfg.check) == WireConfig(fmt="e5m2", rounding="nearest", check="never",
+                                                       error_feedback=True)
 
 
 @pytest.mark.parametrize("options, match", [
@@ -56,7 +58,7 @@ def test_defaults_and_parse():
     ({"weights": False, "gradients": False}, "nothing to enable"),
 ])
 def test_bad_options_name_the_problem(options, match):
-    with pytest.raises(f2.Fp8Fsdp2Error, match=match):
+    with pytest.raises(f2.Fp8CommFsdp2Error, match=match):
         f2.parse(**options)
 
 
@@ -85,7 +87,7 @@ def test_reduce_ops_map_to_sum_avg_and_premultiply():
     kind, factor = f2.layout.reduce_op(ReduceOp.PREMUL_SUM(0.25))
     assert kind == "sum" and factor == 0.25
     for op in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND):
-        with pytest.raises(f2.Fp8Fsdp2Error, match="supports SUM, AVG and PREMUL_SUM"):
+        with pytest.raises(f2.Fp8CommFsdp2Error, match="supports SUM, AVG and PREMUL_SUM"):
             f2.layout.reduce_op(op)
 
 

@@ -13,13 +13,14 @@ VOCAB = 128
 SEQ = 32
 
 
-def init_parallel(tp: int = 1, ep: int = 1) -> None:
+def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
 
 
@@ -53,12 +54,18 @@ def build(ddp_kw: dict, moe: bool = False, seed: int = 1234, opt_kw: dict | None
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
+    from megatron.core import parallel_state as ps
+
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1:
+        cfg_over.setdefault("pipeline_model_parallel_size", pp)
     config = transformer_config(moe=moe, **cfg_over)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                   position_embedding_type="rope")
+                   position_embedding_type="rope", pre_process=ps.is_pipeline_first_stage(),
+                   post_process=ps.is_pipeline_last_stage())
     model = Float16Module(config, gpt) if config.bf16 else gpt
     ddp_config = DistributedDataParallelConfig(**ddp_kw)
     model = DistributedDataParallel(config, ddp_config, model)
@@ -110,31 +117,43 @@ def forward_step(data_iterator, model):
     return out, loss_func
 
 
-def train(model, opt, config, iters: int, micro: int = 2, num_micro: int = 2) -> dict:
-    """Megatron's train_step loop on synthetic tokens: per-iteration global loss and grad norm."""
+def train(model, opt, config, iters: int, micro: int = 2, num_micro: int = 2, start: int = 0,
+          after_backward=None, allow_skip: bool = False) -> dict:
+    """Megatron's train_step loop on synthetic tokens: per-iteration global loss and grad norm.
+
+    start: first iteration (its data; a resumed run continues the same data stream). after_backward(i): called
+    after forward-backward (gradients reduced), before the optimizer step. allow_skip: a skipped step is recorded
+    in "skipped" instead of failing.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     fb = get_forward_backward_func()
+    pp = ps.get_pipeline_model_parallel_world_size()
     dp = ps.get_data_parallel_rank()
-    data = batches(iters * num_micro, micro, dp)
+    data = batches((start + iters) * num_micro, micro, dp)[start * num_micro:]
     it = iter(data)
-    losses, norms = [], []
-    for _ in range(iters):
+    losses, norms, skipped = [], [], []
+    for i in range(start, start + iters):
         model.zero_grad_buffer()
         opt.zero_grad()
         out = fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=num_micro,
                  seq_length=SEQ, micro_batch_size=micro, forward_only=False)
+        if after_backward is not None:
+            after_backward(i)
         ok, gnorm, _ = opt.step()
-        assert ok, "optimizer step skipped (non-finite gradients)"
-        s = torch.stack([o["lm loss"] for o in out]).sum(0)
-        torch.distributed.all_reduce(s, group=ps.get_data_parallel_group())
+        assert ok or allow_skip, "optimizer step skipped (non-finite gradients)"
+        if not ok:
+            skipped.append(i)
+        s = torch.stack([o["lm loss"] for o in out]).sum(0) if out else torch.zeros(2)
+        # Only the last pipeline stage has losses: the other stages add zeros (one world-wide sum when PP > 1).
+        torch.distributed.all_reduce(s, group=ps.get_data_parallel_group() if pp == 1 else None)
         losses.append(float(s[0] / s[1]))
-        norms.append(float(gnorm))
+        norms.append(float(gnorm) if gnorm is not None else float("nan"))
     if getattr(model.ddp_config, "overlap_param_gather", False):
         # The last step's gather is dispatched lazily by the next forward; finish it so params are current.
         model.start_param_sync(force_sync=True)
-    return {"loss": losses, "grad_norm": norms}
+    return {"loss": losses, "grad_norm": norms, "skipped": skipped}
 
 
 def param_vector(model) -> torch.Tensor:

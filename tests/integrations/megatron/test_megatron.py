@@ -1,7 +1,8 @@
 """fp8comm's Megatron-Core integration against real megatron-core: names, settings, plugin, and gloo training.
 
 The single-process tests need only `import megatron.core`; the two launches (2 and 4 gloo ranks) run the training
-checks in mcore_checks.py, each printing its measured deviations and byte counts.
+checks in mcore_checks*.py (DP/TP/hierarchical and the plugin, error feedback, MoE dispatchers, pipeline), each
+printing its measured deviations and byte counts.
 """
 from __future__ import annotations
 
@@ -71,6 +72,14 @@ def test_every_patched_name_exists_and_is_still_used():
             assert p.name.split(".")[-1] in inst._code_names(fn), f"{user} does not call {p.name}"
 
 
+def _install_kwargs_for(feature: str) -> dict:
+    """install() keywords that need the patch points of `feature` (see install._features)."""
+    return {"ddp": dict(grad_reduce=True), "grad": dict(grad_reduce=True), "param": dict(param_gather=True),
+            "ef": dict(grad_reduce=True, error_feedback=True), "moe": dict(moe_dispatch=True),
+            "moe_ag": dict(moe_dispatch=True, transformer_config=_moe_tc(moe_token_dispatcher_type="allgather")),
+            "flex": dict(moe_dispatch=True, transformer_config=None)}[feature]
+
+
 @pytest.mark.parametrize("point", inst.PATCH_POINTS, ids=lambda p: p.name)
 def test_missing_name_is_an_install_error(point, monkeypatch):
     mod = _module(point.module)
@@ -79,9 +88,8 @@ def test_missing_name_is_an_install_error(point, monkeypatch):
         monkeypatch.delattr(getattr(mod, cls), meth)
     else:
         monkeypatch.delattr(mod, point.name)
-    feature = {"ddp": "grad_reduce", "grad": "grad_reduce", "param": "param_gather", "moe": "moe_dispatch"}
-    with pytest.raises(fm.Fp8commMegatronError, match=point.name.split(".")[-1]):
-        fm.install(ddp_config=_ddp(), transformer_config=_moe_tc(), **{feature[point.feature]: True})
+    with pytest.raises(fm.Fp8CommMegatronError, match=point.name.split(".")[-1]):
+        fm.install(**{"ddp_config": _ddp(), "transformer_config": _moe_tc(), **_install_kwargs_for(point.feature)})
     assert fm.active_config() is None
 
 
@@ -94,7 +102,7 @@ def test_call_site_that_bypasses_a_name_is_an_install_error(monkeypatch):
 
     monkeypatch.setattr(mod._ParamAndGradBucketGroup, "start_grad_sync", start_grad_sync)
     before = _snapshot()
-    with pytest.raises(fm.Fp8commMegatronError, match="no longer references dist_reduce_scatter_func"):
+    with pytest.raises(fm.Fp8CommMegatronError, match="no longer references dist_reduce_scatter_func"):
         fm.install(ddp_config=_ddp(), grad_reduce=True)
     assert _snapshot() == before  # nothing patched
 
@@ -102,7 +110,7 @@ def test_call_site_that_bypasses_a_name_is_an_install_error(monkeypatch):
 def test_unsupported_version_is_refused_unless_allowed(monkeypatch):
     monkeypatch.setattr(inst, "megatron_version", lambda: "0.99.0")
     monkeypatch.delenv(inst.ALLOW_UNTESTED_ENV, raising=False)
-    with pytest.raises(fm.Fp8commMegatronError, match="0.99.0 is not a supported version"):
+    with pytest.raises(fm.Fp8CommMegatronError, match="0.99.0 is not a supported version"):
         fm.install(ddp_config=_ddp(), grad_reduce=True)
     cfg = fm.install(ddp_config=_ddp(), grad_reduce=True, allow_untested_version=True)
     assert cfg.grad_reduce and fm.active_config() == cfg
@@ -111,12 +119,13 @@ def test_unsupported_version_is_refused_unless_allowed(monkeypatch):
 # ------------------------------------------------------------------------------------- install/uninstall
 def test_install_patches_and_uninstall_restores_everything():
     before = _snapshot()
-    cfg = fm.install(ddp_config=_ddp(), transformer_config=_moe_tc(), grad_reduce=True, param_gather=True,
-                     moe_dispatch=True, fmt="e5m2", scaling="e8m0", block_size=64)
+    # No transformer_config: the dispatcher type is unknown, so both hooked dispatchers and the flex refusal go in.
+    cfg = fm.install(ddp_config=_ddp(), grad_reduce=True, param_gather=True, moe_dispatch=True, moe_combine="fp8",
+                     error_feedback=True, fmt="e5m2", scaling="e8m0", block_size=64)
     after = _snapshot()
     assert all(after[k] is not before[k] for k in before), "every patch point is replaced"
     assert (cfg.fmt, cfg.scaling, cfg.block_size) == ("e5m2", "e8m0", 64)
-    with pytest.raises(fm.Fp8commMegatronError, match="already installed"):
+    with pytest.raises(fm.Fp8CommMegatronError, match="already installed"):
         fm.install(ddp_config=_ddp(), grad_reduce=True)
     fm.uninstall()
     assert all(_snapshot()[k] is before[k] for k in before), "uninstall restores the original objects"
@@ -154,20 +163,30 @@ def test_one_log_line_says_what_is_active(capsys):
     (dict(param_gather=True, params_dtype=torch.float32), {}, "master weights"),
     (dict(grad_reduce=True), dict(use_megatron_fsdp=True), "not FSDP"),
     (dict(moe_dispatch=True, transformer_config=_moe_tc(num_moe_experts=None)), {}, "without MoE layers"),
-    (dict(moe_dispatch=True, transformer_config=_moe_tc(moe_token_dispatcher_type="allgather")), {}, "alltoall"),
+    (dict(moe_dispatch=True, transformer_config=_moe_tc(moe_token_dispatcher_type="flex")), {},
+     "flex dispatcher runs DeepEP/HybridEP .*supported dispatchers: alltoall, allgather"),
+    (dict(moe_combine="fp8", transformer_config=_moe_tc(moe_token_dispatcher_type="flex")), {},
+     "--fp8comm-moe-combine fp8 with --moe-token-dispatcher-type flex"),
     (dict(moe_dispatch=True, transformer_config=_moe_tc(expert_model_parallel_size=1)), {}, "never leave"),
+    (dict(moe_combine="bf16", transformer_config=_moe_tc(moe_token_dispatcher_type="allgather",
+                                                         expert_model_parallel_size=1)), {}, "tensor x expert"),
+    (dict(moe_combine="fp8", transformer_config=_moe_tc(num_moe_experts=None)), {}, "combine fp8 without MoE"),
+    (dict(param_gather=True, error_feedback=True), {}, "--fp8comm-error-feedback needs --fp8comm-grad-reduce"),
+    (dict(grad_reduce=True, error_feedback_dtype="bf16"), {}, "would do nothing"),
+    (dict(error_feedback=True), {}, "--fp8comm-error-feedback needs --fp8comm-grad-reduce"),  # nothing else on
+    (dict(hierarchical=True), {}, "neither is on"),
     (dict(moe_dispatch=True, transformer_config=_moe_tc(), hierarchical=True), {}, "neither is on"),
 ])
 def test_invalid_combination_is_refused_with_the_reason(kwargs, ddp_kw, match):
     before = _snapshot()
-    with pytest.raises(fm.Fp8commMegatronError, match=match):
+    with pytest.raises(fm.Fp8CommMegatronError, match=match):
         fm.install(ddp_config=_ddp(**ddp_kw), **kwargs)
     assert _snapshot() == before and fm.active_config() is None
 
 
 def test_hierarchical_needs_local_world_size(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with pytest.raises(fm.Fp8commMegatronError, match="LOCAL_WORLD_SIZE"):
+    with pytest.raises(fm.Fp8CommMegatronError, match="LOCAL_WORLD_SIZE"):
         fm.install(ddp_config=_ddp(), grad_reduce=True, hierarchical=True)
 
 
@@ -175,37 +194,88 @@ def test_fp32_param_buffer_is_refused_at_runtime():
     """Megatron-Core users who gave no params_dtype: the first gather into an fp32 buffer raises, never writes."""
     from fp8comm.integrations.megatron import ddp_hooks
 
-    gather = ddp_hooks.make_all_gather(lambda *a, **k: pytest.fail("original called"), fm.Fp8commConfig())
+    gather = ddp_hooks.make_all_gather(lambda *a, **k: pytest.fail("original called"), fm.Fp8CommMegatronConfig())
     out = torch.zeros(8)
-    with pytest.raises(fm.Fp8commMegatronError, match="master weights"):
+    with pytest.raises(fm.Fp8CommMegatronError, match="master weights"):
         gather(out, out[:4], group=None, async_op=False)
     assert torch.equal(out, torch.zeros(8))
 
 
 def test_bad_option_values_are_refused():
     for kw, match in ((dict(fmt="e3m4"), "fmt"), (dict(block_size=0), "block_size"), (dict(check="sometimes"), "check"),
-                      (dict(moe_grad_wire="fp4"), "moe_grad_wire"), (dict(scaling="int8"), "scaling")):
-        with pytest.raises(fm.Fp8commMegatronError, match=match):
+                      (dict(moe_grad_wire="fp4"), "moe_grad_wire"), (dict(scaling="int8"), "scaling"),
+                      (dict(moe_combine="fp4"), r"moe_combine='fp4' is not one of \('native', 'bf16', 'fp8'\)"),
+                      (dict(error_feedback_dtype="fp16"), r"error_feedback_dtype='fp16' is not one of \('fp32'"),
+                      (dict(error_feedback="yes"), "error_feedback must be True or False")):
+        with pytest.raises(fm.Fp8CommMegatronError, match=match):
             fm.install(ddp_config=_ddp(), grad_reduce=True, **kw)
+
+
+def test_dispatchers_patch_what_they_use():
+    """alltoall patches only the alltoall names, allgather only its two mappings and methods; combine alone too."""
+    before = _snapshot()
+    for tc, combine, expect in (
+            (_moe_tc(), "native", {"all_to_all", "MoEAlltoAllTokenDispatcher.token_dispatch"}),
+            (_moe_tc(), "fp8", {"all_to_all", "MoEAlltoAllTokenDispatcher.token_combine"}),
+            (_moe_tc(moe_token_dispatcher_type="allgather"), "native",
+             {"gather_from_sequence_parallel_region", "MoEAllGatherTokenDispatcher.token_dispatch"}),
+            (_moe_tc(moe_token_dispatcher_type="allgather"), "bf16",
+             {"reduce_scatter_to_sequence_parallel_region", "MoEAllGatherTokenDispatcher.token_combine"})):
+        fm.install(ddp_config=_ddp(), transformer_config=tc, moe_dispatch=combine == "native", moe_combine=combine)
+        after = _snapshot()
+        assert {k for k in before if after[k] is not before[k]} == expect, (tc, combine)
+        fm.uninstall()
+        assert _snapshot() == before
+
+
+def test_flex_dispatcher_unknown_at_install_is_refused_at_run_time():
+    """A Megatron-Core install without transformer_config cannot see the dispatcher: flex raises before moving."""
+    td = _module(TD)
+    fm.install(ddp_config=_ddp(), moe_dispatch=True)
+    with pytest.raises(fm.Fp8CommMegatronError, match="flex.*supported dispatchers: alltoall, allgather"):
+        td.MoEFlexTokenDispatcher.token_dispatch(object(), torch.zeros(2, 2), torch.zeros(2, 2))
+
+
+def test_skipped_optimizer_step_zeroes_error_feedback_residuals():
+    """The optimizer-step wrapper: (False, None, None) zeroes every residual and is counted; success keeps them."""
+    ef_mod = importlib.import_module("fp8comm.integrations.megatron.error_feedback")
+    bucket = torch.zeros(256)
+    ef = ef_mod.for_bucket(bucket)
+    assert ef_mod.for_bucket(bucket) is ef and ef_mod.for_bucket(torch.zeros(256)) is not ef  # keyed by identity
+    ef.take(256, bucket.device).fill_(0.5)
+    results = iter([(True, 1.0, 0), (False, None, None)])
+    step = ef_mod.make_optimizer_step(lambda self: next(results))
+    fm.hook_stats(reset=True)
+    assert step(None) == (True, 1.0, 0) and ef.norm() > 0, "a successful step keeps the residuals"
+    assert step(None) == (False, None, None) and ef.residual is None, "a skipped step zeroes them"
+    assert fm.hook_stats()["error_feedback"]["skipped_step_resets"] == 1
 
 
 # ------------------------------------------------------------------------------------- argument plugin
 def test_add_args_defaults_match_the_config_and_parse():
     p = fm.add_args(argparse.ArgumentParser())
     args = p.parse_args([])
-    assert fm.Fp8commConfig.from_args(args) == fm.Fp8commConfig()
+    assert fm.Fp8CommMegatronConfig.from_args(args) == fm.Fp8CommMegatronConfig()
     args = p.parse_args(["--fp8comm-grad-reduce", "--fp8comm-param-gather", "--fp8comm-moe-dispatch",
                          "--fp8comm-format", "e5m2", "--fp8comm-grad-format", "e5m2", "--fp8comm-block-size", "32",
                          "--fp8comm-scaling", "pow2", "--fp8comm-rounding", "stochastic", "--fp8comm-hierarchical",
-                         "--fp8comm-check", "always", "--fp8comm-moe-grad-wire", "fp8"])
-    cfg = fm.Fp8commConfig.from_args(args)
-    assert cfg == fm.Fp8commConfig(True, True, True, "e5m2", "e5m2", 32, "pow2", "stochastic", True, "always", "fp8")
-    with pytest.raises(SystemExit):
-        p.parse_args(["--fp8comm-format", "int8"])
+                         "--fp8comm-check", "always", "--fp8comm-moe-grad-wire", "fp8", "--fp8comm-moe-combine", "fp8",
+                         "--fp8comm-error-feedback", "--fp8comm-error-feedback-dtype", "bf16"])
+    cfg = fm.Fp8CommMegatronConfig.from_args(args)
+    assert cfg == fm.Fp8CommMegatronConfig(grad_reduce=True, param_gather=True, moe_dispatch=True, fmt="e5m2", grad_fmt="e5m2",
+                                   block_size=32, scaling="pow2", rounding="stochastic", hierarchical=True,
+                                   check="always", moe_grad_wire="fp8", moe_combine="fp8", error_feedback=True,
+                                   error_feedback_dtype="bf16")
+    d = cfg.describe()
+    assert "MoE dispatch, MoE combine" in d and "error feedback bf16 residuals" in d and "MoE backward fp8" in d, d
+    for bad in (["--fp8comm-format", "int8"], ["--fp8comm-moe-combine", "fp16"], ["--fp8comm-error-feedback-dtype",
+                                                                                  "fp8"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
 
 
 def test_install_from_args_without_add_args_is_an_error():
-    with pytest.raises(fm.Fp8commMegatronError, match="extra_args_provider"):
+    with pytest.raises(fm.Fp8CommMegatronError, match="extra_args_provider"):
         fm.install(argparse.Namespace(use_distributed_optimizer=True))
 
 
@@ -216,7 +286,7 @@ def test_install_from_args_checks_megatron_args():
     assert fm.active_config().grad_reduce and fm.active_config().param_gather
     fm.uninstall()
     args.use_distributed_optimizer = False
-    with pytest.raises(fm.Fp8commMegatronError, match="--use-distributed-optimizer"):
+    with pytest.raises(fm.Fp8CommMegatronError, match="--use-distributed-optimizer"):
         fm.install(args)
 
 
@@ -234,12 +304,14 @@ def _launch(world, names, tmp_path, env=None, timeout=300):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_two_ranks_dp2_moe_ep2_and_plugin(tmp_path):
-    _launch(2, ["gpt_dp2", "gpt_dp2_fp32_accumulation", "moe_ep2", "plugin_end_to_end"], tmp_path)
+def test_two_ranks_dp2_error_feedback_moe_ep2_and_plugin(tmp_path):
+    # gpt_dp2 first: its overlap-on baseline is reused by gpt_dp2_error_feedback (mcore_checks.run).
+    _launch(2, ["gpt_dp2", "gpt_dp2_error_feedback", "gpt_dp2_fp32_accumulation", "moe_ep2", "moe_ep2_allgather",
+                "plugin_end_to_end"], tmp_path)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_four_ranks_tp2_dp2_and_hierarchical(tmp_path):
+def test_four_ranks_tp2_dp2_pp2_dp2_and_hierarchical(tmp_path):
     # 4 ranks = 2 simulated nodes x 2 (LOCAL_WORLD_SIZE) for the hierarchical check.
-    _launch(4, ["gpt_tp2_dp2", "gpt_dp4_hierarchical"], tmp_path, env={"LOCAL_WORLD_SIZE": "2"})
+    _launch(4, ["gpt_tp2_dp2", "gpt_pp2_dp2", "gpt_dp4_hierarchical"], tmp_path, env={"LOCAL_WORLD_SIZE": "2"})

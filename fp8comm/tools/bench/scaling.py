@@ -1,9 +1,9 @@
 """Multi-node scaling: FP8 vs bf16 (and fp32 gradients) collectives and training steps on 1..N simulated nodes.
 
 Driven by `launch/cluster.py bench` (which owns the namespaces and rate-limited links); the pieces:
-  python -m fp8comm.bench.scaling worker --out F.json ...   one rank under torchrun: collectives, side by side
-  launch/train_demo.py --modes fp8,bf16,fp32 --json F.json   one rank under torchrun: training steps, side by side
-  python -m fp8comm.bench.scaling report DIR                 tables (markdown) and plots from the JSON files
+  python -m fp8comm.tools.bench.scaling worker --out F.json ...  one rank under torchrun: collectives, side by side
+  launch/train_demo.py --modes fp8,bf16,fp32 --json F.json        one rank under torchrun: training steps, likewise
+  python -m fp8comm.tools.bench.scaling report DIR                tables (markdown) and plots from the JSON files
 
 Every repetition runs every variant once, in rotating order, so slow drifts of the shared machine hit all variants
 alike; each time is the slowest rank's (barrier before, max over ranks after); medians over repetitions. Sizes
@@ -142,15 +142,16 @@ def _variants(keys, mib: float, world: int, local: int):
 def _codecs(x16, x32, tok, world: int) -> dict:
     import torch
 
-    from fp8comm.comm.options import wire_spec
+    from fp8comm.comm import WireConfig
+    from fp8comm.quant.dispatch import backend_name
     from fp8comm.quant.wire import ChunkLayout, pack_chunks, unpack_chunks, unpack_sum
 
-    spec = wire_spec()  # the collectives' defaults: E4M3, 1x128 fp32 scales, nearest, backend auto
+    spec = WireConfig().spec  # the collectives' defaults: E4M3, 1x128 fp32 scales, nearest, backend auto
     fmt, sc = spec.fmt, spec.scaling
     n, L = x16.numel(), x16.numel() // world
 
     def be(numel):
-        return spec.kernel_backend(x16.device, numel)
+        return backend_name(spec.backend, x16.device, numel)
 
     one = ChunkLayout((1,), n, sc)
     ag_send = torch.empty(one.total_bytes, dtype=torch.uint8)
@@ -238,8 +239,10 @@ def machine() -> str:
 
 
 # ------------------------------------------------------------------------------------------- driver (root)
-def drive(cluster, argv) -> int:
-    """Run the whole benchmark on `cluster` (a launch/cluster.py Cluster): up, every node count, down, report."""
+def drive(cluster, argv, train_script: str | Path | None = None) -> int:
+    """Run the whole benchmark on `cluster` (a launch/cluster.py Cluster): up, every node count, down, report.
+    `train_script`: the training loop for the training rows (launch/train_demo.py of the checkout that holds
+    cluster.py); without it, --train-steps is ignored."""
     p = argparse.ArgumentParser(prog="cluster.py bench", description="scaling benchmark on the simulated cluster")
     p.add_argument("--nodes", default="1,2,3", help="node counts (2 ranks each)")
     p.add_argument("--rate", default="1gbit", help="link rate per direction (tc tbf)")
@@ -259,13 +262,12 @@ def drive(cluster, argv) -> int:
     try:
         cluster.up(max(nodes), a.rate)
         for k in nodes:
-            rc |= cluster.run(["-m", "fp8comm.bench.scaling", "worker", "--out", str(out / f"coll_n{k}.json"),
+            rc |= cluster.run(["-m", "fp8comm.tools.bench.scaling", "worker", "--out", str(out / f"coll_n{k}.json"),
                                "--sizes-mib", a.sizes_mib, "--reps", str(a.reps), "--ops", a.ops, "--rate", a.rate],
                               nnodes=k, timeout=a.timeout, log_dir=out / f"logs_coll_n{k}")
-            if a.train_steps:
-                rc |= cluster.run([str(Path(__file__).resolve().parents[2] / "launch" / "train_demo.py"), "--modes",
-                                   "fp8,bf16,fp32", "--steps", str(a.train_steps), "--dim", str(a.train_dim),
-                                   "--json", str(out / f"train_n{k}.json")],
+            if a.train_steps and train_script:
+                rc |= cluster.run([str(train_script), "--modes", "fp8,bf16,fp32", "--steps", str(a.train_steps),
+                                   "--dim", str(a.train_dim), "--json", str(out / f"train_n{k}.json")],
                                   nnodes=k, timeout=a.timeout, log_dir=out / f"logs_train_n{k}")
     finally:
         cluster.down(quiet=True)

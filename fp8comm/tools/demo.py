@@ -2,7 +2,7 @@
 
 torchrun starts `--ranks` processes: on a CUDA machine one per GPU (NCCL, FP8 GEMMs on the tensor cores), else
 CPU processes (gloo, DeepSpeed's CPU accelerator; `--device cpu` forces that). Each run trains the tiny GPT of
-examples/gpt.py on Python's own help texts (pydoc_data, ships with Python) from the same initial weights on the
+fp8comm.tools.gpt on Python's own help texts (pydoc_data, ships with Python) from the same initial weights on the
 same batches:
 
   baseline  ZeRO-3, bf16, DeepSpeed's own collectives. fp8comm runs in "measure" mode: its hooks count the bytes
@@ -13,6 +13,10 @@ same batches:
 At the end: final loss of both and their relative difference, bytes on the wire per step (weights, gradients)
 and their ratio, step time; loss-curve PNGs and report.json in the run folder. Step times on CPU are NOT
 representative of GPUs: FP8 GEMMs run as an exact emulation here, and bytes, not time, are what this shows.
+
+Needs the 'tools' extra (rich, matplotlib) and DeepSpeed; everything it runs is imported from the installed
+package (the workers start as `python -m fp8comm.tools.demo --worker ...`), so it works from a wheel as from a
+source checkout.
 """
 from __future__ import annotations
 
@@ -26,7 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 SIZES = {  # n_layer, n_head, n_embd, block, micro-batch per rank
     "tiny": (2, 4, 64, 64, 8),
     "small": (4, 4, 128, 64, 16),
@@ -67,13 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     folder = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 2) // args.ranks)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    if args.device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", "-m",
-           "fp8comm.demo", "--worker", json.dumps({**vars(args), "folder": str(folder)})]
+    cmd, env = launch_command(args, folder)
     where = f"{args.ranks} GPU rank(s) (NCCL)" if args.device == "cuda" else f"{args.ranks} CPU ranks (gloo)"
     console.print(f"[bold]fp8comm demo[/bold]: DeepSpeed ZeRO-3 on {where}, tiny GPT ({args.size}), "
                   f"{args.steps} steps x 2 runs; log: {folder / 'log.txt'}")
@@ -124,6 +121,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def launch_command(args: argparse.Namespace, folder: Path) -> tuple[list[str], dict]:
+    """torchrun's command line and environment. The workers run this module by name (`-m`) with this
+    interpreter: whatever installed fp8comm here (a wheel, an editable checkout) serves them too; no paths."""
+    threads = max(1, (os.cpu_count() or 2) // args.ranks)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if args.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", "-m",
+           "fp8comm.tools.demo", "--worker", json.dumps({**vars(args), "folder": str(folder)})]
+    return cmd, env
+
+
 def _cuda_count() -> int:
     import torch
 
@@ -138,9 +147,8 @@ def _preflight(args) -> str | None:
     try:
         import deepspeed  # noqa: F401
     except ImportError:
-        return "DeepSpeed is not installed: pip install deepspeed==0.19.8 torch==2.13.0 (keep your torch pin)"
-    if not (ROOT / "examples" / "gpt.py").exists():
-        return f"examples/gpt.py not found under {ROOT}: run the demo from a source checkout (pip install -e .)"
+        return ("DeepSpeed is not installed: pip install 'fp8comm[deepspeed]' (deepspeed==0.19.8; keep your torch "
+                "pin, e.g. torch==2.13.0 on CPU)")
     if args.device == "cuda":
         n = _cuda_count()
         if not n:
@@ -224,21 +232,16 @@ def _worker(opts: dict) -> int:
         from fp8comm.integrations.deepspeed import cpu
 
         cpu.prepare()
-    import importlib.util
-
     import torch
     import torch.distributed as dist
 
     import deepspeed
     import fp8comm.integrations.deepspeed as fd
+    from fp8comm.tools.gpt import GPT, GPTConfig
 
     if on_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
-    spec = importlib.util.spec_from_file_location("fp8comm_demo_gpt", ROOT / "examples" / "gpt.py")
-    gpt = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = gpt  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(gpt)
     deepspeed.init_distributed("nccl" if on_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
@@ -271,7 +274,7 @@ def _worker(opts: dict) -> int:
               "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__}}
     for name, section in runs.items():
         torch.manual_seed(opts["seed"])
-        model = gpt.GPT(gpt.GPTConfig(len(vocab), block, n_layer, n_head, n_embd))
+        model = GPT(GPTConfig(len(vocab), block, n_layer, n_head, n_embd))
         params = model.num_params()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
         engine, *_ = fd.initialize(model=model, optimizer=opt, config={**ds, "fp8_comm": section})
@@ -317,6 +320,6 @@ def _worker(opts: dict) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         sys.exit(_worker(json.loads(sys.argv[2])))
-    _p = argparse.ArgumentParser(prog="python -m fp8comm.demo")
-    add_args(_p)
-    sys.exit(run(_p.parse_args()))
+    from fp8comm.tools.cli import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))  # the same checks (the tools extra) as `fp8comm demo`

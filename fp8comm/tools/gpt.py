@@ -1,4 +1,8 @@
-"""A small character-level GPT (nanoGPT style): token + position embeddings, pre-norm blocks, tied output head."""
+"""A small character-level GPT (nanoGPT style): token + position embeddings, pre-norm blocks, tied output head.
+
+The one model of `fp8comm demo`, examples/train_gpt.py, examples/fsdp2_train.py and the tests that train it:
+`from fp8comm.tools.gpt import GPT, GPTConfig`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .gemm import bench
-from ..quant import (BlockScaling, DelayedScaling, MXScaling, RowScaling, Scaling, TensorScaling, get_format,
-                     quantize)
-from ..quant import reference as ref
-from ..quant.api import triton_available
-from ..quant.tensor import view_2d
+from fp8comm.quant import (BlockScaling, DelayedScaling, MXScaling, RowScaling, Scaling, TensorScaling, get_format,
+                           quantize)
+from fp8comm.quant import reference as ref
+from fp8comm.quant.dispatch import triton_available
+from fp8comm.quant.tensor import view_2d
+from fp8comm.tools.bench.gemm import bench
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ..gemm import Fp8Linear, backends, telemetry
-from ..quant import Scaling, quantize
+from fp8comm.gemm import Fp8Linear, backends, telemetry
+from fp8comm.quant import Scaling, quantize
 
 LAYOUTS = {  # name -> (scaling of a [M, K], scaling of b [N, K], formats)
     "tensorwise": (Scaling(None, None), Scaling(None, None), ("e4m3", "e4m3")),
@@ -82,7 +82,7 @@ def gemm_rows(shapes, layouts, backend_names, device, reps, warmup) -> list[dict
         del a16, b16
         for layout in layouts:
             a, b = operands(m, n, k, layout, device)
-            names = backend_names or [c for c, _ in backends._candidates(a, b, torch.bfloat16)][:1]
+            names = backend_names or [c for c, _ in backends.candidates(a, b, torch.bfloat16)][:1]
             for be in names:
                 row = dict(kind="gemm", shape=f"{m}x{n}x{k}", layout=layout, backend=be)
                 try:

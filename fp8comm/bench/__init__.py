@@ -1,1 +1,0 @@
-"""fp8comm.bench."""

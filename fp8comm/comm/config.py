@@ -1,0 +1,182 @@
+"""WireConfig: one frozen, validated description of how a collective quantizes, and the lists of valid values.
+
+Every collective, `Buffer` and the engine adapters take a WireConfig (keyword options are a convenience on top:
+`all_gather(x, fmt="e5m2")` is `all_gather(x, config=WireConfig(fmt="e5m2"))`). The valid values of every field
+are written here once; the adapters' configs and flags import them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from functools import cached_property, lru_cache
+
+import torch
+
+from ..errors import Fp8CommConfigError
+from ..quant.api import ROUNDINGS
+from ..quant.dispatch import BACKENDS
+from ..quant.formats import FORMATS, Fp8Format, get_format
+from ..quant.scaling import ENCODINGS, PRESETS, Scaling
+
+FORMATS = tuple(FORMATS)
+SCALE_ENCODINGS = ENCODINGS  # fp32 (amax / max), pow2 (power of two as fp32), e8m0 (power of two, one byte)
+KERNEL_BACKENDS = ("auto", *BACKENDS)
+CHECK_POLICIES = ("first", "always", "never")
+RESIDUAL_DTYPES = ("float32", "bfloat16")
+CHECK_ENV = "FP8COMM_CHECK"
+_CHECK_ALIASES = {"": "first", "first": "first", "always": "always", "1": "always", "on": "always", "true": "always",
+                  "yes": "always", "never": "never", "0": "never", "off": "never", "false": "never", "no": "never"}
+PIPELINE_MAX_PIECES = 1024
+
+
+@dataclass(frozen=True)
+class WireSpec:
+    """The resolved form the kernels use: FP8 format, 1xB block scaling, rounding and kernel backend."""
+
+    fmt: Fp8Format
+    scaling: Scaling
+    rounding: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class WireConfig:
+    """How a collective quantizes. fmt: FP8 format; scaling: scale encoding of each 1 x block_size block (or a
+    preset / Scaling with rows=1); rounding: nearest or stochastic; backend: quant kernels (auto: Triton on CUDA,
+    torch.compile for big CPU buffers); check: the metadata-check policy (None: FP8COMM_CHECK, default "first");
+    pipeline: pieces per call (None/"auto" from the size, False/1 one piece, n pieces); error_feedback: engines
+    keep a residual per bucket (pass its ErrorFeedback state on each call), residual_dtype its precision."""
+
+    fmt: str = "e4m3"
+    scaling: str | Scaling = "fp32"
+    block_size: int | None = 128
+    rounding: str = "nearest"
+    backend: str = "auto"
+    check: str | None = None
+    pipeline: int = 0
+    error_feedback: bool = False
+    residual_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "fmt", get_format(self.fmt).name)
+        except ValueError:
+            raise _bad("fmt", self.fmt, FORMATS) from None
+        if self.block_size is not None and (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
+                                            or self.block_size <= 0):
+            raise Fp8CommConfigError(f"block_size must be a positive int (elements per scale), got {self.block_size!r}")
+        _block_scaling(self.scaling, self.block_size)  # validates scaling (and its rows)
+        if self.rounding not in ROUNDINGS:
+            raise _bad("rounding", self.rounding, ROUNDINGS)
+        if self.backend not in KERNEL_BACKENDS:
+            raise _bad("backend", self.backend, KERNEL_BACKENDS)
+        if isinstance(self.check, bool):
+            object.__setattr__(self, "check", "always" if self.check else "never")
+        if self.check is not None and self.check not in CHECK_POLICIES:
+            raise _bad("check", self.check, ("None", "True", "False", *CHECK_POLICIES))
+        object.__setattr__(self, "pipeline", _pieces(self.pipeline))
+        if not isinstance(self.error_feedback, bool):
+            raise Fp8CommConfigError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise _bad("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+
+    @cached_property
+    def spec(self) -> WireSpec:
+        return WireSpec(get_format(self.fmt), _block_scaling(self.scaling, self.block_size), self.rounding,
+                        self.backend)
+
+    @property
+    def residual_torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.residual_dtype)
+
+    def replace(self, **options) -> WireConfig:
+        """A copy with some fields replaced; an unknown field name is a clear error (a typo never goes unseen)."""
+        return _with(self, options)
+
+    def describe(self) -> str:
+        s = self.spec
+        out = f"{s.fmt.name} {s.scaling.describe()} scales"
+        if self.rounding == "stochastic":
+            out += ", stochastic rounding"
+        if self.error_feedback:
+            out += f", error feedback ({self.residual_dtype} residuals)"
+        return out
+
+
+FIELDS = tuple(f.name for f in fields(WireConfig))
+
+
+def _bad(name: str, value, valid) -> Fp8CommConfigError:
+    return Fp8CommConfigError(f"{name}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
+
+
+def _block_scaling(scaling, block_size) -> Scaling:
+    """A Scaling with 1-row blocks from a scale encoding ('fp32', 'pow2', 'e8m0'), a preset name or a Scaling."""
+    if isinstance(scaling, str) and scaling in ENCODINGS:
+        sc = Scaling(1, block_size, scaling)
+    elif isinstance(scaling, Scaling):
+        sc = scaling
+    elif isinstance(scaling, str) and scaling in PRESETS:
+        sc = PRESETS[scaling]
+    else:
+        raise Fp8CommConfigError(f"scaling={scaling!r} is not valid; valid: a scale encoding ({', '.join(ENCODINGS)})"
+                                 f", a preset ({', '.join(PRESETS)}) or a Scaling")
+    if sc.rows != 1:
+        raise Fp8CommConfigError(f"collectives quantize 1xB blocks of the flat buffer (rows=1); got {sc.describe()}")
+    return sc
+
+
+def _pieces(v) -> int:
+    """pipeline=None/'auto'/True (0: pieces from the size), False or 1 (one piece), or a piece count."""
+    if v is None or v == "auto" or v is True:
+        return 0
+    if v is False:
+        return 1
+    if isinstance(v, int) and 0 <= v <= PIPELINE_MAX_PIECES:
+        return v
+    raise Fp8CommConfigError(f"pipeline must be None/'auto', False, or a piece count 1..{PIPELINE_MAX_PIECES}, "
+                             f"got {v!r}")
+
+
+def _with(base: WireConfig, options: dict) -> WireConfig:
+    if not options:
+        return base
+    bad = sorted(set(options) - set(FIELDS))
+    if bad:
+        raise Fp8CommConfigError(f"unknown option(s) {bad}; valid: {', '.join(FIELDS)}")
+    try:
+        return _with_cached(base, tuple(sorted(options.items())))
+    except TypeError:  # an unhashable value: validate uncached (it raises with the field's name)
+        return replace(base, **options)
+
+
+@lru_cache(maxsize=512)
+def _with_cached(base: WireConfig, items: tuple) -> WireConfig:
+    return replace(base, **dict(items))
+
+
+def resolve(config: WireConfig | None, default: WireConfig, options: dict) -> WireConfig:
+    """The call's WireConfig: `config` (else the buffer's default) with keyword `options` on top."""
+    if config is not None and not isinstance(config, WireConfig):
+        raise Fp8CommConfigError(f"config must be a fp8comm.comm.WireConfig, got {type(config).__name__}")
+    return _with(config if config is not None else default, options)
+
+
+def default_check_policy() -> str:
+    """The metadata-check policy for check=None: FP8COMM_CHECK=first (default), always (or 1) or never (or 0)."""
+    raw = os.environ.get(CHECK_ENV, "").strip().lower()
+    if raw not in _CHECK_ALIASES:
+        raise Fp8CommConfigError(f"{CHECK_ENV}={raw!r} is not a check policy; valid: {', '.join(CHECK_POLICIES)} "
+                                 "(or 1/0 for always/never)")
+    return _CHECK_ALIASES[raw]
+
+
+def check_policy(check) -> str:
+    """A check option as a policy: None -> the FP8COMM_CHECK default, True/False -> always/never."""
+    if check is None:
+        return default_check_policy()
+    if check is True or check is False:
+        return "always" if check else "never"
+    if check in CHECK_POLICIES:
+        return check
+    raise _bad("check", check, ("None", "True", "False", *CHECK_POLICIES))

@@ -1,0 +1,53 @@
+"""Which kernels run a quantization: the torch reference, torch.compile (CPU) or Triton (CUDA, or the interpreter).
+
+resolve_backend(name, device, numel) returns the backend module; "auto" picks Triton on CUDA and the compiled path
+for big CPU tensors. Every backend implements the same functions and is tested bit-exact against the reference.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import backend_compiled, backend_reference
+from ..errors import Fp8CommError, Fp8CommRuntimeError
+
+BACKENDS = ("reference", "compiled", "triton")
+# Below this many elements the compile path is not worth its per-shape compile time on CPU.
+COMPILE_MIN_NUMEL = 1 << 20
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(name: str, device: torch.device, numel: int | None = None):
+    """Return the backend module for `name`; 'auto' picks Triton on CUDA, compiled torch for big CPU tensors."""
+    if name == "auto":
+        if device.type == "cuda" and triton_available(device):
+            name = "triton"
+        elif device.type == "cpu" and numel is not None and numel >= COMPILE_MIN_NUMEL:
+            name = "compiled"
+        else:
+            name = "reference"
+    if name == "reference":
+        return backend_reference
+    if name == "compiled":
+        return backend_compiled
+    if name == "triton":
+        if not triton_available(device):
+            raise Fp8CommRuntimeError(f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})")
+        from . import backend_triton  # triton is an optional dependency: imported on first use
+
+        return backend_triton
+    raise Fp8CommError(f"unknown backend {name!r}; valid: auto, {', '.join(BACKENDS)}")
+
+
+def backend_name(name: str, device: torch.device, numel: int | None = None) -> str:
+    """The name of the backend resolve_backend would return ("auto" resolved)."""
+    return resolve_backend(name, device, numel).name

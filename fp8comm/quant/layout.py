@@ -1,0 +1,116 @@
+"""Byte layout of FP8 data: the [M, K] view, 16-byte alignment, wire chunks and the wire encoding of scales.
+
+Pure shape and byte arithmetic shared by every backend and by Fp8Tensor; nothing here runs a kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import torch
+
+from .scaling import Scaling
+from ..errors import Fp8CommError
+
+ALIGN = 16
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def view_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """The [M, K] view every layout is defined on: K is the last dim, M the product of the others (0-d: 1x1)."""
+    if len(shape) == 0:
+        return 1, 1
+    k = shape[-1]
+    m = 1
+    for d in shape[:-1]:
+        m *= d
+    return m, k
+
+
+def encode_scales(scale: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """fp32 scales -> wire bytes: 4 bytes each, or the E8M0 biased exponent (one byte) for e8m0."""
+    scale = scale.float().contiguous()
+    if scaling.encoding == "e8m0":
+        return ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return scale.view(torch.uint8)
+
+
+def decode_scales(b: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    if scaling.encoding == "e8m0":
+        return (b.to(torch.int32) << 23).view(torch.float32)
+    return b.contiguous().view(torch.float32)
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Byte layout of `rows` (a row count per chunk) of width `k`, blocked 1 x scaling.cols along k."""
+
+    rows: tuple[int, ...]
+    k: int
+    scaling: Scaling
+
+    def __post_init__(self) -> None:
+        if self.scaling.rows != 1:
+            raise Fp8CommError(f"wire chunks need 1xB blocks (rows=1), got {self.scaling.describe()}")
+        if any(r < 0 for r in self.rows):
+            raise Fp8CommError(f"chunk row counts must be >= 0, got {self.rows}")
+
+    @property
+    def block(self) -> int:
+        return self.scaling.cols if self.scaling.cols is not None else max(self.k, 1)
+
+    @property
+    def kb(self) -> int:
+        """Scales per row."""
+        return -(-self.k // self.block) if self.k else 0
+
+    def payload_bytes(self, c: int) -> int:
+        return align(self.rows[c] * self.k)
+
+    def scale_bytes(self, c: int) -> int:
+        return align(self.rows[c] * self.kb * self.scaling.scale_bytes)
+
+    @cached_property
+    def chunk_bytes(self) -> tuple[int, ...]:
+        return tuple(self.payload_bytes(c) + self.scale_bytes(c) for c in range(len(self.rows)))
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, o = [], 0
+        for b in self.chunk_bytes:
+            out.append(o)
+            o += b
+        return tuple(out)
+
+    @cached_property
+    def row_starts(self) -> tuple[int, ...]:
+        out, r = [], 0
+        for n in self.rows:
+            out.append(r)
+            r += n
+        return tuple(out)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.chunk_bytes)
+
+    def chunk(self, c: int) -> "ChunkLayout":
+        """Chunk c alone: its bytes are the same as at offsets[c] here (every chunk is aligned on its own)."""
+        return layout_of((self.rows[c],), self.k, self.scaling)
+
+    def with_rows(self, rows) -> "ChunkLayout":
+        return layout_of(tuple(int(r) for r in rows), self.k, self.scaling)
+
+
+@lru_cache(maxsize=4096)
+def layout_of(rows: tuple[int, ...], k: int, scaling: Scaling) -> ChunkLayout:
+    """ChunkLayout(rows, k, scaling), shared per process: steady-state calls repeat their layouts, and a shared
+    one keeps its computed offsets (host time per call matters next to a GPU collective's ~30 us)."""
+    return ChunkLayout(rows, k, scaling)
