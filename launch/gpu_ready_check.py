@@ -74,7 +74,10 @@ def collective_calls(n: int = 1 << 20) -> dict:
     t = tok.shape[0]
     splits = [t]
     ef = fc.ErrorFeedback()
+    guard = fc.Guard(fc.GuardPolicy())
     return {
+        "reduce_scatter.guard": lambda: fc.reduce_scatter(x, guard=guard.bucket("b", dev)),
+        "guard.step": guard.step,
         "all_gather": lambda: fc.all_gather(x),
         "all_gather_into": lambda: fc.all_gather_into(o, x),
         "all_gather_into.async": lambda: fc.all_gather_into(o, x, async_op=True).wait(),

@@ -11,6 +11,7 @@ from .collectives import (all_gather, all_gather_into, all_reduce, all_reduce_in
 from .config import (CHECK_POLICIES, FORMATS, KERNEL_BACKENDS, RESIDUAL_DTYPES, ROUNDINGS, SCALE_ENCODINGS,
                      WireConfig, default_check_policy)
 from .feedback import ErrorFeedback
+from .guard import Guard, GuardBucket, GuardPolicy
 from .hierarchical import HierarchicalGroups, node_groups
 from .moe import WIRES, all_to_all
 from .state import CommState, default_state
@@ -23,4 +24,4 @@ __all__ = ["all_gather", "all_gather_into", "reduce_scatter", "reduce_scatter_in
            "WireConfig", "Handle", "ScratchPool", "DEFAULT_POOL", "CommState", "default_state", "Stats",
            "ErrorFeedback", "HierarchicalGroups", "node_groups", "Fp8CommError", "Fp8CommConfigError",
            "CommMismatchError", "FORMATS", "SCALE_ENCODINGS", "ROUNDINGS", "KERNEL_BACKENDS", "CHECK_POLICIES",
-           "RESIDUAL_DTYPES", "WIRES", "default_check_policy"]
+           "RESIDUAL_DTYPES", "WIRES", "default_check_policy", "Guard", "GuardPolicy", "GuardBucket"]

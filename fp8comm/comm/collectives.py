@@ -5,8 +5,9 @@ pipelining) and keyword options on top of it (`fmt="e5m2"` = `config=WireConfig(
 an error on every rank. Per call: seed (stochastic rounding; None: a fresh one per call), async_op (return a
 Handle; dequantization and accumulation happen in wait()), hierarchical (True: node groups from LOCAL_WORLD_SIZE,
 or a HierarchicalGroups), buffer (a Buffer: its default config, scratch memory, statistics and seeds; default: the
-process's). Pipelining (CPU): a big call is cut into column pieces of whole blocks (whole tokens for all_to_all),
-each its own collective, so quantizing, the wire and dequantizing overlap; bit-identical to one piece.
+process's), guard (a numerics-guard bucket, Guard.bucket(key, device): the packing kernels count into it).
+Pipelining (CPU): a big call is cut into column pieces of whole blocks (whole tokens for all_to_all), each its own
+collective, so quantizing, the wire and dequantizing overlap; bit-identical to one piece.
 all_gather(fp8_out=True) returns an Fp8Tensor (codes + scales) for an FP8 GEMM instead of dequantizing.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .checks import Meta, exchange, group_rank_size, out_problem, tensor_problem
 from .config import WireConfig, resolve
 from .core import Call, ag_phase, chunk_rows, gathered_into, guarded, rs_phase
 from .feedback import ErrorFeedback
+from .guard import GuardBucket
 from .hierarchical import hier_ag_phase, hier_rs_phase, precheck, resolve_groups
 from .state import default_state
 
@@ -41,6 +43,10 @@ def start_call(op: str, group, meta: Meta, kw: dict, extra=None, defer: bool = T
     buffer = kw.pop("buffer", None)
     state = buffer.state if buffer is not None else default_state()
     seed = kw.pop("seed", None)
+    guard = kw.pop("guard", None)
+    if guard is not None and not isinstance(guard, GuardBucket):
+        meta.fail(("option", f"guard must be a GuardBucket (Guard.bucket(key, device)), got {type(guard).__name__}"))
+        guard = None
     cfg = None
     try:
         cfg = resolve(kw.pop("config", None), buffer.config if buffer is not None else DEFAULT_CONFIG, kw)
@@ -67,7 +73,7 @@ def start_call(op: str, group, meta: Meta, kw: dict, extra=None, defer: bool = T
         state.stats.record(op, 0, 0, 0, check_bytes=sent, calls=0)
     rounding = cfg.rounding if cfg is not None else "nearest"
     return Call(op, group, rank, world, spec, Lease(state.pool), state.next_seed(seed, rank, rounding),
-                meta.pipeline, settle=settle, state=state)
+                meta.pipeline, settle=settle, state=state, guard=guard)
 
 
 def _reduce_op(op) -> tuple[int, tuple[str, str] | None]:
@@ -120,7 +126,7 @@ def all_gather(tensor: torch.Tensor, group=None, *, async_op: bool = False, hier
     dequantized. Its codes and scales are those the dequantizing call decodes. Needs the last dim (the length of a
     1-D tensor) to be a multiple of the block size, so flat blocks are row blocks; not in hierarchical mode.
     out: a preallocated output to write (a tensor, or an Fp8Tensor with fp8_out=True), as engines keep their
-    gathered buffers; a fresh big output costs page faults on every call (~60 ms per 128 MiB on the dev VM).
+    gathered buffers; a fresh big output costs page faults on every call (docs/benchmarks.md).
     """
     meta = _meta("all_gather", tensor, "tensor")
     hg = _hier(hierarchical, group, meta)

@@ -18,6 +18,7 @@ from .buffers import Lease
 from .checks import settled
 from .config import WireSpec
 from .feedback import ErrorFeedback
+from .guard import GuardBucket
 from .pieces import piece_count, plan_pieces
 from .state import CommState, default_state
 
@@ -37,6 +38,15 @@ class Call:
     size_hint: int | None = None  # all-to-all: elements of the largest rank's message (all ranks agree), if known
     settle: object = settled  # a deferred metadata check (checks.exchange): run before the first payload collective
     state: CommState = None  # type: ignore[assignment]  # whose statistics the call adds to (default: the process's)
+    guard: GuardBucket | None = None  # the numerics guard's bucket: the packing kernels count into it
+
+    def pack(self, x2: torch.Tensor, layout: ChunkLayout, out: torch.Tensor, backend: str) -> None:
+        """Quantize x2 into `out` as `layout` (the call's format, rounding and seed; its guard counts)."""
+        g = self.guard
+        pack_chunks(x2, layout, self.spec.fmt, self.spec.rounding, self.seed, out=out, backend=backend,
+                    counters=None if g is None else g.counters)
+        if g is not None:
+            g.add_elements(x2.numel())
 
     def __post_init__(self) -> None:
         if self.state is None:
@@ -159,7 +169,7 @@ def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFe
     x2 = xin.view(gsize, L)
     works = []
     for (a, b), lay, send, recv in zip(pieces, lays, sends, recvs):
-        pack_chunks(x2[:, a:b], lay, spec.fmt, spec.rounding, call.seed, out=send, backend=kb)
+        call.pack(x2[:, a:b], lay, send, kb)
         call.checked()  # the deferred metadata check travelled while piece 0 was quantized
         if ef is not None:
             update_residual(call, ef, xin, send, lay)
@@ -196,7 +206,7 @@ def ag_phase(call: Call, src: torch.Tensor, dest, group, gsize: int, stats_op: s
     kq = call.kernel(dev, n)
     works = []
     for (a, b), lay, send, recv in zip(pieces, lays, sends, recvs):
-        pack_chunks(x2[:, a:b], lay, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
+        call.pack(x2[:, a:b], lay, send, kq)
         call.checked()
         works.append(all_gather_bytes(recv, send, group, async_op=True))
     itemsize = stats_dtype.itemsize

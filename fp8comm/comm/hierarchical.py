@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..quant.wire import layout_of, pack_chunks, unpack_chunks
+from ..quant.wire import layout_of, unpack_chunks
 from ..errors import Fp8CommError
 from .core import Call, all_gather_bytes, quantize_input, rs_phase
 from .feedback import ErrorFeedback
@@ -127,7 +127,7 @@ def hier_ag_phase(call: Call, hg: HierarchicalGroups, src: torch.Tensor, dest: t
     one = layout_of((1,), n, spec.scaling)
     cb = one.total_bytes
     send = call.lease.take(cb, torch.uint8, dev)
-    pack_chunks(src.reshape(1, n), one, spec.fmt, spec.rounding, call.seed, out=send, backend=call.kernel(dev, n))
+    call.pack(src.reshape(1, n), one, send, call.kernel(dev, n))
     node_bytes = call.lease.take(nn * cb, torch.uint8, dev)
     all_gather_bytes(node_bytes, send, hg.inter, async_op=False)
     itemsize = stats_dtype.itemsize

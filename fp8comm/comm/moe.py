@@ -193,14 +193,13 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
     works = []
     for pp, lin, send, recv, lout in zip(parts, lins, sends, recvs, louts):
         if npieces == 1:  # one call for every chunk (one fused kernel on GPU)
-            pack_chunks(xq, lin, spec.fmt, spec.rounding, call.seed, out=send, backend=kq)
+            call.pack(xq, lin, send, kq)
             if ef is not None:
                 update_residual(call, ef, xq.view(-1), send, lin)
         else:
             for j, (a, b) in enumerate(pp):
                 one, o = lin.chunk(j), lin.offsets[j]
-                pack_chunks(x[in0[j] + a:in0[j] + b], one, spec.fmt, spec.rounding, call.seed,
-                            out=send[o:o + one.total_bytes], backend=kq)
+                call.pack(x[in0[j] + a:in0[j] + b], one, send[o:o + one.total_bytes], kq)
         call.checked()  # the deferred metadata check travelled while piece 0 was quantized
         # Byte splits: each destination's chunk is payload + scales, so one collective carries both.
         works.append(dist.all_to_all_single(recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes),

@@ -20,8 +20,7 @@ from ..errors import Fp8CommError, Fp8CommNotImplementedError
 
 
 # Tile configs on CUDA by K tile: >= 64 (per-tensor, rows, 128-blocks) and < 64 (MX 1x32). From a sweep of 16
-# configs at 8192^3 on an H200 (launch/profile_fp8linear.py --sweep-gemm, 2026-11-30): 1x128 x 128x128 blocks
-# 617 TFLOP/s here (best 626, 64x256 / 4 stages: within noise); MX 186 TFLOP/s here vs 135 at 128x128.
+# configs at 8192^3 (launch/profile_fp8linear.py --sweep-gemm; the table and its date: docs/benchmarks.md, GEMMs).
 GPU_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 GPU_CONFIG_SMALL_K = dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3)
 

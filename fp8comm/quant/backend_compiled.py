@@ -4,8 +4,8 @@ The wire functions (pack_chunks / unpack_chunks / unpack_sum) run ONE fused grap
 once and writes straight into the destination: quantize writes codes and encoded scales into their places in the
 send buffer (no intermediate codes/scales tensors, no copies), dequantize writes into the caller's output (which may
 be a strided view, e.g. one pipeline piece of a bigger output), unpack_sum sums every chunk in chunk order in one
-pass. Single-threaded on this project's CPU (16 Mi elements): quantize 20 ms vs 49 ms unfused, dequantize to bf16
-17 ms vs 62 ms. Stochastic rounding keeps the unfused path (its seed changes every call).
+pass (the measured speedup over the unfused graphs: docs/benchmarks.md). Stochastic rounding keeps the unfused
+path (its seed changes every call).
 """
 from __future__ import annotations
 
@@ -85,6 +85,20 @@ def _quant_into(x2, fmt, scaling, codes_out):
     return _scale_bits(s, scaling)
 
 
+def _quant_into_counted(x2, fmt, scaling, codes_out):
+    """_quant_into plus reference.fit_counts of the same quantization, in the same graph: (scale bits, counts)."""
+    amax = ref.block_amax(x2, scaling)
+    s = scale_from_amax(amax, fmt, scaling)
+    q = encode_nearest(x2, s, scaling, fmt)
+    codes_out.copy_(q)
+    xb = ref.blocks_view(x2.float(), scaling)
+    finite = torch.isfinite(xb)
+    sat = finite & (xb.abs() > s[:, None, :, None] * ref.saturation_limit(fmt))
+    under = finite & (xb != 0) & (ref.blocks_view(q.to(torch.float32), scaling) == 0)
+    counts = torch.stack([sat.sum(), under.sum(), (~finite).sum()]).to(torch.int64)
+    return _scale_bits(s, scaling), counts
+
+
 def _dequant_rows(codes, scale, fmt, scaling):
     """ref.dequantize_2d for 1xB blocks with each scale broadcast along its block: the same fp32 products. (The
     padded blocks view of the reference, copied into an output inside the graph, lost the partial last block.)
@@ -111,6 +125,7 @@ def _sum_into(codes3, sbytes3, fmt, scaling, out):
 
 
 _quant_into_c = torch.compile(_quant_into)
+_quant_into_counted_c = torch.compile(_quant_into_counted)
 _deq_into_c = torch.compile(_deq_into)
 _sum_into_c = torch.compile(_sum_into)
 
@@ -132,10 +147,11 @@ def _split(layout) -> tuple[int, int]:
     return kf, kf // bc
 
 
-def pack_chunks(x2, layout, fmt, rounding, seed, out):
-    """Quantize straight into the send buffer: codes and encoded scales land in their wire places (one pass)."""
+def pack_chunks(x2, layout, fmt, rounding, seed, out, counters=None):
+    """Quantize straight into the send buffer: codes and encoded scales land in their wire places (one pass);
+    with `counters`, the guard's counts come out of the same graph."""
     if rounding != "nearest":
-        return _ref.pack_chunks(x2, layout, fmt, rounding, seed, out, quantize_fn=quantize_2d)
+        return _ref.pack_chunks(x2, layout, fmt, rounding, seed, out, counters, quantize_fn=quantize_2d)
     k, kb, sc = layout.k, layout.kb, layout.scaling
     kf, kbf = _split(layout)
     for c, rows in enumerate(layout.rows):
@@ -145,12 +161,17 @@ def pack_chunks(x2, layout, fmt, rounding, seed, out):
             x = x2[r0:r0 + rows]
             codes = out[o:o + rows * k].view(rows, k)
             sbytes = _scale_view(out, o + pb, rows, kb, sc)
-            if kf:
+            if kf and counters is None:
                 sbytes[:, :kbf] = _quant_into_c(x[:, :kf], fmt, sc, codes[:, :kf].view(fmt.dtype))
+            elif kf:
+                sbytes[:, :kbf], n = _quant_into_counted_c(x[:, :kf], fmt, sc, codes[:, :kf].view(fmt.dtype))
+                counters += n
             if kf < k:
                 tc, ts, _ = ref.quantize_2d(x[:, kf:], fmt, sc)
                 codes[:, kf:] = tc
                 sbytes[:, kbf:] = _scale_bits(ts, sc).view(rows, kb - kbf)
+                if counters is not None:
+                    counters += ref.fit_counts(x[:, kf:], ts, tc, sc, fmt)
         out[o + rows * k:o + pb] = 0
         out[o + pb + nsb:o + layout.chunk_bytes[c]] = 0
     return out

@@ -16,11 +16,13 @@ def dequantize_2d(codes, scale, fmt, scaling, out_dtype):
 
 
 def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding: str, seed: int,
-                out: torch.Tensor, quantize_fn=ref.quantize_2d) -> torch.Tensor:
+                out: torch.Tensor, counters: torch.Tensor | None = None, quantize_fn=ref.quantize_2d) -> torch.Tensor:
     k = layout.k
     for c, rows in enumerate(layout.rows):
         o, r0 = layout.offsets[c], layout.row_starts[c]
         codes, scale, _ = quantize_fn(x2[r0:r0 + rows], fmt, layout.scaling, rounding, seed, index_base=r0 * k)
+        if counters is not None:
+            counters += ref.fit_counts(x2[r0:r0 + rows], scale, codes, layout.scaling, fmt).to(counters.device)
         pb = layout.payload_bytes(c)
         out[o:o + rows * k] = codes.reshape(-1)
         out[o + rows * k:o + pb] = 0

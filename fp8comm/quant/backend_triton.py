@@ -32,7 +32,7 @@ GPU_WARPS = None  # None: from the tile size (see _Plan.num_warps); launch/devic
 INTERP_TILE = 1 << 16
 INTERP_FIT = 1 << 16
 # quantize_2d_t (per tensor, codes + transposed codes): rows x cols of x per program, and warps. (32, 128) x 4 was
-# the fastest of 12 tiles on an H200 (launch/profile_fp8linear.py --sweep, 16384 x 8192 bf16: 0.32 ms, 1.68 TB/s)
+# the fastest of 12 tiles in launch/profile_fp8linear.py --sweep (docs/benchmarks.md, GEMMs)
 GPU_T_TILE = (32, 128)
 GPU_T_WARPS = 4
 ROWCOL_MAX_BLOCK = 128  # quantize_2d_rowcol: one B x B tile per program
@@ -247,7 +247,7 @@ def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: st
         _amax_big(x, bf16, amax, m, k, br, bc)
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
     launch(tk.quant_kernel, p.grid, x, codes, s_out, amax, codes, codes, codes, 0, m, k, br, bc, kb,
-            _i32(index_base), _i32(key), SCALE_GIVEN=given, PACK=False, SCALE_BYTES=4, NCH_STEPS=0,
+            _i32(index_base), _i32(key), codes, SCALE_GIVEN=given, PACK=False, SCALE_BYTES=4, NCH_STEPS=0,
             K16=k % 16 == 0, PADC=1, IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
             **_quant_meta(fmt, scaling, rounding))
     return codes, (scale if given else s_out), amax
@@ -335,9 +335,10 @@ def dequantize_2d(codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scal
 
 
 def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding: str, seed: int,
-                out: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
     """One launch: block amax, scale, rounding, payload + wire scales + zeroed padding into `out` (1xB blocks).
-    Blocks wider than a tile (cols=None on very wide rows) add one amax launch before it."""
+    Blocks wider than a tile (cols=None on very wide rows) add one amax launch before it. counters: the guard's
+    counts are added by the same launch (three atomics per program)."""
     m, k = layout.total_rows, layout.k
     if layout.total_bytes == 0:
         return out
@@ -352,8 +353,9 @@ def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding:
         _amax_big(x, bf16, amax, m, k, 1, bc)
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
     launch(tk.quant_kernel, p.grid, x, out, starts, amax, starts, offs, pbytes, n, m, k, 1, bc, kb, 0, _i32(key),
-            SCALE_GIVEN=False, PACK=True, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=(n - 1).bit_length(),
-            K16=k % 16 == 0, PADC=min(_p2(n), 64), IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
+            counters if counters is not None else starts, COUNT=counters is not None,
+            SAT_LIMIT=ref.saturation_limit(fmt), SCALE_GIVEN=False, PACK=True, SCALE_BYTES=layout.scaling.scale_bytes,
+            NCH_STEPS=(n - 1).bit_length(), K16=k % 16 == 0, PADC=min(_p2(n), 64), IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
             **_quant_meta(fmt, layout.scaling, rounding))
     return out
 

@@ -134,6 +134,27 @@ def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: st
     return encode(x2, scale, scaling, fmt, rounding, seed, index_base), scale, amax
 
 
+def saturation_limit(fmt: Fp8Format) -> float:
+    """|x / scale| above this cannot round to the format's max: max + half the grid spacing at max (E4M3 464,
+    E5M2 65536 - 4096 / 2 ... = 57344 * 1.125). Amax scaling never exceeds it; a fixed or delayed scale can."""
+    return fmt.max * (1.0 + 2.0 ** -(fmt.mantissa_bits + 1))
+
+
+def fit_counts(x2: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor, scaling: Scaling,
+               fmt: Fp8Format) -> torch.Tensor:
+    """int64 [saturated, underflow, nonfinite] of one quantization (the numerics guard's counts).
+
+    saturated: finite x with |x| > scale * saturation_limit (fp32 product); underflow: finite non-zero x whose code
+    is +-0; nonfinite: inf/NaN x. Every backend counts exactly these (tested against this function)."""
+    m, k = x2.shape
+    x = x2.float()
+    finite = torch.isfinite(x)
+    s = unblock(blocks_view(torch.ones_like(x), scaling) * scale.float()[:, None, :, None], m, k)
+    sat = finite & (x.abs() > s * saturation_limit(fmt))
+    under = finite & (x != 0) & ((codes.view(torch.uint8) & 0x7F) == 0)
+    return torch.stack([sat.sum(), under.sum(), (~finite).sum()]).to(torch.int64)
+
+
 def decode(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """uint8 FP8 codes -> fp32 values (exact)."""
     return codes.view(fmt.dtype).to(torch.float32)

@@ -35,6 +35,21 @@ def _rmax(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _add2(a, b):
+    return a + b
+
+
+_SUM_COMBINE = getattr(getattr(tl, "standard", None), "_sum_combine", None) or _add2
+
+
+@triton.jit
+def _count3(v):
+    """Number of true lanes of a 3-D boolean tile, as int64 (tl.sum without the standard library, as _rmax)."""
+    return tl.reduce(tl.reduce(tl.reduce(v.to(tl.int32), 2, _SUM_COMBINE), 1, _SUM_COMBINE), 0,
+                     _SUM_COMBINE).to(tl.int64)
+
+
+@triton.jit
 def _pow2(e):
     """2**e as fp32 for an int32 tensor e in [-126, 127] (exact: built from the exponent field)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -250,16 +265,18 @@ def amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.constex
 
 @triton.jit(do_not_specialize=["index_base", "key"])  # bitcast below needs them as i32, never constexpr 1
 def quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks,
-                  M, K, BR, BC, KB, index_base, key,
+                  M, K, BR, BC, KB, index_base, key, counters_ptr,
                   RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr,
                   ROWS2D: tl.constexpr, FIT: tl.constexpr, SCALE_GIVEN: tl.constexpr, PACK: tl.constexpr,
                   SCALE_BYTES: tl.constexpr, NCH_STEPS: tl.constexpr, K16: tl.constexpr, PADC: tl.constexpr,
                   FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
                   STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr, MARGIN_MUL: tl.constexpr,
-                  FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr, HW: tl.constexpr):
+                  FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr, HW: tl.constexpr,
+                  COUNT: tl.constexpr = False, SAT_LIMIT: tl.constexpr = 0.0):
     """Block amax + scale + round + store in one pass. PACK=False: codes [M, K], scales and amax [MB, KB] to
     their own tensors. PACK=True (1xB blocks): codes and wire scales into the chunked uint8 buffer, plus the
-    zero padding of every chunk (program (0, 0)), so the buffer matches the reference byte for byte."""
+    zero padding of every chunk (program (0, 0)), so the buffer matches the reference byte for byte.
+    COUNT: add this tile's [saturated, underflow, nonfinite] (reference.fit_counts) into counters_ptr (int64)."""
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
     row, seg, col, rmask, mask = _coords(pid0, pid1, M, K, RSTEP, SEG, R, NB, SEGW)
@@ -302,6 +319,14 @@ def quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbyt
         idx = (index_base.to(tl.uint32, bitcast=True) + row.to(tl.uint32)[:, None, None] * K + col.to(tl.uint32))
         key = key.to(tl.uint32, bitcast=True)
     codes = _encode(x, finite, s3, r3, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
+    if COUNT:  # the numerics guard's counts, from the registers this pass already holds
+        live = finite & mask
+        sat = live & (tl.abs(x) > s3 * SAT_LIMIT)
+        under = live & (x != 0.0) & ((codes.to(tl.int32) & 0x7F) == 0)
+        nonfin = mask & (finite == 0)
+        tl.atomic_add(counters_ptr, _count3(sat))
+        tl.atomic_add(counters_ptr + 1, _count3(under))
+        tl.atomic_add(counters_ptr + 2, _count3(nonfin))
 
     if PACK:
         c = _chunk_of(row, starts_ptr, nchunks, NCH_STEPS)

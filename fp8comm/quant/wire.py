@@ -17,15 +17,23 @@ __all__ = ["ChunkLayout", "layout_of", "pack_chunks", "unpack_chunks", "unpack_s
 
 
 def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding: str = "nearest", seed: int = 0,
-                out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """Quantize x2 [M, K] (M = layout.total_rows) and write every chunk into one uint8 buffer (fused on GPU)."""
+                out: torch.Tensor | None = None, backend: str = "auto",
+                counters: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize x2 [M, K] (M = layout.total_rows) and write every chunk into one uint8 buffer (fused on GPU).
+
+    counters: an int64 [3] tensor on x2's device; the kernels add [saturated, underflow, nonfinite] into it
+    (reference.fit_counts defines them; the numerics guard reads them)."""
     if x2.dim() != 2 or tuple(x2.shape) != (layout.total_rows, layout.k):
         raise Fp8CommError(f"pack_chunks: input shape {tuple(x2.shape)} != layout {(layout.total_rows, layout.k)}")
     if out is None:
         out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x2.device)
     elif out.dtype != torch.uint8 or out.numel() < layout.total_bytes or not out.is_contiguous():
         raise Fp8CommError(f"pack_chunks: out must be contiguous uint8 with >= {layout.total_bytes} bytes")
-    return resolve_backend(backend, x2.device, x2.numel()).pack_chunks(x2, layout, fmt, rounding, seed, out)
+    if counters is not None and (counters.dtype != torch.int64 or tuple(counters.shape) != (3,)
+                                 or counters.device != x2.device):
+        raise Fp8CommError(f"pack_chunks: counters must be int64 [3] on {x2.device}, got {counters.dtype} "
+                           f"{tuple(counters.shape)} on {counters.device}")
+    return resolve_backend(backend, x2.device, x2.numel()).pack_chunks(x2, layout, fmt, rounding, seed, out, counters)
 
 
 def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, dtype: torch.dtype = torch.float32,

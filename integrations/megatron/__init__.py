@@ -12,13 +12,16 @@ from .config import Fp8CommMegatronConfig, Fp8CommMegatronError, hook_stats
 from .error_feedback import load_state_dict as load_error_feedback_state_dict
 from .error_feedback import nbytes as error_feedback_nbytes
 from .error_feedback import state_dict as error_feedback_state_dict
+from .guard import load_state_dict as load_guard_state_dict
+from .guard import state_dict as guard_state_dict
+from .guard import summary as guard_summary
 from .install import (PATCH_POINTS, SUPPORTED_SERIES, active_config, check_patch_points, check_version, install,
                       megatron_version, uninstall)
 
 __all__ = ["add_args", "install", "uninstall", "active_config", "hook_stats", "Fp8CommMegatronConfig",
            "Fp8CommMegatronError", "PATCH_POINTS", "SUPPORTED_SERIES", "check_patch_points", "check_version",
            "megatron_version", "error_feedback_state_dict", "load_error_feedback_state_dict",
-           "error_feedback_nbytes"]
+           "error_feedback_nbytes", "guard_state_dict", "load_guard_state_dict", "guard_summary"]
 
 __getattr__ = renamed(__name__, {"Fp8commConfig": ("Fp8CommMegatronConfig", Fp8CommMegatronConfig),
                                  "Fp8commMegatronError": ("Fp8CommMegatronError", Fp8CommMegatronError)})

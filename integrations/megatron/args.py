@@ -33,6 +33,16 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "to the next step's gradients (+4 bytes per gradient element in fp32, +2 in bf16)")
     g.add_argument("--fp8comm-error-feedback-dtype", choices=EF_DTYPES, default=_D.error_feedback_dtype,
                    help="dtype of the error-feedback residuals (default %(default)s)")
+    g.add_argument("--fp8comm-guard", action="store_true", default=_D.guard,
+                   help="numerics guard: per bucket, count what FP8 could not hold (saturated, underflowed to "
+                        "zero); a bucket over --fp8comm-guard-threshold for --fp8comm-guard-patience steps sends "
+                        "Megatron's own bf16 collective for --fp8comm-guard-cooldown steps (docs/megatron.md)")
+    g.add_argument("--fp8comm-guard-threshold", type=float, default=_D.guard_threshold,
+                   help="fraction of a bucket's elements per step (default %(default)s)")
+    g.add_argument("--fp8comm-guard-patience", type=int, default=_D.guard_patience,
+                   help="steps over the threshold before falling back (default %(default)s)")
+    g.add_argument("--fp8comm-guard-cooldown", type=int, default=_D.guard_cooldown,
+                   help="steps in bf16 before FP8 is tried again (default %(default)s)")
     g.add_argument("--fp8comm-format", dest="fp8comm_fmt", choices=FORMATS, default=_D.fmt,
                    help="FP8 format for parameters and MoE tokens (default %(default)s)")
     g.add_argument("--fp8comm-grad-format", dest="fp8comm_grad_fmt", choices=FORMATS, default=_D.grad_fmt,

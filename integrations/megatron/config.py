@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from fp8comm.comm import CHECK_POLICIES, FORMATS, ROUNDINGS, SCALE_ENCODINGS, WIRES, WireConfig
+from fp8comm.comm import CHECK_POLICIES, FORMATS, ROUNDINGS, SCALE_ENCODINGS, WIRES, GuardPolicy, WireConfig
 from fp8comm.errors import Fp8CommConfigError
 
 SCALINGS = SCALE_ENCODINGS
@@ -38,6 +38,10 @@ class Fp8CommMegatronConfig:
     error_feedback: bool = False  # gradient hook: carry each bucket's FP8 quantization error into the next step
     error_feedback_dtype: str = "fp32"  # residual dtype: fp32 (+4 B per gradient element) or bf16 (+2 B)
     moe_combine: str = "native"  # MoE combine (expert outputs back): native (Megatron's), bf16 or fp8
+    guard: bool = False  # numerics guard: a bucket whose data stops fitting FP8 falls back to Megatron's bf16
+    guard_threshold: float = 1e-3  # fraction of a bucket's elements saturated or underflowed in one step
+    guard_patience: int = 3  # steps over the threshold before the bucket falls back
+    guard_cooldown: int = 50  # steps in bf16 before FP8 is tried again
 
     def __post_init__(self) -> None:
         for name, allowed in (("fmt", FORMATS), ("grad_fmt", FORMATS), ("scaling", SCALINGS),
@@ -47,9 +51,17 @@ class Fp8CommMegatronConfig:
                 raise Fp8CommMegatronError(f"fp8comm: {name}={getattr(self, name)!r} is not one of {allowed}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
             raise Fp8CommMegatronError(f"fp8comm: block_size must be a positive int, got {self.block_size!r}")
-        for name in ("grad_reduce", "param_gather", "moe_dispatch", "hierarchical", "error_feedback"):
+        for name in ("grad_reduce", "param_gather", "moe_dispatch", "hierarchical", "error_feedback", "guard"):
             if not isinstance(getattr(self, name), bool):
                 raise Fp8CommMegatronError(f"fp8comm: {name} must be True or False, got {getattr(self, name)!r}")
+        try:
+            self.guard_policy  # noqa: B018 - validates the thresholds
+        except Fp8CommConfigError as e:
+            raise Fp8CommMegatronError(f"fp8comm: {e}") from None
+
+    @property
+    def guard_policy(self) -> GuardPolicy:
+        return GuardPolicy(self.guard_threshold, self.guard_patience, self.guard_cooldown)
 
     @property
     def moe(self) -> bool:
@@ -70,6 +82,9 @@ class Fp8CommMegatronConfig:
         if self.moe_combine == "bf16":
             head += ("; " if head else "") + "bf16 MoE combine through fp8comm"
         extra = []
+        if self.guard:
+            extra.append(f"guard (bf16 fallback above {self.guard_threshold:.2%} for {self.guard_patience} steps, "
+                         f"{self.guard_cooldown} steps)")
         if self.error_feedback:
             extra.append(f"error feedback {self.error_feedback_dtype} residuals")
         if self.moe:

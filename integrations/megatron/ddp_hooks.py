@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fp8comm import comm as fcomm
 
-from . import error_feedback
+from . import error_feedback, guard
 from .config import Fp8CommMegatronConfig, Fp8CommMegatronError, count
 
 _tls = threading.local()
@@ -172,13 +172,16 @@ def make_reduce_scatter(orig, cfg: Fp8CommMegatronConfig):
             count("grad_reduce_scatter", "passthrough_calls")
             return orig(output, input, op=op, group=group, async_op=async_op)
 
+        wire, bucket = guard.route("grad", input)
+        if wire == "bf16":  # the numerics guard sends this bucket through Megatron's own collective for now
+            return orig(output, input, op=op, group=group, async_op=async_op)
         ef = error_feedback.for_bucket(input) if cfg.error_feedback else None
 
         def start():
             count("grad_reduce_scatter", "fp8_calls")
             count("grad_reduce_scatter", "elements", input.numel())
             return fcomm.reduce_scatter_into(output, input, group, op, async_op=True, error_feedback=ef,
-                                             **_options(cfg, "grad", input, group))
+                                             guard=bucket, **_options(cfg, "grad", input, group))
 
         return _issue(start, async_op)
 
@@ -203,11 +206,14 @@ def make_all_gather(orig, cfg: Fp8CommMegatronConfig):
         if _size(group) == 1:
             count("param_all_gather", "passthrough_calls")
             return orig(output, input, group=group, async_op=async_op)
+        wire, bucket = guard.route("param", output)  # output: the bucket's persistent parameter buffer
+        if wire == "bf16":
+            return orig(output, input, group=group, async_op=async_op)
 
         def start():
             count("param_all_gather", "fp8_calls")
             count("param_all_gather", "elements", input.numel())
-            return fcomm.all_gather_into(output, input, group, async_op=True,
+            return fcomm.all_gather_into(output, input, group, async_op=True, guard=bucket,
                                          **_options(cfg, "param", input, group))
 
         return _issue(start, async_op)

@@ -57,11 +57,12 @@ def nbytes() -> int:
     return sum(ef.nbytes() for ef in _live())
 
 
-def make_optimizer_step(orig):
-    """Wrap a Megatron optimizer's step(): when it reports a skipped update, zero every residual.
+def make_optimizer_step(orig, after=None):
+    """Wrap a Megatron optimizer's step(): when it reports a skipped update, zero every residual; then after().
 
     MegatronOptimizer.step() returns (update_successful, grad_norm, num_zeros); update_successful is False when
     the loss scaler found inf/NaN. That step's gradients were reduced (and their error recorded) but are dropped.
+    after: the end-of-step work of the other hooks (the numerics guard's decision), once per optimizer step.
     """
 
     def fp8comm_optimizer_step(self, *args, **kwargs):
@@ -69,6 +70,8 @@ def make_optimizer_step(orig):
         if isinstance(out, tuple) and out and out[0] is False and _RESIDUALS:
             reset_residuals()
             count("error_feedback", "skipped_step_resets")
+        if after is not None:
+            after()
         return out
 
     fp8comm_optimizer_step.__wrapped__ = orig

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ddp_hooks, error_feedback, moe_hooks
+from . import ddp_hooks, error_feedback, guard, moe_hooks
 from .config import HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError
 
 logger = logging.getLogger("fp8comm.integrations.megatron")
@@ -241,6 +241,9 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
     if cfg.error_feedback and not cfg.grad_reduce:
         errs.append("--fp8comm-error-feedback needs --fp8comm-grad-reduce: the residuals are the FP8 gradient "
                     "reduce-scatter's quantization error")
+    if cfg.guard and not (cfg.grad_reduce or cfg.param_gather):
+        errs.append("--fp8comm-guard watches the FP8 DDP buckets: it needs --fp8comm-grad-reduce or "
+                    "--fp8comm-param-gather")
     if cfg.error_feedback_dtype != "fp32" and not cfg.error_feedback:
         errs.append(f"--fp8comm-error-feedback-dtype {cfg.error_feedback_dtype} without --fp8comm-error-feedback: "
                     "it would do nothing")
@@ -307,6 +310,7 @@ def install(args=None, *, ddp_config=None, transformer_config=None, params_dtype
         raise Fp8CommMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
     patches = _patches(cfg, features)
     error_feedback.configure(cfg.error_feedback_dtype)
+    guard.configure(cfg)
     for obj, name, new in patches:
         _SAVED.append((obj, name, getattr(obj, name) if not isinstance(obj, type) else obj.__dict__[name]))
         setattr(obj, name, new)
@@ -324,7 +328,7 @@ def _features(cfg: Fp8CommMegatronConfig, facts: _Facts) -> set[str]:
         f.add("grad")
     if cfg.param_gather:
         f.add("param")
-    if cfg.error_feedback:
+    if cfg.error_feedback or cfg.guard:
         f.add("ef")
     if cfg.moe:
         known = facts.dispatcher if facts.moe_known else None
@@ -350,10 +354,10 @@ def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[objec
                             ddp_hooks.make_reduce_scatter(pgb.reduce_scatter_with_fp32_accumulation, cfg)))
         if cfg.param_gather:
             patches.append((pgb, "dist_all_gather_func", ddp_hooks.make_all_gather(pgb.dist_all_gather_func, cfg)))
-    if "ef" in features:
+    if "ef" in features:  # the optimizer step: error feedback's skipped-step reset, the guard's decision
         opt = importlib.import_module(OPT)
         for cls in (opt.MixedPrecisionOptimizer, opt.FP32Optimizer, opt.ChainedOptimizer):
-            patches.append((cls, "step", error_feedback.make_optimizer_step(cls.__dict__["step"])))
+            patches.append((cls, "step", error_feedback.make_optimizer_step(cls.__dict__["step"], guard.on_step)))
     td = importlib.import_module(TD) if features & {"moe", "moe_ag", "flex"} else None
     combine = cfg.moe_combine != "native"
     if "moe" in features:
@@ -390,6 +394,7 @@ def uninstall() -> None:
     ddp_hooks.reset_state()
     moe_hooks.reset_state()
     error_feedback.reset_state()
+    guard.reset_state()
 
 
 def active_config() -> Fp8CommMegatronConfig | None:

@@ -510,9 +510,45 @@ def check_is_completed(ctx: Ctx) -> None:
         assert h.wait() is out
 
 
+def check_guard(ctx: Ctx) -> None:
+    """The numerics guard through real collectives: the packing kernels count underflow per bucket, Guard.step()
+    sums the counts over the ranks, and a bucket whose data stops fitting (outliers on ONE rank) falls back to BF16
+    on every rank at the same step while the healthy bucket stays FP8."""
+    from on_device import test_device
+
+    r, W = ctx.rank, ctx.world
+    dev = test_device()
+    guard = fc.Guard(fc.GuardPolicy(threshold=0.01, patience=2, cooldown=3))
+    decisions, bf16_steps = [], 0
+    for step in range(9):
+        for key in ("healthy", "outliers"):
+            x = randn((W * 1024,), 1700 + 10 * step + r)
+            if key == "outliers" and r == 0 and 1 <= step <= 3:
+                x[::128] = 1e12  # one outlier per block: the rest of every block underflows (on rank 0 only)
+            if guard.wire(key) == "fp8":
+                fc.reduce_scatter(x, guard=guard.bucket(key, dev))
+            else:  # what an engine does in fallback: its own high-precision collective, nothing counted
+                bf16_steps += 1
+                out = torch.empty(1024, dtype=torch.bfloat16)
+                dist.reduce_scatter_tensor(out, x.to(torch.bfloat16))
+        decisions.append(guard.step())
+    wires = [(d["healthy"], d["outliers"]) for d in decisions]
+    ctx.info.update(wires=[w[1] for w in wires], fractions=[round(h.get("outliers", 0), 4) for h in guard.history])
+    everyone = [None] * W
+    dist.all_gather_object(everyone, wires)
+    assert all(e == wires for e in everyone), "ranks took different guard decisions"
+    assert all(h == "fp8" for h, _ in wires), "the healthy bucket fell back"
+    # step() k decides on step k-1's counts: steps 1 and 2 over -> decided at k = 2, 3 -> patience 2 reached at
+    # k = 3, whose returned wires (for steps 4, 5, 6: cooldown 3) say BF16
+    assert [o for _, o in wires] == ["fp8", "fp8", "fp8", "bf16", "bf16", "bf16", "fp8", "fp8", "fp8"], wires
+    assert bf16_steps == 3 and guard.summary()["outliers"]["switches"] == 2
+    assert guard.history[1]["outliers"] > 0.9 / W  # rank 0's blocks: 127 of 128 elements underflowed
+    expect_error(lambda: fc.reduce_scatter(randn((W * 128,), 1), guard="outliers"), fc.Fp8CommError, "GuardBucket")
+
+
 CHECKS_GRAD = [check_all_gather, check_reduce_scatter, check_rs_magnitudes, check_nonfinite, check_all_reduce,
                check_async, check_error_feedback, check_sqnr, check_stats, check_mismatch, check_check_policy,
-               check_is_completed]
+               check_is_completed, check_guard]
 
 from dist_checks_more import CHECKS_MORE  # noqa: E402  (MoE, subgroups, hierarchical)
 

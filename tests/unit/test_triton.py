@@ -275,6 +275,39 @@ def test_pack_all_bf16_patterns_world8(bt, sc):
     _check_pack(bt, x, ChunkLayout((64,) * 8, 128, sc), E4M3, "stochastic", 5)
 
 
+def guard_inputs():
+    """Blocks that fit, blocks whose outlier pushes the rest to zero, saturating and non-finite values."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(12, 320, generator=g)
+    x[2:5, ::128] = 1e9  # one outlier per 1x128 block: the rest of the block underflows
+    x[7, 5], x[8, 9], x[9, 300] = float("inf"), float("nan"), -float("inf")
+    x[10:12] = 0.0  # zeros never count as underflow
+    return x
+
+
+@pytest.mark.parametrize("margin", [0, -3, 24], ids=["fit", "saturate", "underflow"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_pack_counts_for_the_guard(bt, fmt, margin):
+    """The packing kernel's [saturated, underflow, nonfinite] counts equal reference.fit_counts, and the bytes are
+    the same as without counting (the guard adds nothing to the wire)."""
+    from fp8comm.quant.reference import fit_counts
+
+    x = guard_inputs()
+    sc = Scaling(1, 128, "fp32", margin=margin)
+    layout = ChunkLayout((3, 4, 5), 320, sc)
+    want = torch.zeros(3, dtype=torch.int64)
+    for c, rows in enumerate(layout.rows):
+        r0 = layout.row_starts[c]
+        codes, scale, _ = br.quantize_2d(x[r0:r0 + rows], fmt, sc)
+        want += fit_counts(x[r0:r0 + rows], scale, codes, sc, fmt)
+    got = torch.zeros(3, dtype=torch.int64)
+    buf = bt.pack_chunks(x, layout, fmt, "nearest", 0, torch.empty(layout.total_bytes, dtype=torch.uint8), got)
+    ref_buf = br.pack_chunks(x, layout, fmt, "nearest", 0, torch.empty(layout.total_bytes, dtype=torch.uint8))
+    assert torch.equal(buf, ref_buf)
+    assert got.tolist() == want.tolist(), (got, want)
+    assert want[2] == 3 and (want[0] > 0) == (margin < 0) and want[1] > 0  # each count is exercised
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_unpack_sum(bt, n):
     """Chunks summed in order from +0.0 without FMA, inf + -inf = NaN included (exact bits, NaNs too)."""

@@ -89,3 +89,21 @@ def test_nearest_cast_matches_round_to_grid(fmt):
     for enc in (backend_compiled.encode_nearest, backend_compiled.encode_nearest_compiled):  # eager, then compiled
         assert torch.equal(enc(y, ones, sc, f).view(torch.uint8), want)
 
+
+
+@pytest.mark.parametrize("margin", [0, -3, 24], ids=["fit", "saturate", "underflow"])
+def test_fused_pack_counts_for_the_guard(margin):
+    """The compiled pack's guard counts come out of the same graph and equal the reference's."""
+    f, sc = get_format("e4m3"), BlockScaling(128, margin=margin)
+    x = nasty(8, 320, torch.bfloat16, 2)
+    x[2:4, ::128] = 1e9  # an outlier per block pushes the rest of the block to zero
+    lay = ChunkLayout((3, 5), 320, sc)
+    counts = {}
+    for backend in ("reference", "compiled"):
+        counts[backend] = torch.zeros(3, dtype=torch.int64)
+        buf = pack_chunks(x, lay, f, backend=backend, counters=counts[backend])
+        assert torch.equal(buf, pack_chunks(x, lay, f, backend="reference"))  # counting changes no byte
+    assert counts["compiled"].tolist() == counts["reference"].tolist()
+    assert counts["reference"][1] > 0 and counts["reference"][2] == 3 and (counts["reference"][0] > 0) == (margin < 0)
+    with pytest.raises(ValueError, match="counters must be int64"):
+        pack_chunks(x, lay, f, counters=torch.zeros(3))

@@ -306,8 +306,8 @@ def _launch(world, names, tmp_path, env=None, timeout=300):
 @pytest.mark.slow
 def test_two_ranks_dp2_error_feedback_moe_ep2_and_plugin(tmp_path):
     # gpt_dp2 first: its overlap-on baseline is reused by gpt_dp2_error_feedback (mcore_checks.run).
-    _launch(2, ["gpt_dp2", "gpt_dp2_error_feedback", "gpt_dp2_fp32_accumulation", "moe_ep2", "moe_ep2_allgather",
-                "plugin_end_to_end"], tmp_path)
+    _launch(2, ["gpt_dp2", "gpt_dp2_error_feedback", "gpt_dp2_guard", "gpt_dp2_fp32_accumulation", "moe_ep2",
+                "moe_ep2_allgather", "plugin_end_to_end"], tmp_path)
 
 
 @pytest.mark.dist

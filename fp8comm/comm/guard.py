@@ -1,0 +1,226 @@
+"""Numerics guard: per-bucket counts of what FP8 could not hold, and a policy that falls a bucket back to BF16.
+
+The quantize kernels count, in every call that carries a bucket's counters, the finite elements that saturated
+(|x / scale| beyond the format's max) and the finite non-zero elements that underflowed to zero; the counts add up
+on the device in the bucket's counter tensor (inside the packing kernel: no extra pass, no host read). Once per
+step, at a point where the engine already synchronizes, `Guard.step()` sums every bucket's counts over the ranks
+(one small all-reduce, started asynchronously) and uses the sums of the step before (one step of lag: they were
+complete when the engine synchronized), so every rank sees the same numbers and takes the same decision.
+
+A bucket whose saturated-or-underflowed fraction is above `threshold` for `patience` consecutive steps sends BF16
+(the engine's own collective) for the next `cooldown` steps, then FP8 again. Non-finite elements are counted but
+never trigger a fallback: they must reach the engine's overflow check, as without fp8comm.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..errors import Fp8CommConfigError, Fp8CommError
+from .stats import PROCESS_STATS
+
+log = logging.getLogger("fp8comm.guard")
+COUNTS = ("saturated", "underflow", "nonfinite")  # per bucket, as the kernels add them (int64)
+
+
+@dataclass(frozen=True)
+class GuardPolicy:
+    """threshold: fraction of a bucket's elements that saturated or underflowed in one step; patience: steps over
+    it before the bucket falls back to BF16; cooldown: steps in BF16 before FP8 is tried again."""
+
+    threshold: float = 1e-3
+    patience: int = 3
+    cooldown: int = 50
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.threshold, float | int) and 0 < self.threshold < 1):
+            raise Fp8CommConfigError(f"guard threshold must be a fraction in (0, 1), got {self.threshold!r}")
+        for name in ("patience", "cooldown"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise Fp8CommConfigError(f"guard {name} must be an int >= 1 (steps), got {v!r}")
+
+
+class GuardBucket:
+    """One bucket's device counters (saturated, underflow, nonfinite) and the host count of elements quantized.
+
+    Pass it to a collective (`guard=`) and the packing kernels add into `counters`."""
+
+    def __init__(self, key: str, device: torch.device) -> None:
+        self.key = key
+        self.counters = torch.zeros(len(COUNTS), dtype=torch.int64, device=device)
+        self.elements = 0  # host-side: the call knows how many elements it quantized
+
+    def add_elements(self, n: int) -> None:
+        self.elements += int(n)
+
+
+@dataclass
+class BucketState:
+    """Where one bucket stands: consecutive steps over the threshold, BF16 steps left, switches so far."""
+
+    over: int = 0
+    bf16_left: int = 0
+    switches: int = 0
+    last_fraction: float = 0.0
+
+
+@dataclass
+class _Pending:
+    """The counts of one finished step: all-reduced (async) into `reduced`, copied to host memory."""
+
+    keys: list[str]
+    work: object
+    host: torch.Tensor
+    event: object = None
+
+
+@dataclass
+class Guard:
+    """The guard of one engine (one process group): buckets by key, their state, and the per-step decision.
+
+    Keys must be registered in the same order on every rank (they are: buckets are met in collective order)."""
+
+    policy: GuardPolicy = field(default_factory=GuardPolicy)
+    group: object = None
+    buckets: dict[str, GuardBucket] = field(default_factory=dict)
+    states: dict[str, BucketState] = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)  # per step: {key: fraction} of the step the decision used
+    steps: int = 0
+    _pending: _Pending | None = None
+    _reduced_buckets: int = 0
+
+    def bucket(self, key: str, device: torch.device) -> GuardBucket:
+        """The bucket `key` (created on first use, on `device`)."""
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = GuardBucket(key, torch.device(device))
+            self.states.setdefault(key, BucketState())
+        return b
+
+    def wire(self, key: str) -> str:
+        """"fp8", or "bf16" while `key` is falling back (the same answer on every rank at the same step)."""
+        st = self.states.get(key)
+        return "bf16" if st is not None and st.bf16_left > 0 else "fp8"
+
+    def step(self) -> dict[str, str]:
+        """Call once per optimizer step where the engine synchronizes anyway: decides from the previous step's
+        all-reduced counts, starts this step's all-reduce, and returns {key: wire} for the next step."""
+        self.steps += 1
+        done, self._pending = self._pending, self._start()
+        for st in self.states.values():  # the fallback clock runs whatever the counts say
+            if st.bf16_left > 0:
+                st.bf16_left -= 1
+                if st.bf16_left == 0:
+                    self._switch("fp8", st, "cooldown over: FP8 again")
+        if done is not None:
+            self._decide(done)
+        return {k: self.wire(k) for k in self.buckets}
+
+    def _start(self) -> _Pending | None:
+        keys = list(self.buckets)
+        if not keys:
+            return None
+        dev = next(iter(self.buckets.values())).counters.device
+        cuda = dev.type == "cuda"
+        elements = torch.tensor([[b.elements] for b in self.buckets.values()], dtype=torch.int64)
+        if cuda:  # pinned and async: no host wait for the upload either
+            elements = elements.pin_memory().to(dev, non_blocking=True)
+        rows = torch.cat([torch.stack([b.counters for b in self.buckets.values()]), elements], dim=1)
+        for b in self.buckets.values():
+            b.counters.zero_()
+            b.elements = 0
+        work = None
+        if dist.is_available() and dist.is_initialized():
+            if len(keys) != self._reduced_buckets:  # new buckets (the first steps): all ranks must agree
+                _same_buckets(len(keys), self.group, dev)
+                self._reduced_buckets = len(keys)
+            work = dist.all_reduce(rows, group=self.group, async_op=True)
+        host = torch.empty(rows.shape, dtype=torch.int64, pin_memory=cuda)
+        if work is not None:
+            work.wait()  # on CUDA: the copy below waits on the GPU, not the host
+        host.copy_(rows, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return _Pending(keys, work, host, event)
+
+    def _decide(self, p: _Pending) -> None:
+        if p.event is not None:
+            p.event.synchronize()  # complete since the engine's own synchronization: returns at once
+        counts = p.host.tolist()
+        fractions = {}
+        for key, (sat, under, _nonfinite, elements) in zip(p.keys, counts):
+            st = self.states[key]
+            frac = (sat + under) / elements if elements else 0.0
+            st.last_fraction = fractions[key] = frac
+            if st.bf16_left > 0:
+                continue
+            st.over = st.over + 1 if frac > self.policy.threshold else 0
+            if st.over >= self.policy.patience:
+                st.over = 0
+                st.bf16_left = self.policy.cooldown
+                self._switch("bf16", st, f"{frac:.2%} of its elements saturated or underflowed for "
+                                         f"{self.policy.patience} steps (threshold {self.policy.threshold:.2%})",
+                             key)
+        self.history.append({"step": self.steps, **fractions})
+
+    def _switch(self, to: str, st: BucketState, why: str, key: str | None = None) -> None:
+        st.switches += 1
+        key = key or next(k for k, s in self.states.items() if s is st)
+        PROCESS_STATS.record(f"guard.to_{to}", 0, 0, calls=1)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("fp8comm guard: bucket %s -> %s at step %d: %s", key, to.upper(), self.steps, why)
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        return {"policy": asdict(self.policy), "steps": self.steps,
+                "states": {k: asdict(s) for k, s in self.states.items()}, "history": list(self.history)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if GuardPolicy(**sd["policy"]) != self.policy:
+            raise Fp8CommConfigError(f"checkpointed guard policy {sd['policy']} differs from this run's "
+                                     f"{asdict(self.policy)}")
+        self.steps = int(sd["steps"])
+        self.states = {k: BucketState(**v) for k, v in sd["states"].items()}
+        self.history = list(sd.get("history", []))
+        self._pending = None
+
+    def summary(self) -> dict[str, dict]:
+        """{key: {wire, switches, last_fraction, bf16_left}} for logs and reports."""
+        return {k: {"wire": self.wire(k), "switches": s.switches, "last_fraction": s.last_fraction,
+                    "bf16_left": s.bf16_left} for k, s in self.states.items()}
+
+    def plot(self, path: str, title: str = "fp8comm guard") -> None:
+        """Per bucket: the fraction that saturated or underflowed per step, the threshold, and BF16 spans."""
+        import matplotlib  # plotting is the tools extra's job: imported only when asked for
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        keys = sorted({k for h in self.history for k in h if k != "step"})
+        for k in keys:
+            pts = [(h["step"], h[k]) for h in self.history if k in h]
+            ax.plot([p[0] for p in pts], [max(p[1], 1e-9) for p in pts], label=k)
+        ax.axhline(self.policy.threshold, color="k", lw=0.8, ls="--", label="threshold")
+        ax.set(yscale="log", xlabel="step", ylabel="saturated + underflowed fraction", title=title)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def _same_buckets(n: int, group, device: torch.device) -> None:
+    """Every rank must reduce the same bucket table: a clear error on every rank if the counts differ (read on the
+    host: this runs only in the steps that register new buckets)."""
+    t = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = (int(v) for v in t.tolist())
+    if hi != -lo:
+        raise Fp8CommError(f"fp8comm guard: ranks registered different numbers of buckets (max {hi}, min {-lo}); "
+                           "every rank must make the same guarded collectives")
