@@ -10,6 +10,7 @@ gradients (fp8comm's FP8 bytes vs FSDP2's own for the same calls); --json writes
 is FSDP2's MixedPrecisionPolicy (bf16 params, fp32 gradient reduction) unless --mp none. --fp8-gemm converts the
 blocks' linears to Fp8Linear (convert_to_fp8) before sharding. Corpus: pydoc_data.topics, character level.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,8 @@ def batch(data: torch.Tensor, args, step: int, micro: int, rank: int) -> tuple[t
     """This rank's micro-batch: the same for every run with the same seed (plain and FP8 see identical data)."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro * 101 + rank)
     ix = torch.randint(len(data) - args.seq - 1, (args.batch_size,), generator=g)
-    x = torch.stack([data[i:i + args.seq] for i in ix])
-    y = torch.stack([data[i + 1:i + 1 + args.seq] for i in ix])
+    x = torch.stack([data[i : i + args.seq] for i in ix])
+    y = torch.stack([data[i + 1 : i + 1 + args.seq] for i in ix])
     return x, y
 
 
@@ -72,16 +73,20 @@ def build(args, vocab: int, mesh) -> GPT:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(vocab_size=vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
-                          n_embd=args.n_embd))
+    model = GPT(
+        GPTConfig(vocab_size=vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    )
     if args.fp8_gemm:
         import fp8comm
 
         fp8comm.convert_to_fp8(model.h, "blockwise")
         # Under FSDP2 a cached FP8 weight can go stale (docs/fsdp2.md): the plain run needs this too.
         fp8comm.gemm.set_weight_cache(model, "gathered")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp == "bf16" \
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.mp == "bf16"
         else MixedPrecisionPolicy()
+    )
     kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=not args.no_reshard)
     for block in model.h:
         fully_shard(block, **kw)
@@ -100,8 +105,9 @@ def make_mesh(args):
     return init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
 
 
-def train(args, data: torch.Tensor, vocab: int, mesh, fp8: bool, on_step=None, on_model=None,
-          enable_options=None) -> dict:
+def train(
+    args, data: torch.Tensor, vocab: int, mesh, fp8: bool, on_step=None, on_model=None, enable_options=None
+) -> dict:
     """Train args.steps steps; returns losses (mean over ranks), step times and, with fp8, the hook counters.
 
     on_model(model) runs once before training, on_step(step, model, loss) after every optimizer step (the tests
@@ -109,8 +115,17 @@ def train(args, data: torch.Tensor, vocab: int, mesh, fp8: bool, on_step=None, o
     import fp8comm.integrations.fsdp2 as f2
 
     model = build(args, vocab, mesh)
-    report = f2.enable(model, **(enable_options or {"gradients": {"fmt": args.grad_fmt, "scaling": args.scaling},
-                                                    "weights": {"scaling": args.scaling}})) if fp8 else None
+    report = (
+        f2.enable(
+            model,
+            **(
+                enable_options
+                or {"gradients": {"fmt": args.grad_fmt, "scaling": args.scaling}, "weights": {"scaling": args.scaling}}
+            ),
+        )
+        if fp8
+        else None
+    )
     if on_model is not None:
         on_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -143,12 +158,15 @@ def train(args, data: torch.Tensor, vocab: int, mesh, fp8: bool, on_step=None, o
 
 def summarize(args, plain: dict | None, fp8: dict | None) -> dict:
     """One comparable record: step time (median after warmup), final loss, bytes per step, ratios."""
-    res = {"world": dist.get_world_size(), "steps": args.steps, "config": {k: v for k, v in vars(args).items()
-                                                                           if k not in ("json",)}}
+    res = {
+        "world": dist.get_world_size(),
+        "steps": args.steps,
+        "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
+    }
     for name, r in (("plain", plain), ("fp8", fp8)):
         if r is None:
             continue
-        t = r["step_s"][args.warmup:] or r["step_s"]
+        t = r["step_s"][args.warmup :] or r["step_s"]
         res[name] = {"final_loss": r["losses"][-1], "median_step_s": statistics.median(t), "losses": r["losses"]}
     if fp8 is not None:
         for d, s in fp8["stats"].items():
@@ -172,11 +190,15 @@ def print_table(res: dict) -> None:
     for d in ("weights", "gradients"):
         if f"{d}_ratio" in res.get("fp8", {}):
             r = res["fp8"]
-            rows.append(f"  {d:<9} bytes/step/rank: FSDP2 {r[f'{d}_fsdp2_bytes_per_step'] / 1e6:9.3f} MB   fp8comm "
-                        f"{r[f'{d}_bytes_per_step'] / 1e6:9.3f} MB   {r[f'{d}_ratio']:.3f}x fewer")
+            rows.append(
+                f"  {d:<9} bytes/step/rank: FSDP2 {r[f'{d}_fsdp2_bytes_per_step'] / 1e6:9.3f} MB   fp8comm "
+                f"{r[f'{d}_bytes_per_step'] / 1e6:9.3f} MB   {r[f'{d}_ratio']:.3f}x fewer"
+            )
     if "loss_rel_diff" in res:
-        rows.append(f"  final loss relative difference {res['loss_rel_diff'] * 100:.3f}%, step time fp8/plain "
-                    f"{res['step_time_ratio']:.3f}")
+        rows.append(
+            f"  final loss relative difference {res['loss_rel_diff'] * 100:.3f}%, step time fp8/plain "
+            f"{res['step_time_ratio']:.3f}"
+        )
     print("\n".join(rows), flush=True)
 
 

@@ -9,6 +9,7 @@ output head, embeddings and norms stay high precision); the rest of the model ru
 `fp8_noscale` (a plain cast to FP8 with scale 1) is the negative control. Each (recipe, seed) pair sees the same
 initial weights and the same batches, so differences come from the GEMM numerics alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,8 @@ def load_corpus() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
 
 def get_batch(data: torch.Tensor, cfg: TrainConfig, g: torch.Generator):
     ix = torch.randint(len(data) - cfg.block_size - 1, (cfg.batch_size,), generator=g)
-    x = torch.stack([data[i:i + cfg.block_size] for i in ix])
-    y = torch.stack([data[i + 1:i + 1 + cfg.block_size] for i in ix])
+    x = torch.stack([data[i : i + cfg.block_size] for i in ix])
+    y = torch.stack([data[i + 1 : i + 1 + cfg.block_size] for i in ix])
     return x.to(cfg.device), y.to(cfg.device)
 
 
@@ -77,8 +78,9 @@ def evaluate(model, val: torch.Tensor, cfg: TrainConfig) -> float:
     return sum(losses) / len(losses)
 
 
-def train_one(recipe: str, seed: int, cfg: TrainConfig, corpus=None, telemetry: "fg.Telemetry | None" = None,
-              log=print) -> dict:
+def train_one(
+    recipe: str, seed: int, cfg: TrainConfig, corpus=None, telemetry: fg.Telemetry | None = None, log=print
+) -> dict:
     """Train one model; returns {"recipe", "seed", "val_loss", "train_curve", "val_curve", "seconds"}."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -114,8 +116,15 @@ def train_one(recipe: str, seed: int, cfg: TrainConfig, corpus=None, telemetry: 
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             val_curve.append((step + 1, evaluate(model, val, cfg)))
             log(f"  {recipe:>12} seed {seed} step {step + 1:5d}  train {loss.item():.4f}  val {val_curve[-1][1]:.4f}")
-    return dict(recipe=recipe, seed=seed, val_loss=val_curve[-1][1], train_curve=train_curve, val_curve=val_curve,
-                seconds=time.perf_counter() - t0, params=model.num_params())
+    return dict(
+        recipe=recipe,
+        seed=seed,
+        val_loss=val_curve[-1][1],
+        train_curve=train_curve,
+        val_curve=val_curve,
+        seconds=time.perf_counter() - t0,
+        params=model.num_params(),
+    )
 
 
 def table(results: list[dict], baseline: str = "bf16") -> str:
@@ -126,17 +135,22 @@ def table(results: list[dict], baseline: str = "bf16") -> str:
     base = by.get(baseline)
     bmean = statistics.mean(base) if base else float("nan")
     blo, bhi = (min(base), max(base)) if base else (float("nan"),) * 2
-    lines = [f"| recipe | seeds | final val loss (mean) | per seed | rel. diff vs {baseline} | within {baseline} "
-             "seed range |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"| recipe | seeds | final val loss (mean) | per seed | rel. diff vs {baseline} | within {baseline} "
+        "seed range |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, v in by.items():
         m = statistics.mean(v)
         rel = (m - bmean) / bmean if base else float("nan")
         within = "-" if name == baseline or not base else ("yes" if blo <= m <= bhi else "no")
-        lines.append(f"| {name} | {len(v)} | {m:.4f} | {', '.join(f'{x:.4f}' for x in v)} | "
-                     f"{rel * 100:+.2f}% | {within} |")
+        lines.append(
+            f"| {name} | {len(v)} | {m:.4f} | {', '.join(f'{x:.4f}' for x in v)} | {rel * 100:+.2f}% | {within} |"
+        )
     if base:
-        lines.append(f"\n{baseline} seed spread (max - min): {bhi - blo:.4f} ({(bhi - blo) / bmean * 100:.2f}% of "
-                     f"the mean)")
+        lines.append(
+            f"\n{baseline} seed spread (max - min): {bhi - blo:.4f} ({(bhi - blo) / bmean * 100:.2f}% of the mean)"
+        )
     return "\n".join(lines)
 
 
@@ -155,8 +169,9 @@ def plot(results: list[dict], path: str) -> None:
             w = 20  # moving average of the training loss
             tc = torch.tensor(r["train_curve"])
             sm = torch.nn.functional.avg_pool1d(tc.view(1, 1, -1), w, 1).view(-1) if len(tc) >= w else tc
-            a1.plot(range(len(tc) - len(sm) + 1, len(tc) + 1), sm, color=c, lw=1, alpha=0.8,
-                    label=name if j == 0 else None)
+            a1.plot(
+                range(len(tc) - len(sm) + 1, len(tc) + 1), sm, color=c, lw=1, alpha=0.8, label=name if j == 0 else None
+            )
             s, v = zip(*r["val_curve"])
             a2.plot(s, v, "o-", color=c, ms=3, lw=1, alpha=0.8, label=name if j == 0 else None)
     a1.set(title="training loss (20-step moving average)", xlabel="step", ylabel="loss")
@@ -173,8 +188,11 @@ def plot(results: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipes", default="bf16,fp8_amax,blockwise,fp8_noscale",
-                   help=f"comma list: bf16 and any of {', '.join(fg.RECIPES)}")
+    p.add_argument(
+        "--recipes",
+        default="bf16,fp8_amax,blockwise,fp8_noscale",
+        help=f"comma list: bf16 and any of {', '.join(fg.RECIPES)}",
+    )
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default="runs/train_gpt", help="folder for PNGs and results.json")
     p.add_argument("--telemetry", action="store_true", help="record scale telemetry of seed 0 (slower) and plot it")

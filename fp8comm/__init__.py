@@ -5,28 +5,89 @@ not even torch, so the `fp8comm` command (fp8comm.tools.cli, which Python can on
 prints its help without paying for torch. `fp8comm.quantize`, `from fp8comm import Fp8Linear`, `import
 fp8comm.comm` and `fp8comm.comm.X` work as with eager imports. This package never imports fp8comm.tools.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import (CommMismatchError, Fp8CommConfigError, Fp8CommError, Fp8CommNotImplementedError,
-                     Fp8CommRuntimeError, Fp8CommStateError, Fp8CommTypeError, Fp8CommUnsupportedError)
+from .errors import (
+    CommMismatchError,
+    Fp8CommConfigError,
+    Fp8CommError,
+    Fp8CommNotImplementedError,
+    Fp8CommRuntimeError,
+    Fp8CommStateError,
+    Fp8CommTypeError,
+    Fp8CommUnsupportedError,
+)
 
 __version__ = "0.1.0"
-__all__ = ["quantize", "dequantize", "Fp8Tensor", "Scaling", "TensorScaling", "RowScaling", "BlockScaling",
-           "MXScaling", "DelayedScaling", "all_gather", "all_gather_into", "reduce_scatter", "reduce_scatter_into",
-           "all_reduce", "all_reduce_into", "all_to_all", "comm_stats", "reset_comm_stats", "format_comm_stats",
-           "Fp8Linear", "convert_to_fp8", "ConversionReport", "Fp8Recipe", "get_recipe", "WireConfig", "Buffer",
-           "ErrorFeedback", "Fp8CommError", "Fp8CommConfigError", "CommMismatchError", "Fp8CommTypeError",
-           "Fp8CommRuntimeError", "Fp8CommNotImplementedError", "Fp8CommUnsupportedError", "Fp8CommStateError"]
+__all__ = [
+    "quantize",
+    "dequantize",
+    "Fp8Tensor",
+    "Scaling",
+    "TensorScaling",
+    "RowScaling",
+    "BlockScaling",
+    "MXScaling",
+    "DelayedScaling",
+    "all_gather",
+    "all_gather_into",
+    "reduce_scatter",
+    "reduce_scatter_into",
+    "all_reduce",
+    "all_reduce_into",
+    "all_to_all",
+    "comm_stats",
+    "reset_comm_stats",
+    "format_comm_stats",
+    "Fp8Linear",
+    "convert_to_fp8",
+    "ConversionReport",
+    "Fp8Recipe",
+    "get_recipe",
+    "WireConfig",
+    "Buffer",
+    "ErrorFeedback",
+    "Fp8CommError",
+    "Fp8CommConfigError",
+    "CommMismatchError",
+    "Fp8CommTypeError",
+    "Fp8CommRuntimeError",
+    "Fp8CommNotImplementedError",
+    "Fp8CommUnsupportedError",
+    "Fp8CommStateError",
+]
 _FROM = {  # subpackage -> the names this package re-exports from it
-    "comm": ("all_gather", "all_gather_into", "all_reduce", "all_reduce_into", "all_to_all", "comm_stats",
-             "format_comm_stats", "reduce_scatter", "reduce_scatter_into", "reset_comm_stats", "WireConfig", "Buffer",
-             "ErrorFeedback"),
+    "comm": (
+        "all_gather",
+        "all_gather_into",
+        "all_reduce",
+        "all_reduce_into",
+        "all_to_all",
+        "comm_stats",
+        "format_comm_stats",
+        "reduce_scatter",
+        "reduce_scatter_into",
+        "reset_comm_stats",
+        "WireConfig",
+        "Buffer",
+        "ErrorFeedback",
+    ),
     "gemm": ("ConversionReport", "Fp8Linear", "Fp8Recipe", "convert_to_fp8", "get_recipe"),
-    "quant": ("BlockScaling", "DelayedScaling", "Fp8Tensor", "MXScaling", "RowScaling", "Scaling", "TensorScaling",
-              "dequantize", "quantize"),
+    "quant": (
+        "BlockScaling",
+        "DelayedScaling",
+        "Fp8Tensor",
+        "MXScaling",
+        "RowScaling",
+        "Scaling",
+        "TensorScaling",
+        "dequantize",
+        "quantize",
+    ),
 }
 _WHERE = {name: sub for sub, names in _FROM.items() for name in names}
 
@@ -47,9 +108,30 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager form
-    from .comm import (Buffer, ErrorFeedback, WireConfig, all_gather, all_gather_into, all_reduce, all_reduce_into,
-                       all_to_all, comm_stats, format_comm_stats, reduce_scatter, reduce_scatter_into,
-                       reset_comm_stats)
+    from .comm import (
+        Buffer,
+        ErrorFeedback,
+        WireConfig,
+        all_gather,
+        all_gather_into,
+        all_reduce,
+        all_reduce_into,
+        all_to_all,
+        comm_stats,
+        format_comm_stats,
+        reduce_scatter,
+        reduce_scatter_into,
+        reset_comm_stats,
+    )
     from .gemm import ConversionReport, Fp8Linear, Fp8Recipe, convert_to_fp8, get_recipe
-    from .quant import (BlockScaling, DelayedScaling, Fp8Tensor, MXScaling, RowScaling, Scaling, TensorScaling,
-                        dequantize, quantize)
+    from .quant import (
+        BlockScaling,
+        DelayedScaling,
+        Fp8Tensor,
+        MXScaling,
+        RowScaling,
+        Scaling,
+        TensorScaling,
+        dequantize,
+        quantize,
+    )

@@ -13,6 +13,7 @@ WORLD_SIZE are exported afterwards, so fp8comm's hierarchical collectives find t
 `python -m fp8comm.distributed` initialises, runs an FP8 all-gather and reduce-scatter against exact references
 and prints one line per rank: a smoke test for a new launch setup (used by the Slurm and MPI tests).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -62,12 +63,18 @@ def detect_launcher(env=None) -> str:
     if env.get("SLURM_PROCID") and env.get("SLURM_STEP_ID") is not None:
         return "slurm"
     if env.get("SLURM_JOB_ID"):
-        raise DistEnvError("inside a Slurm allocation but not in a job step: start the ranks with `srun` "
-                           "(one task per rank) or `srun torchrun ...` (launch/slurm/*.sbatch)")
-    raise DistEnvError("no launcher environment found. Expected one of: torchrun (" + ", ".join(TORCHRUN_VARS) +
-                       "), MPI (PMI_RANK + PMI_SIZE, or OMPI_COMM_WORLD_RANK + OMPI_COMM_WORLD_SIZE), Slurm srun ("
-                       + ", ".join(SLURM_VARS) + "). Launch with launch/torchrun.sh, launch/mpirun.sh or sbatch "
-                       "launch/slurm/*.sbatch.")
+        raise DistEnvError(
+            "inside a Slurm allocation but not in a job step: start the ranks with `srun` "
+            "(one task per rank) or `srun torchrun ...` (launch/slurm/*.sbatch)"
+        )
+    raise DistEnvError(
+        "no launcher environment found. Expected one of: torchrun ("
+        + ", ".join(TORCHRUN_VARS)
+        + "), MPI (PMI_RANK + PMI_SIZE, or OMPI_COMM_WORLD_RANK + OMPI_COMM_WORLD_SIZE), Slurm srun ("
+        + ", ".join(SLURM_VARS)
+        + "). Launch with launch/torchrun.sh, launch/mpirun.sh or sbatch "
+        "launch/slurm/*.sbatch."
+    )
 
 
 def _int(env, name: str, who: str) -> int:
@@ -81,13 +88,16 @@ def _int(env, name: str, who: str) -> int:
 def torchrun_env(env) -> dict:
     miss = _missing(env, TORCHRUN_VARS)
     if miss:
-        raise DistEnvError(f"torchrun-style environment incomplete: missing {', '.join(miss)} "
-                           f"(set: {', '.join(n for n in TORCHRUN_VARS if env.get(n)) or 'none'})")
+        raise DistEnvError(
+            f"torchrun-style environment incomplete: missing {', '.join(miss)} "
+            f"(set: {', '.join(n for n in TORCHRUN_VARS if env.get(n)) or 'none'})"
+        )
     rank, world = _int(env, "RANK", "torchrun"), _int(env, "WORLD_SIZE", "torchrun")
     local = _int(env, "LOCAL_RANK", "torchrun") if env.get("LOCAL_RANK") else rank
     lws = _int(env, "LOCAL_WORLD_SIZE", "torchrun") if env.get("LOCAL_WORLD_SIZE") else world
-    return dict(rank=rank, world=world, local=local, lws=lws, addr=env["MASTER_ADDR"],
-                port=_int(env, "MASTER_PORT", "torchrun"))
+    return dict(
+        rank=rank, world=world, local=local, lws=lws, addr=env["MASTER_ADDR"], port=_int(env, "MASTER_PORT", "torchrun")
+    )
 
 
 # --------------------------------------------------------------------------------------------------- slurm
@@ -115,8 +125,9 @@ def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
             raise DistEnvError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     if node_id >= len(counts):
-        raise DistEnvError(f"SLURM_NODEID={node_id} but SLURM_TASKS_PER_NODE={tasks_per_node!r} lists "
-                           f"{len(counts)} nodes")
+        raise DistEnvError(
+            f"SLURM_NODEID={node_id} but SLURM_TASKS_PER_NODE={tasks_per_node!r} lists {len(counts)} nodes"
+        )
     return counts[node_id]
 
 
@@ -150,8 +161,13 @@ def slurm_env(env) -> dict:
         hosts = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
         addr = node_addr(hosts[0])
     # Every rank must derive the same port without talking: MASTER_PORT, or one derived from the job id.
-    port = _int(env, "MASTER_PORT", "slurm") if env.get("MASTER_PORT") else \
-        20000 + _int(env, "SLURM_JOB_ID", "slurm") % 20000 if env.get("SLURM_JOB_ID") else 29500
+    port = (
+        _int(env, "MASTER_PORT", "slurm")
+        if env.get("MASTER_PORT")
+        else 20000 + _int(env, "SLURM_JOB_ID", "slurm") % 20000
+        if env.get("SLURM_JOB_ID")
+        else 29500
+    )
     return dict(rank=rank, world=world, local=local, lws=lws, addr=addr, port=port)
 
 
@@ -169,16 +185,24 @@ def mpi_env(env) -> dict:
     rank, world = _int(env, names[0], "mpi"), _int(env, names[1], "mpi")
     local = int(env[local_names[0]]) if env.get(local_names[0]) else None
     lws = int(env[local_names[1]]) if env.get(local_names[1]) else None
-    return dict(rank=rank, world=world, local=local, lws=lws, addr=env.get("MASTER_ADDR"),
-                port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None)
+    return dict(
+        rank=rank,
+        world=world,
+        local=local,
+        lws=lws,
+        addr=env.get("MASTER_ADDR"),
+        port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
+    )
 
 
 def _mpi_comm():
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise DistEnvError("launched by MPI but mpi4py is not importable (pip install mpi4py mpich), and "
-                           f"MASTER_ADDR/MASTER_PORT are not both set: {e}") from None
+        raise DistEnvError(
+            "launched by MPI but mpi4py is not importable (pip install mpi4py mpich), and "
+            f"MASTER_ADDR/MASTER_PORT are not both set: {e}"
+        ) from None
     return MPI
 
 
@@ -200,8 +224,9 @@ def _mpi_rendezvous(info: dict, timeout: datetime.timedelta):
     MPI = _mpi_comm()
     comm = MPI.COMM_WORLD
     if comm.Get_size() != info["world"] or comm.Get_rank() != info["rank"]:
-        raise DistEnvError(f"MPI says rank {comm.Get_rank()}/{comm.Get_size()}, the environment "
-                           f"{info['rank']}/{info['world']}")
+        raise DistEnvError(
+            f"MPI says rank {comm.Get_rank()}/{comm.Get_size()}, the environment {info['rank']}/{info['world']}"
+        )
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     if info["local"] is None:
         info["local"], info["lws"] = node.Get_rank(), node.Get_size()
@@ -211,12 +236,15 @@ def _mpi_rendezvous(info: dict, timeout: datetime.timedelta):
         if not addr:
             ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
             # All ranks on this host: loopback. Otherwise an address the other hosts can reach.
-            addr = "127.0.0.1" if node.Get_size() == comm.Get_size() else \
-                (ifname and _iface_addr(ifname)) or socket.gethostbyname(socket.gethostname())
+            addr = (
+                "127.0.0.1"
+                if node.Get_size() == comm.Get_size()
+                else (ifname and _iface_addr(ifname)) or socket.gethostbyname(socket.gethostname())
+            )
         try:
             store = dist.TCPStore(addr, 0, info["world"], is_master=True, timeout=timeout, wait_for_workers=False)
-            msg = (addr, store.port, None)
-        except Exception as e:  # noqa: BLE001 - every rank must learn that rank 0 failed
+            msg: tuple[str, int, str | None] | None = (addr, store.port, None)
+        except Exception as e:
             msg = (addr, 0, f"rank 0 could not open the rendezvous store on {addr}: {e}")
     else:
         msg = None
@@ -224,8 +252,10 @@ def _mpi_rendezvous(info: dict, timeout: datetime.timedelta):
     if err:
         raise DistEnvError(err)
     if addr.startswith("127.") and node.Get_size() != comm.Get_size():
-        raise DistEnvError("ranks span several hosts but rank 0's address is loopback; set MASTER_ADDR (or "
-                           "GLOO_SOCKET_IFNAME to the interface the hosts share)")
+        raise DistEnvError(
+            "ranks span several hosts but rank 0's address is loopback; set MASTER_ADDR (or "
+            "GLOO_SOCKET_IFNAME to the interface the hosts share)"
+        )
     if store is None:
         store = dist.TCPStore(addr, port, info["world"], is_master=False, timeout=timeout)
     info["addr"], info["port"] = addr, port
@@ -233,8 +263,9 @@ def _mpi_rendezvous(info: dict, timeout: datetime.timedelta):
 
 
 # ---------------------------------------------------------------------------------------------------- init
-def init_distributed(backend: str | None = None, launcher: str | None = None, timeout_s: float | None = None,
-                     env=None) -> DistInfo:
+def init_distributed(
+    backend: str | None = None, launcher: str | None = None, timeout_s: float | None = None, env=None
+) -> DistInfo:
     """Initialise the default process group from the launch environment (see module doc); idempotent.
 
     backend: 'gloo' on CPU, 'nccl' when CUDA is available (default); launcher: 'auto' (default, or
@@ -251,8 +282,10 @@ def init_distributed(backend: str | None = None, launcher: str | None = None, ti
     info = {"torchrun": torchrun_env, "mpi": mpi_env, "slurm": slurm_env}[launcher](env)
     if dist.is_initialized():
         if dist.get_world_size() != info["world"]:
-            raise DistEnvError(f"torch.distributed already initialised with world size {dist.get_world_size()}, "
-                               f"the environment says {info['world']}")
+            raise DistEnvError(
+                f"torch.distributed already initialised with world size {dist.get_world_size()}, "
+                f"the environment says {info['world']}"
+            )
     else:
         store = None
         if launcher == "mpi" and not (info["addr"] and info["port"]):
@@ -270,10 +303,15 @@ def init_distributed(backend: str | None = None, launcher: str | None = None, ti
             dist.init_process_group(init_method=f"tcp://{_host(info['addr'])}:{info['port']}", **kw)
     if env is os.environ:
         # fp8comm's hierarchical mode and user code read these, whichever launcher ran.
-        os.environ.update(RANK=str(info["rank"]), WORLD_SIZE=str(info["world"]), LOCAL_RANK=str(info["local"]),
-                          LOCAL_WORLD_SIZE=str(info["lws"]))
-    return DistInfo(launcher, info["rank"], info["world"], info["local"], info["lws"], str(info["addr"]),
-                    int(info["port"]), backend)
+        os.environ.update(
+            RANK=str(info["rank"]),
+            WORLD_SIZE=str(info["world"]),
+            LOCAL_RANK=str(info["local"]),
+            LOCAL_WORLD_SIZE=str(info["lws"]),
+        )
+    return DistInfo(
+        launcher, info["rank"], info["world"], info["local"], info["lws"], str(info["addr"]), int(info["port"]), backend
+    )
 
 
 def _host(addr: str) -> str:
@@ -294,20 +332,19 @@ def smoke(numel: int = 1 << 16) -> str:
     got = fc.all_gather(x)
     shards = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(shards, x)
-    want = torch.cat([quantize(s.view(1, -1), "e4m3", scaling=sc).dequantize(torch.float32).view(-1)
-                      for s in shards])
+    want = torch.cat([quantize(s.view(1, -1), "e4m3", scaling=sc).dequantize(torch.float32).view(-1) for s in shards])
     ag_ok = torch.equal(got, want)
     # reduce-scatter: sum over senders (rank order, fp32) of each sender's quantized chunk for this rank.
     y = torch.randn(world * numel, generator=g)
     ys = [torch.empty_like(y) for _ in range(world)]
     dist.all_gather(ys, y)
     chunk = slice(rank * numel, (rank + 1) * numel)
-    ref = None
+    ref = torch.zeros(numel)
     for t in ys:
         q = quantize(t[chunk].view(1, -1), "e4m3", scaling=sc).dequantize(torch.float32).view(-1)
-        ref = q if ref is None else ref + q
+        ref = ref + q  # fp32, rank order: what the receiver sums
     rs_ok = torch.equal(fc.reduce_scatter(y), ref)
-    true = sum(t[chunk].double() for t in ys)
+    true = torch.stack([t[chunk].double() for t in ys]).sum(0)
     sqnr = float("inf")
     if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:  # several nodes: the hierarchical path too
         noise = (fc.reduce_scatter(y, hierarchical=True).double() - true).pow(2).sum()
@@ -317,8 +354,10 @@ def smoke(numel: int = 1 << 16) -> str:
     hier_ok = sqnr > 25
     ok = torch.tensor([int(ag_ok and rs_ok and hier_ok)])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return (f"all_gather exact={ag_ok} reduce_scatter exact={rs_ok} hierarchical sqnr_db={sqnr:.1f} "
-            f"all_ranks_ok={bool(ok.item())}")
+    return (
+        f"all_gather exact={ag_ok} reduce_scatter exact={rs_ok} hierarchical sqnr_db={sqnr:.1f} "
+        f"all_ranks_ok={bool(ok.item())}"
+    )
 
 
 def main() -> int:
@@ -331,9 +370,12 @@ def main() -> int:
     torch.set_num_threads(1)
     info = init_distributed(launcher=a.launcher, timeout_s=120)
     line = smoke(a.numel)
-    print(f"fp8comm-smoke launcher={info.launcher} rank={info.rank}/{info.world_size} "
-          f"local={info.local_rank}/{info.local_world_size} master={info.master_addr}:{info.master_port} "
-          f"host={socket.gethostname()} {line}", flush=True)
+    print(
+        f"fp8comm-smoke launcher={info.launcher} rank={info.rank}/{info.world_size} "
+        f"local={info.local_rank}/{info.local_world_size} master={info.master_addr}:{info.master_port} "
+        f"host={socket.gethostname()} {line}",
+        flush=True,
+    )
     ok = "all_ranks_ok=True" in line
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -4,6 +4,7 @@ Fp8CommError is a ValueError (bad input is the common case); the subclasses that
 unavailable kernel or an unsupported setup are also the matching built-in (TypeError, RuntimeError, ...), so code
 written against the built-ins keeps working.
 """
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ backend_compiled.encode_nearest clamps to +-max and casts; the reference rounds 
 both signs, both formats (about 2.3e9 values each), in 16 Mi-value slices: ~2 min per format on one core.
 Usage: python launch/check_cast.py [e4m3 e5m2]; exits 1 on any mismatch.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,7 +24,7 @@ STEP = 1 << 24
 def check(name: str) -> int:
     fmt = get_format(name)
     one = torch.ones(STEP // 128, 1)
-    cast = torch.compile(lambda y: encode_nearest(y, one[:y.shape[0]], BlockScaling(128), fmt).view(torch.uint8))
+    cast = torch.compile(lambda y: encode_nearest(y, one[: y.shape[0]], BlockScaling(128), fmt).view(torch.uint8))
     hi = int(torch.tensor([fmt.max * 1.5]).view(torch.int32))
     bad, t0 = 0, time.time()
     for a in range(0, hi, STEP):
@@ -36,8 +37,11 @@ def check(name: str) -> int:
             if ne:
                 print(f"{name}: {ne} mismatches in [{a:#x}, {a + STEP:#x}) sign {sign != 0}", flush=True)
             bad += ne
-    print(f"{name}: every fp32 below {fmt.max * 1.5:g} in magnitude, both signs: {bad} mismatches "
-          f"({time.time() - t0:.0f} s, torch {torch.__version__})", flush=True)
+    print(
+        f"{name}: every fp32 below {fmt.max * 1.5:g} in magnitude, both signs: {bad} mismatches "
+        f"({time.time() - t0:.0f} s, torch {torch.__version__})",
+        flush=True,
+    )
     return bad
 
 

@@ -15,6 +15,7 @@ of this tool. Every launch has a timeout; SIGINT/SIGTERM during `run`/`slurm` ki
 Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 and nsenter; Slurm mode needs slurm-wlm and munge
 (launch/install_cluster_deps.sh). See docs/launch.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,9 @@ def unsupported_reason() -> str | None:
 
 def slurm_missing() -> str | None:
     missing = [t for t in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(t) is None]
-    return f"Slurm/munge not installed (missing {', '.join(missing)}; launch/install_cluster_deps.sh)" if missing \
-        else None
+    return (
+        f"Slurm/munge not installed (missing {', '.join(missing)}; launch/install_cluster_deps.sh)" if missing else None
+    )
 
 
 class Cluster:
@@ -121,8 +123,14 @@ class Cluster:
         reason = unsupported_reason()
         if reason:
             raise ClusterError(reason)
-        self.state = {"name": self.name, "nodes": nodes, "rate": rate, "namespaces": [],
-                      "addrs": [self.addr(i) for i in range(nodes)], "created": time.time()}
+        self.state = {
+            "name": self.name,
+            "nodes": nodes,
+            "rate": rate,
+            "namespaces": [],
+            "addrs": [self.addr(i) for i in range(nodes)],
+            "created": time.time(),
+        }
         try:
             self._ns_add(self.switch)
             sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -132,8 +140,7 @@ class Cluster:
                 self._ns_add(ns)
                 sh("ip", "-n", ns, "link", "set", "lo", "up")
                 # Both ends are created inside namespaces: no interface ever appears in the host namespace.
-                sh("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME,
-                   "netns", ns)
+                sh("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns)
                 sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
                 sh("ip", "-n", self.switch, "link", "set", port, "up")
                 sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", IFNAME)
@@ -141,8 +148,25 @@ class Cluster:
                 if rate not in ("0", "none"):
                     # tbf on the node's egress (upload) and on the switch port's egress (the node's download).
                     for n, dev in ((ns, IFNAME), (self.switch, port)):
-                        sh("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                           "burst", burst, "latency", "20ms")
+                        sh(
+                            "ip",
+                            "netns",
+                            "exec",
+                            n,
+                            "tc",
+                            "qdisc",
+                            "add",
+                            "dev",
+                            dev,
+                            "root",
+                            "tbf",
+                            "rate",
+                            rate,
+                            "burst",
+                            burst,
+                            "latency",
+                            "20ms",
+                        )
             self._wait_reachable()
         except BaseException:
             self.down(quiet=True)
@@ -156,10 +180,14 @@ class Cluster:
     def _wait_reachable(self) -> None:
         # A bridge port can take a moment to forward: connect over TCP from node 0 to a listener on every other
         # node before declaring the cluster up (no ping on minimal images).
-        listen = ("import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); "
-                  "s.bind((sys.argv[1],29399)); s.listen(); s.settimeout(20); s.accept()")
-        connect = ("import socket,sys,time\nfor _ in range(100):\n try: socket.create_connection((sys.argv[1],29399),"
-                   "1); break\n except OSError: time.sleep(0.1)\nelse: sys.exit(1)")
+        listen = (
+            "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); "
+            "s.bind((sys.argv[1],29399)); s.listen(); s.settimeout(20); s.accept()"
+        )
+        connect = (
+            "import socket,sys,time\nfor _ in range(100):\n try: socket.create_connection((sys.argv[1],29399),"
+            "1); break\n except OSError: time.sleep(0.1)\nelse: sys.exit(1)"
+        )
         for i in range(1, self.nodes):
             srv = subprocess.Popen(self.in_node(i, [sys.executable, "-c", listen, self.addr(i)]))
             try:
@@ -173,23 +201,56 @@ class Cluster:
     def describe(self) -> str:
         if not self.state.get("namespaces"):
             return f"cluster {self.name}: down"
-        return (f"cluster {self.name}: {self.nodes} nodes ({', '.join(self.state['addrs'])} on {IFNAME}), "
-                f"links {self.state['rate']} each way, state {self.state_file}")
+        return (
+            f"cluster {self.name}: {self.nodes} nodes ({', '.join(self.state['addrs'])} on {IFNAME}), "
+            f"links {self.state['rate']} each way, state {self.state_file}"
+        )
 
     # --------------------------------------------------------------------------------------------- run
-    def torchrun_argv(self, i: int, nnodes: int, nproc: int, prog: list[str], max_restarts: int,
-                      job_id: str) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-                "--nproc-per-node", str(nproc), "--node-rank", str(i), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{self.addr(0)}:{RDZV_PORT}", "--rdzv-id", job_id,
-                # Every namespace shares the host name (which maps to 127.0.0.1): say explicitly who hosts the
-                # rendezvous and which address this node advertises.
-                "--rdzv-conf", f"is_host={int(i == 0)},join_timeout=120", "--local-addr", self.addr(i),
-                "--max-restarts", str(max_restarts), "--monitor-interval", "1", *prog]
+    def torchrun_argv(
+        self, i: int, nnodes: int, nproc: int, prog: list[str], max_restarts: int, job_id: str
+    ) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes),
+            "--nproc-per-node",
+            str(nproc),
+            "--node-rank",
+            str(i),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{self.addr(0)}:{RDZV_PORT}",
+            "--rdzv-id",
+            job_id,
+            # Every namespace shares the host name (which maps to 127.0.0.1): say explicitly who hosts the
+            # rendezvous and which address this node advertises.
+            "--rdzv-conf",
+            f"is_host={int(i == 0)},join_timeout=120",
+            "--local-addr",
+            self.addr(i),
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "1",
+            *prog,
+        ]
 
-    def run(self, prog: list[str], nnodes: int | None = None, nproc: int = 2, timeout: float = 600,
-            max_restarts: int = 0, env: dict | None = None, log_dir: Path | None = None, echo: bool = True,
-            watch=None) -> int:
+    def run(
+        self,
+        prog: list[str],
+        nnodes: int | None = None,
+        nproc: int = 2,
+        timeout: float = 600,
+        max_restarts: int = 0,
+        env: dict | None = None,
+        log_dir: Path | None = None,
+        echo: bool = True,
+        watch=None,
+    ) -> int:
         """torchrun `prog` on nodes 0..nnodes-1; returns the worst exit code (124 on timeout).
 
         watch(cluster, procs) runs in a thread while the job is up (the elastic demo kills a rank from there).
@@ -202,22 +263,37 @@ class Cluster:
         log_dir = Path(log_dir or self.dir / "logs" / time.strftime("%Y%m%d-%H%M%S"))
         log_dir.mkdir(parents=True, exist_ok=True)
         job_id = f"{self.name}-{secrets.token_hex(4)}"
-        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": IFNAME, "PYTHONUNBUFFERED": "1",
-                    # torchrun otherwise hands the restarted workers the SAME store as the failed ones, without a
-                    # per-round prefix, and they read the dead ranks' gloo addresses (connection refused).
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                    **(env or {})}
+        full_env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": IFNAME,
+            "PYTHONUNBUFFERED": "1",
+            # torchrun otherwise hands the restarted workers the SAME store as the failed ones, without a
+            # per-round prefix, and they read the dead ranks' gloo addresses (connection refused).
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            **(env or {}),
+        }
         procs = []
         for i in range(nnodes):
             log = open(log_dir / f"node{i}.log", "w")
-            p = subprocess.Popen(self.in_node(i, self.torchrun_argv(i, nnodes, nproc, prog, max_restarts, job_id)),
-                                 stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
-                                 start_new_session=True)  # own process group: killpg takes the whole tree
+            p = subprocess.Popen(
+                self.in_node(i, self.torchrun_argv(i, nnodes, nproc, prog, max_restarts, job_id)),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                cwd=REPO,
+                start_new_session=True,
+            )  # own process group: killpg takes the whole tree
             self._track("jobs", p.pid)
             procs.append((p, log))
-        tails = [threading.Thread(target=_tail, args=(log_dir / f"node{i}.log", f"[node{i}] ", procs[i][0]),
-                                  daemon=True) for i in range(nnodes)] if echo else []
+        tails = (
+            [
+                threading.Thread(target=_tail, args=(log_dir / f"node{i}.log", f"[node{i}] ", procs[i][0]), daemon=True)
+                for i in range(nnodes)
+            ]
+            if echo
+            else []
+        )
         for t in tails:
             t.start()
         if watch is not None:
@@ -274,15 +350,26 @@ class Cluster:
         self.state["slurm"] = True
         self._save()
         # munged on a private socket (unix socket: no network namespace needed); -F keeps it in our process group.
-        self._daemon("munged", ["munged", "-F", "-f", f"--socket={sock}", f"--key-file={key}",
-                                f"--pid-file={d / 'munge' / 'munged.pid'}", f"--log-file={d / 'log' / 'munged.log'}",
-                                f"--seed-file={d / 'munge' / 'munged.seed'}"])
+        self._daemon(
+            "munged",
+            [
+                "munged",
+                "-F",
+                "-f",
+                f"--socket={sock}",
+                f"--key-file={key}",
+                f"--pid-file={d / 'munge' / 'munged.pid'}",
+                f"--log-file={d / 'log' / 'munged.log'}",
+                f"--seed-file={d / 'munge' / 'munged.seed'}",
+            ],
+        )
         _wait_for(lambda: sock.exists(), 10, "munged socket")
         env = self.slurm_env()
         self._daemon("slurmctld", self.in_node(0, ["slurmctld", "-D", "-f", str(d / "slurm.conf")]), env)
         for i in range(self.nodes):
-            self._daemon(f"slurmd-n{i}", self.in_node(i, ["slurmd", "-D", "-N", f"n{i}", "-f",
-                                                           str(d / "slurm.conf")]), env)
+            self._daemon(
+                f"slurmd-n{i}", self.in_node(i, ["slurmd", "-D", "-N", f"n{i}", "-f", str(d / "slurm.conf")]), env
+            )
 
         def idle() -> bool:
             r = sh(*self.in_node(0, ["sinfo", "-h", "-o", "%D %t"]), check=False, timeout=10, env=env)
@@ -302,15 +389,36 @@ class Cluster:
         """Submit `script` and wait for the job; returns (exit code, the job's output)."""
         self.slurm_up()
         out = self.dir / "slurm" / f"job-{secrets.token_hex(3)}.out"
-        full_env = {**self.slurm_env(), "GLOO_SOCKET_IFNAME": IFNAME, "PYTHONUNBUFFERED": "1",
-                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                    **(env or {})}
+        full_env = {
+            **self.slurm_env(),
+            "GLOO_SOCKET_IFNAME": IFNAME,
+            "PYTHONUNBUFFERED": "1",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            **(env or {}),
+        }
         # --wait: sbatch returns when the job ends, with the job's exit code; --time bounds it inside Slurm too.
-        argv = self.in_node(0, ["sbatch", "--wait", "-o", str(out), f"--time={max(1, int(timeout // 60))}",
-                                str(Path(script).resolve()), *args])
-        p = subprocess.Popen(argv, env=full_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True)
+        argv = self.in_node(
+            0,
+            [
+                "sbatch",
+                "--wait",
+                "-o",
+                str(out),
+                f"--time={max(1, int(timeout // 60))}",
+                str(Path(script).resolve()),
+                *args,
+            ],
+        )
+        p = subprocess.Popen(
+            argv,
+            env=full_env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self._track("jobs", p.pid)
         try:
             msg, _ = p.communicate(timeout=timeout)
@@ -348,15 +456,22 @@ class Cluster:
         if not quiet:
             print(f"cluster {self.name}: down ({len(names)} namespaces removed)")
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
         self.down(quiet=True)
 
 
-def elastic_demo(c: Cluster, steps: int = 24, kill_at: int = 8, timeout: float = 400, modes: str = "fp8",
-                 log_dir: Path | None = None, extra: tuple = ()) -> tuple[int, dict]:
+def elastic_demo(
+    c: Cluster,
+    steps: int = 24,
+    kill_at: int = 8,
+    timeout: float = 400,
+    modes: str = "fp8",
+    log_dir: Path | None = None,
+    extra: tuple = (),
+) -> tuple[int, dict]:
     """Train on every node with --max-restarts 1; SIGKILL one worker of the last node once a checkpoint at step
     >= kill_at exists. Returns (exit code, facts): whether a rank was killed, the step the restart resumed from,
     and whether the run finished."""
@@ -374,19 +489,37 @@ def elastic_demo(c: Cluster, steps: int = 24, kill_at: int = 8, timeout: float =
             if pids:
                 _kill(pids[-1])  # one rank dies hard (as on a node failure): no cleanup, no goodbye
                 facts.update(killed_pid=pids[-1], killed_after_ckpt=step)
-                print(f"[cluster] killed worker pid {pids[-1]} on node {cl.nodes - 1} (checkpoint at step {step})",
-                      flush=True)
+                print(
+                    f"[cluster] killed worker pid {pids[-1]} on node {cl.nodes - 1} (checkpoint at step {step})",
+                    flush=True,
+                )
                 return
             time.sleep(0.2)
 
     logs = Path(log_dir or c.dir / "elastic")
-    prog = [str(REPO / "launch" / "train_demo.py"), "--modes", modes, "--steps", str(steps), "--ckpt-dir", str(ckpt),
-            "--ckpt-every", "2", "--step-delay", "0.3", *extra]
+    prog = [
+        str(REPO / "launch" / "train_demo.py"),
+        "--modes",
+        modes,
+        "--steps",
+        str(steps),
+        "--ckpt-dir",
+        str(ckpt),
+        "--ckpt-every",
+        "2",
+        "--step-delay",
+        "0.3",
+        *extra,
+    ]
     rc = c.run(prog, timeout=timeout, max_restarts=1, log_dir=logs, watch=watch)
     text = (logs / "node0.log").read_text(errors="replace")
     m = re.findall(r"restart (\d+), resumed from step (\d+)", text)
-    facts.update(rc=rc, resumed_from=int(m[-1][1]) if m else None, restart=int(m[-1][0]) if m else None,
-                 finished=f"step {steps}/{steps}" in text and "[train] done" in text)
+    facts.update(
+        rc=rc,
+        resumed_from=int(m[-1][1]) if m else None,
+        restart=int(m[-1][0]) if m else None,
+        finished=f"step {steps}/{steps}" in text and "[train] done" in text,
+    )
     return rc, facts
 
 
@@ -394,8 +527,10 @@ def elastic_demo(c: Cluster, steps: int = 24, kill_at: int = 8, timeout: float =
 def _slurm_conf(c: Cluster, d: Path, sock: Path) -> str:
     # slurmctld insists that SlurmctldHost names this host; every namespace shares the host name, so the
     # controller is "<hostname>" reached at node 0's address.
-    nodes = "\n".join(f"NodeName=n{i} NodeAddr={c.addr(i)} CPUs={os.cpu_count() or 1} RealMemory=1000 "
-                      f"State=UNKNOWN" for i in range(c.nodes))
+    nodes = "\n".join(
+        f"NodeName=n{i} NodeAddr={c.addr(i)} CPUs={os.cpu_count() or 1} RealMemory=1000 State=UNKNOWN"
+        for i in range(c.nodes)
+    )
     return f"""# generated by launch/cluster.py for the simulated cluster {c.name}
 ClusterName=fp8c{c.name}
 SlurmctldHost={socket.gethostname()}({c.addr(0)})
@@ -442,6 +577,7 @@ def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
 
 def _killpg(*pids: int) -> None:
     """SIGTERM the process groups led by pids, then SIGKILL whatever is left after a shared 3 s grace period."""
+
     def alive(pid):
         try:
             os.killpg(pid, 0)
@@ -545,8 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="remove everything (works after crashes)")
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after `bench` belongs to the benchmark's own parser (argparse's REMAINDER rejects leading --opts).
-    tail = argv[argv.index("bench") + 1:] if "bench" in argv else []
-    a = p.parse_args(argv[:len(argv) - len(tail)])
+    tail = argv[argv.index("bench") + 1 :] if "bench" in argv else []
+    a = p.parse_args(argv[: len(argv) - len(tail)])
     c = Cluster(a.name)
     try:
         if a.cmd == "up":

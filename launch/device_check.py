@@ -8,6 +8,7 @@ present). A section's exception is caught and reported, never aborts the rest. R
 $OUT/device_check.json when OUT is set; exit status 1 if any section failed.
 `--quick` shrinks every size, so the script's logic also runs on CPU under TRITON_INTERPRET=1 (--device cpu).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -104,8 +105,13 @@ class Tally:
                 traceback.print_exc()
 
     def summary(self) -> dict:
-        return {"status": "fail" if self.failures else "ok", "pass": self.passed, "fail": len(self.failures),
-                "pass_with_nan_payload_diffs": self.nan_bits, "failures": self.failures[:50]}
+        return {
+            "status": "fail" if self.failures else "ok",
+            "pass": self.passed,
+            "fail": len(self.failures),
+            "pass_with_nan_payload_diffs": self.nan_bits,
+            "failures": self.failures[:50],
+        }
 
 
 # --- data ----------------------------------------------------------------------------------------------------------
@@ -130,7 +136,7 @@ def tiny(m: int, k: int, seed: int) -> torch.Tensor:
     bits = torch.randint(1, 0x04800000, (m, k), generator=g, dtype=torch.int32)  # exponent field <= 9
     sign = (torch.rand(m, k, generator=g) < 0.5).to(torch.int32) << 31
     x = (bits | sign).view(torch.float32)
-    x[: m // 2] = torch.where(x[: m // 2].abs() < 2.0 ** -126, x[: m // 2], x[: m // 2] * 2.0 ** -20)
+    x[: m // 2] = torch.where(x[: m // 2].abs() < 2.0**-126, x[: m // 2], x[: m // 2] * 2.0**-20)
     return x
 
 
@@ -139,12 +145,22 @@ def tiny(m: int, k: int, seed: int) -> torch.Tensor:
 def env_section(ctx: Ctx) -> dict:
     import triton
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-            "device": str(ctx.device), "interpret": os.environ.get("TRITON_INTERPRET") == "1"}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": str(ctx.device),
+        "interpret": os.environ.get("TRITON_INTERPRET") == "1",
+    }
     if ctx.cuda:
         p = torch.cuda.get_device_properties(ctx.device)
-        info.update(name=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2 ** 30, 1),
-                    capability=f"{p.major}.{p.minor}", cuda=torch.version.cuda)
+        info.update(
+            name=p.name,
+            sms=p.multi_processor_count,
+            memory_gib=round(p.total_memory / 2**30, 1),
+            capability=f"{p.major}.{p.minor}",
+            cuda=torch.version.cuda,
+        )
     for k, v in info.items():
         print(f"  {k}: {v}")
     return info
@@ -155,18 +171,24 @@ def _quant_cases():
     from fp8comm.quant.scaling import Scaling
 
     return [  # (scaling, rounding, seed, caller-given scales?)
-        (Scaling(1, 32), "nearest", 0, False), (Scaling(1, 128), "nearest", 0, False),
-        (Scaling(1, 128, "e8m0"), "nearest", 0, False), (Scaling(1, 128, "e8m0"), "stochastic", 1, False),
-        (Scaling(1, 128, "pow2", margin=3), "stochastic", 2 ** 40 + 3, False), (Scaling(1, None), "nearest", 0, False),
-        (Scaling(None, None), "nearest", 0, False), (Scaling(None, None, "pow2", margin=-2), "stochastic", 5, False),
-        (Scaling(128, 128), "nearest", 0, False), (Scaling(128, 128, "e8m0"), "stochastic", 7, False),
-        (Scaling(1, 100, "fp32", margin=8), "nearest", 0, False), (Scaling(1, 128), "nearest", 0, True),
+        (Scaling(1, 32), "nearest", 0, False),
+        (Scaling(1, 128), "nearest", 0, False),
+        (Scaling(1, 128, "e8m0"), "nearest", 0, False),
+        (Scaling(1, 128, "e8m0"), "stochastic", 1, False),
+        (Scaling(1, 128, "pow2", margin=3), "stochastic", 2**40 + 3, False),
+        (Scaling(1, None), "nearest", 0, False),
+        (Scaling(None, None), "nearest", 0, False),
+        (Scaling(None, None, "pow2", margin=-2), "stochastic", 5, False),
+        (Scaling(128, 128), "nearest", 0, False),
+        (Scaling(128, 128, "e8m0"), "stochastic", 7, False),
+        (Scaling(1, 100, "fp32", margin=8), "nearest", 0, False),
+        (Scaling(1, 128), "nearest", 0, True),
         (Scaling(None, None, "pow2"), "stochastic", 3, True),
     ]
 
 
 def _given(shape, pow2: bool) -> torch.Tensor:
-    vals = [1.0, 2.0 ** -126, 2.0 ** 100, 2.0 ** -20, 0.0625] + ([] if pow2 else [3.7e-3, 1.2345e20, 0.7, 1e-37])
+    vals = [1.0, 2.0**-126, 2.0**100, 2.0**-20, 0.0625] + ([] if pow2 else [3.7e-3, 1.2345e20, 0.7, 1e-37])
     n = shape[0] * shape[1]
     return torch.tensor(vals, dtype=torch.float32).repeat(n // len(vals) + 1)[:n].reshape(shape)
 
@@ -181,10 +203,13 @@ def bitexact_section(ctx: Ctx) -> dict:
 
     dev, t, q = ctx.device, Tally(), ctx.quick
     big = (64, 512) if q else (1024, 4096)
-    data = {"bf16_all": bf16_patterns(), "bf16_rand": mixed(*big, seed=1, dtype=torch.bfloat16),
-            "fp32_odd": mixed(33 if q else 257, 200 if q else 1000, seed=2),
-            "fp16": mixed(40 if q else 300, 384, seed=3, dtype=torch.float16, lo=-20, hi=16),
-            "tiny": tiny(16 if q else 64, 256, seed=4)}
+    data = {
+        "bf16_all": bf16_patterns(),
+        "bf16_rand": mixed(*big, seed=1, dtype=torch.bfloat16),
+        "fp32_odd": mixed(33 if q else 257, 200 if q else 1000, seed=2),
+        "fp16": mixed(40 if q else 300, 384, seed=3, dtype=torch.float16, lo=-20, hi=16),
+        "tiny": tiny(16 if q else 64, 256, seed=4),
+    }
     cases = _quant_cases()
     t0 = time.time()
 
@@ -199,9 +224,18 @@ def bitexact_section(ctx: Ctx) -> dict:
 
     runs = [("bf16_all", fmt) + c for fmt in (E4M3, E5M2) for c in cases]
     runs += [(d, E4M3 if d != "fp16" else E5M2) + c for d in ("bf16_rand", "fp32_odd", "fp16") for c in cases[::2]]
-    runs += [("tiny", fmt, sc, "stochastic" if sc.margin else "nearest", 9, False) for fmt in (E4M3, E5M2)
-             for sc in (Scaling(1, 128), Scaling(1, 128, "fp32", 10), Scaling(1, 128, "fp32", -10),
-                        Scaling(None, None), Scaling(1, 32, "pow2", 30), Scaling(1, 64, "e8m0", -5))]
+    runs += [
+        ("tiny", fmt, sc, "stochastic" if sc.margin else "nearest", 9, False)
+        for fmt in (E4M3, E5M2)
+        for sc in (
+            Scaling(1, 128),
+            Scaling(1, 128, "fp32", 10),
+            Scaling(1, 128, "fp32", -10),
+            Scaling(None, None),
+            Scaling(1, 32, "pow2", 30),
+            Scaling(1, 64, "e8m0", -5),
+        )
+    ]
     for r in runs:
         t.guard(f"quantize {r[0]} {r[1].name} {r[2].describe()} {r[3]}", lambda r=r: quant(*r))
 
@@ -224,21 +258,27 @@ def bitexact_section(ctx: Ctx) -> dict:
         x = data[dname]
         got, got_t = bt.quantize_2d_rowcol(x.to(dev), fmt, sc, rnd, 11)
         name = f"quantize_2d_rowcol {dname} {fmt.name} {sc.describe()} {rnd}"
-        for tag, g3, w3 in (("x", got, br.quantize_2d(x, fmt, sc, rnd, 11)),
-                            ("x^T", got_t, br.quantize_2d(x.t(), fmt, sc, rnd, 11))):
+        for tag, g3, w3 in (
+            ("x", got, br.quantize_2d(x, fmt, sc, rnd, 11)),
+            ("x^T", got_t, br.quantize_2d(x.t(), fmt, sc, rnd, 11)),
+        ):
             for part, g_, w_ in zip(("codes", "scale", "amax"), g3, w3):
                 t.check(f"{name} {tag} {part}", g_, w_)
 
     for d in ("bf16_all", "bf16_rand", "fp32_odd", "fp16"):
         for fmt in (E4M3, E5M2):
-            for sc, rnd in ((Scaling(1, 128), "nearest"), (Scaling(1, 128, "e8m0"), "stochastic"),
-                            (Scaling(1, 32, "pow2", margin=2), "nearest")):
-                t.guard(f"quantize_2d_rowcol {d} {fmt.name} {sc.describe()}",
-                        lambda r=(d, fmt, sc, rnd): quant_rowcol(*r))
+            for sc, rnd in (
+                (Scaling(1, 128), "nearest"),
+                (Scaling(1, 128, "e8m0"), "stochastic"),
+                (Scaling(1, 32, "pow2", margin=2), "nearest"),
+            ):
+                t.guard(
+                    f"quantize_2d_rowcol {d} {fmt.name} {sc.describe()}", lambda r=(d, fmt, sc, rnd): quant_rowcol(*r)
+                )
     print(f"  quantize: {t.passed} pass, {len(t.failures)} fail ({time.time() - t0:.0f} s)", flush=True)
 
     m, k = (64, 260) if q else (512, 1024)
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(m * k // 256 + 1)[:m * k].reshape(m, k)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(m * k // 256 + 1)[: m * k].reshape(m, k)
     g = torch.Generator().manual_seed(5)
     for sc in (Scaling(1, 128), Scaling(128, 128), Scaling(None, None), Scaling(1, None, "e8m0")):
         mb, kb = sc.scale_shape(m, k)
@@ -248,29 +288,47 @@ def bitexact_section(ctx: Ctx) -> dict:
         for fmt in (E4M3, E5M2):
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 name = f"dequantize {sc.describe()} {fmt.name} {dt}"
-                t.guard(name, lambda: t.check(name, bt.dequantize_2d(codes.to(dev), scale.to(dev), fmt, sc, dt),
-                                              br.dequantize_2d(codes, scale, fmt, sc, dt)))
+                t.guard(
+                    name,
+                    lambda: t.check(
+                        name,
+                        bt.dequantize_2d(codes.to(dev), scale.to(dev), fmt, sc, dt),
+                        br.dequantize_2d(codes, scale, fmt, sc, dt),
+                    ),
+                )
 
     x = data["bf16_rand"]
     wide = mixed(8 if q else 64, 20000 if q else 40000, seed=6)  # cols=None: on CUDA wider than one tile
-    layouts = [(x, ChunkLayout((x.shape[0] // 8,) * 8, x.shape[1], Scaling(1, 128)), E4M3, "nearest"),
-               (x, ChunkLayout((x.shape[0] // 8,) * 8, x.shape[1], Scaling(1, 128, "e8m0")), E4M3, "stochastic"),
-               (data["fp32_odd"][:9], ChunkLayout((3, 0, 5, 1, 0), 200 if q else 1000, Scaling(1, 32)), E5M2,
-                "nearest"),
-               (wide, ChunkLayout((wide.shape[0] // 2, 0, wide.shape[0] // 2), wide.shape[1],
-                                  Scaling(1, None, "e8m0")), E4M3, "nearest")]
+    layouts = [
+        (x, ChunkLayout((x.shape[0] // 8,) * 8, x.shape[1], Scaling(1, 128)), E4M3, "nearest"),
+        (x, ChunkLayout((x.shape[0] // 8,) * 8, x.shape[1], Scaling(1, 128, "e8m0")), E4M3, "stochastic"),
+        (data["fp32_odd"][:9], ChunkLayout((3, 0, 5, 1, 0), 200 if q else 1000, Scaling(1, 32)), E5M2, "nearest"),
+        (
+            wide,
+            ChunkLayout((wide.shape[0] // 2, 0, wide.shape[0] // 2), wide.shape[1], Scaling(1, None, "e8m0")),
+            E4M3,
+            "nearest",
+        ),
+    ]
+
     def wire(xx, lay, fmt, rnd):
         name = f"{lay.rows[:3]}.. k={lay.k} {lay.scaling.describe()} {fmt.name} {rnd}"
         want = torch.full((lay.total_bytes + 5,), 0xAB, dtype=torch.uint8)
         br.pack_chunks(xx, lay, fmt, rnd, 4, want)
         got = torch.full_like(want, 0xAB, device=dev)
-        t.guard(f"pack {name}", lambda: t.check(f"pack {name}", bt.pack_chunks(xx.to(dev), lay, fmt, rnd, 4, got),
-                                                want))
+        t.guard(
+            f"pack {name}", lambda: t.check(f"pack {name}", bt.pack_chunks(xx.to(dev), lay, fmt, rnd, 4, got), want)
+        )
         for dt in (torch.float32, torch.bfloat16):
             o = br.unpack_chunks(want, lay, fmt, torch.empty(lay.total_rows, lay.k, dtype=dt))
-            t.guard(f"unpack_chunks {name} {dt}", lambda: t.check(
+            t.guard(
                 f"unpack_chunks {name} {dt}",
-                bt.unpack_chunks(want.to(dev), lay, fmt, torch.empty(o.shape, dtype=dt, device=dev)), o))
+                lambda: t.check(
+                    f"unpack_chunks {name} {dt}",
+                    bt.unpack_chunks(want.to(dev), lay, fmt, torch.empty(o.shape, dtype=dt, device=dev)),
+                    o,
+                ),
+            )
 
     def wire_sum(n, sc, fmt):
         rows, kk = (4, 256) if q else (64, 2048)
@@ -287,14 +345,21 @@ def bitexact_section(ctx: Ctx) -> dict:
         for sc, fmt in ((Scaling(1, 128), E5M2), (Scaling(1, 32, "e8m0"), E4M3)):
             t.guard(f"unpack_sum n={n} {sc.describe()}", lambda n=n, sc=sc, fmt=fmt: wire_sum(n, sc, fmt))
     out = t.summary()
-    print(f"  PASS {out['pass']}  FAIL {out['fail']}  (of which NaN-payload-only diffs: {t.nan_bits}); "
-          f"{time.time() - t0:.0f} s", flush=True)
+    print(
+        f"  PASS {out['pass']}  FAIL {out['fail']}  (of which NaN-payload-only diffs: {t.nan_bits}); "
+        f"{time.time() - t0:.0f} s",
+        flush=True,
+    )
     return out
 
 
 # --- section: compiled-code hazards --------------------------------------------------------------------------------
-HAZARDS = {"fma.rn.f32": r"\bfma\.rn(\.ftz)?(\.sat)?\.f32", "ftz.f32": r"\.ftz(\.sat)?\.f32",
-           "div.full/approx": r"\bdiv\.(full|approx)", "rcp.approx": r"\brcp\.approx"}
+HAZARDS = {
+    "fma.rn.f32": r"\bfma\.rn(\.ftz)?(\.sat)?\.f32",
+    "ftz.f32": r"\.ftz(\.sat)?\.f32",
+    "div.full/approx": r"\bdiv\.(full|approx)",
+    "rcp.approx": r"\brcp\.approx",
+}
 
 
 @section("triton_ptx")
@@ -368,41 +433,47 @@ def bandwidth_section(ctx: Ctx) -> dict:
     print("  GB/s count bytes read + written; e2e = one call timed with its host launch, gpu = CUDA-graph replay")
     print("     MiB  copy  pack32 e2e/gpu  ratio  packE8 e2e/gpu  ratio  unpack gpu  sum gpu   host us (pack/unpack)")
     for mib in sizes:
-        n = mib * 2 ** 20 // 2 if not ctx.quick else 8 * k * 8
+        n = mib * 2**20 // 2 if not ctx.quick else 8 * k * 8
         m = n // k
         x = torch.randn(m, k, device=ctx.device).to(torch.bfloat16)
         dst = torch.empty_like(x)
         row = {"MiB": mib, "elements": n}
         # the baseline is the faster of the two timings: a captured copy_ can become a copy-engine memcpy node
         # (slower than the SM copy kernel at 1 GiB on an H200), while a plain call carries its launch at 16 MiB
-        copy = lambda: dst.copy_(x)  # noqa: E731
+        copy = lambda dst=dst, x=x: dst.copy_(x)
         row["copy_GBps"] = 2 * x.numel() * 2 / min(time_fn(ctx, copy), time_fn(ctx, copy, graph=True)) / 1e9
         for enc in ("fp32", "e8m0"):
             lay = ChunkLayout((m // world,) * world, k, Scaling(1, 128, enc))
             buf = torch.empty(lay.total_bytes, dtype=torch.uint8, device=ctx.device)
             nbytes = 2 * n + n + n // 128 * lay.scaling.scale_bytes
-            pack = lambda: bt.pack_chunks(x, lay, E4M3, "nearest", 0, buf)  # noqa: E731
+            pack = lambda: bt.pack_chunks(x, lay, E4M3, "nearest", 0, buf)
             row[f"pack_{enc}_e2e_GBps"] = nbytes / time_fn(ctx, pack) / 1e9
             row[f"pack_{enc}_GBps"] = nbytes / time_fn(ctx, pack, graph=True) / 1e9
             row[f"pack_{enc}_ratio"] = row[f"pack_{enc}_GBps"] / row["copy_GBps"]
             if enc == "fp32":
                 row["pack_host_us"] = host_us(ctx, pack)
-                unpack = lambda: bt.unpack_chunks(buf, lay, E4M3, dst)  # noqa: E731
+                unpack = lambda buf=buf, lay=lay, dst=dst: bt.unpack_chunks(buf, lay, E4M3, dst)
                 row["unpack_chunks_bf16_GBps"] = (n + n // 32 + 2 * n) / time_fn(ctx, unpack, graph=True) / 1e9
                 row["unpack_host_us"] = host_us(ctx, unpack)
                 acc = torch.empty(m // world, k, device=ctx.device)
-                row["unpack_sum_GBps"] = (n + n // 32 + 4 * n // world) / time_fn(
-                    ctx, lambda: bt.unpack_sum(buf, lay, E4M3, acc), graph=True) / 1e9
+                row["unpack_sum_GBps"] = (
+                    (n + n // 32 + 4 * n // world)
+                    / time_fn(ctx, lambda: bt.unpack_sum(buf, lay, E4M3, acc), graph=True)
+                    / 1e9
+                )
             del buf
         rows.append(row)
-        print(f"  {mib:>6} {row['copy_GBps']:>5.0f} {row['pack_fp32_e2e_GBps']:>7.0f}/{row['pack_fp32_GBps']:<6.0f}"
-              f" {row['pack_fp32_ratio']:>5.2f} {row['pack_e8m0_e2e_GBps']:>7.0f}/{row['pack_e8m0_GBps']:<6.0f}"
-              f" {row['pack_e8m0_ratio']:>5.2f} {row['unpack_chunks_bf16_GBps']:>10.0f} {row['unpack_sum_GBps']:>8.0f}"
-              f"   {row['pack_host_us']:>5.0f}/{row['unpack_host_us']:.0f}", flush=True)
+        print(
+            f"  {mib:>6} {row['copy_GBps']:>5.0f} {row['pack_fp32_e2e_GBps']:>7.0f}/{row['pack_fp32_GBps']:<6.0f}"
+            f" {row['pack_fp32_ratio']:>5.2f} {row['pack_e8m0_e2e_GBps']:>7.0f}/{row['pack_e8m0_GBps']:<6.0f}"
+            f" {row['pack_e8m0_ratio']:>5.2f} {row['unpack_chunks_bf16_GBps']:>10.0f} {row['unpack_sum_GBps']:>8.0f}"
+            f"   {row['pack_host_us']:>5.0f}/{row['unpack_host_us']:.0f}",
+            flush=True,
+        )
         del x, dst
     sweep = {}
     if ctx.cuda:  # tile x warps sweep of the fused pack at 256 MiB: the defaults are a guess until measured
-        m = 256 * 2 ** 20 // 2 // k
+        m = 256 * 2**20 // 2 // k
         x = torch.randn(m, k, device=ctx.device).to(torch.bfloat16)
         default = bt.GPU_TILE, bt.GPU_WARPS
         try:
@@ -412,16 +483,20 @@ def bandwidth_section(ctx: Ctx) -> dict:
                 for tile, warps in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)):
                     bt.GPU_TILE, bt.GPU_WARPS = tile, warps
                     s = time_fn(ctx, lambda: bt.pack_chunks(x, lay, E4M3, "nearest", 0, buf), graph=True)
-                    sweep[f"{enc} tile={tile} warps={warps}"] = round((3 * x.numel() + x.numel() // 128
-                                                                      * lay.scaling.scale_bytes) / s / 1e9)
+                    sweep[f"{enc} tile={tile} warps={warps}"] = round(
+                        (3 * x.numel() + x.numel() // 128 * lay.scaling.scale_bytes) / s / 1e9
+                    )
         finally:
             bt.GPU_TILE, bt.GPU_WARPS = default
         print("  pack 256 MiB GB/s by tile/warps: " + ", ".join(f"{t_}: {v}" for t_, v in sweep.items()))
     big = [r for r in rows if r["MiB"] >= 256]
     ok = all(r["pack_fp32_ratio"] >= 0.8 and r["pack_e8m0_ratio"] >= 0.8 for r in big)
-    return {"status": "ok" if ok or not ctx.cuda else "fail",
-            "target": "pack GB/s (CUDA-graph replay) >= 0.80 x copy at >= 256 MiB",
-            "rows": rows, "tile_sweep_GBps": sweep}
+    return {
+        "status": "ok" if ok or not ctx.cuda else "fail",
+        "target": "pack GB/s (CUDA-graph replay) >= 0.80 x copy at >= 256 MiB",
+        "rows": rows,
+        "tile_sweep_GBps": sweep,
+    }
 
 
 # --- section: GEMMs (launch/device_check_gemm.py, owned by the GEMM work; optional) --------------------------------
@@ -464,8 +539,9 @@ def run_sections(ctx: Ctx, only: set[str] | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help="comma-separated section names (default: all): "
-                   + ", ".join(n for n, _ in SECTIONS))
+    p.add_argument(
+        "--only", default="", help="comma-separated section names (default: all): " + ", ".join(n for n, _ in SECTIONS)
+    )
     p.add_argument("--quick", action="store_true", help="small sizes (logic check; runs on CPU with --device cpu)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=20)
@@ -474,12 +550,22 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(a.device)
     if dev.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-    ctx = Ctx(dev, a.quick, reps=a.reps if not a.quick else 2, warmup=3 if not a.quick else 1,
-              sizes_mib=tuple(int(s) for s in a.sizes.split(",")))
+    ctx = Ctx(
+        dev,
+        a.quick,
+        reps=a.reps if not a.quick else 2,
+        warmup=3 if not a.quick else 1,
+        sizes_mib=tuple(int(s) for s in a.sizes.split(",")),
+    )
     t0 = time.time()
     results = run_sections(ctx, {s for s in a.only.split(",") if s} or None)
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "argv": sys.argv[1:],
-           "seconds": round(time.time() - t0, 1), "sections": results}
+    doc = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "argv": sys.argv[1:],
+        "seconds": round(time.time() - t0, 1),
+        "sections": results,
+    }
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "device_check.json")
         with open(path, "w") as f:

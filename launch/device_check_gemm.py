@@ -12,6 +12,7 @@
 Every case catches its own errors and reports them as a row; nothing aborts the section.
 --train also runs examples/train_gpt.py on the GPU (BF16 vs recipes, 3 seeds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp8comm.tools.bench.gemm import LAYOUTS, bench, operands  # noqa: E402
-from fp8comm.gemm import Fp8Linear, RECIPES, backends, telemetry  # noqa: E402
-from fp8comm.quant import dequantize  # noqa: E402
+from fp8comm.gemm import RECIPES, Fp8Linear, backends, telemetry
+from fp8comm.quant import dequantize
+from fp8comm.tools.bench.gemm import LAYOUTS, bench, operands
 
 
 def _err(e: Exception) -> str:
@@ -43,7 +44,7 @@ def agreement_rows(device, quick: bool) -> list[dict]:
                 a, b = operands(m, n, k, layout, device)
                 ref = backends.emulate_f64(a, b)
                 emu = backends.emulate(a, b, torch.float32)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 rows.append(dict(check="agreement", case=f"{layout} {m}x{n}x{k}", status="FAIL", detail=_err(e)))
                 continue
             for be in ("emulation", "scaled_mm", "triton"):
@@ -56,12 +57,18 @@ def agreement_rows(device, quick: bool) -> list[dict]:
                         # fp32 out: the emulation is exact to fp32 rounding (1e-5); Hopper's FP8 tensor cores
                         # accumulate with fewer bits inside a K block (measured 1.5e-4 .. 2e-4 on an H200, for
                         # cuBLAS and Triton alike: why DeepSeek-V3 promotes to fp32 every 128), hence 1e-3 there
-                        tol = 2 ** -7 if out_dtype == torch.bfloat16 else (1e-5 if be == "emulation" else 1e-3)
-                        rows.append(dict(check="agreement", case=case, status="ok" if err < tol else "FAIL",
-                                         detail=f"rel err vs f64 {err:.2e}, vs emulation {err_emu:.2e}"))
+                        tol = 2**-7 if out_dtype == torch.bfloat16 else (1e-5 if be == "emulation" else 1e-3)
+                        rows.append(
+                            dict(
+                                check="agreement",
+                                case=case,
+                                status="ok" if err < tol else "FAIL",
+                                detail=f"rel err vs f64 {err:.2e}, vs emulation {err_emu:.2e}",
+                            )
+                        )
                     except NotImplementedError as e:
                         rows.append(dict(check="agreement", case=case, status="n/a", detail=_err(e)))
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:
                         rows.append(dict(check="agreement", case=case, status="FAIL", detail=_err(e)))
     return rows
 
@@ -86,24 +93,31 @@ def linear_rows(device, quick: bool) -> list[dict]:
                 q = _o(t, role, primary, with_transpose)
                 _s[(role, primary)] = q[0] if with_transpose else q
                 return q
+
             layer._quantize = spy
             telemetry.reset_counters()
             xr = x.clone().requires_grad_()
             y = layer(xr)
             y.backward(dy)
-            d = lambda q: dequantize(q, torch.float64)  # noqa: E731
+            d = lambda q: dequantize(q, torch.float64)
             y64 = d(seen[("input", True)]) @ d(seen[("weight", True)]).t()
             e_fwd = ((y.double() - y64).norm() / y64.norm()).item()
             x64, w64, dy64 = x.double(), w.double(), dy.double()
             a_fwd = ((y.double() - x64 @ w64.t()).norm() / (x64 @ w64.t()).norm()).item()
             a_dx = ((xr.grad.double() - dy64 @ w64).norm() / (dy64 @ w64).norm()).item()
             a_dw = ((layer.weight.grad.double() - dy64.t() @ x64).norm() / (dy64.t() @ x64).norm()).item()
-            ok = e_fwd < 2 ** -7 and max(a_fwd, a_dx, a_dw) < (0.3 if name in ("fp8_noscale", "cscale") else 0.1)
+            ok = e_fwd < 2**-7 and max(a_fwd, a_dx, a_dw) < (0.3 if name in ("fp8_noscale", "cscale") else 0.1)
             routes = ",".join(f"{k_[5:]}:{v}" for k_, v in telemetry.counters("gemm.").items())
-            rows.append(dict(check="fp8linear", case=name, status="ok" if ok else "FAIL",
-                             detail=f"fwd exact {e_fwd:.1e}; vs unquantized fwd {a_fwd:.3f} dgrad {a_dx:.3f} "
-                                    f"wgrad {a_dw:.3f}; routes {routes}"))
-        except Exception as e:  # noqa: BLE001
+            rows.append(
+                dict(
+                    check="fp8linear",
+                    case=name,
+                    status="ok" if ok else "FAIL",
+                    detail=f"fwd exact {e_fwd:.1e}; vs unquantized fwd {a_fwd:.3f} dgrad {a_dx:.3f} "
+                    f"wgrad {a_dw:.3f}; routes {routes}",
+                )
+            )
+        except Exception as e:
             rows.append(dict(check="fp8linear", case=name, status="FAIL", detail=_err(e)))
     return rows
 
@@ -111,43 +125,72 @@ def linear_rows(device, quick: bool) -> list[dict]:
 def timing_rows(device, quick: bool) -> list[dict]:
     rows = []
     reps = 5 if quick else 20
-    for s in ((1024,) if quick else (4096, 8192)):
-        flop = 2.0 * s ** 3
+    for s in (1024,) if quick else (4096, 8192):
+        flop = 2.0 * s**3
         try:
             a16 = torch.randn(s, s, device=device, dtype=torch.bfloat16)
             b16 = torch.randn(s, s, device=device, dtype=torch.bfloat16)
-            t16 = bench(lambda: a16 @ b16.t(), reps, 3, device)
+            t16 = bench(lambda a16=a16, b16=b16: a16 @ b16.t(), reps, 3, device)
             del a16, b16
-            rows.append(dict(check="timing", case=f"bf16 matmul {s}^3", status="ok",
-                             detail=f"{t16 * 1e3:.3f} ms, {flop / t16 / 1e12:.0f} TFLOP/s"))
-        except Exception as e:  # noqa: BLE001
+            rows.append(
+                dict(
+                    check="timing",
+                    case=f"bf16 matmul {s}^3",
+                    status="ok",
+                    detail=f"{t16 * 1e3:.3f} ms, {flop / t16 / 1e12:.0f} TFLOP/s",
+                )
+            )
+        except Exception as e:
             rows.append(dict(check="timing", case=f"bf16 matmul {s}^3", status="FAIL", detail=_err(e)))
             continue
-        cases = [("tensorwise", "scaled_mm"), ("rowwise", "scaled_mm"), ("blockwise", "scaled_mm"),
-                 ("blockwise", "triton"), ("tensorwise", "triton"), ("mxfp8", "triton")]
+        cases = [
+            ("tensorwise", "scaled_mm"),
+            ("rowwise", "scaled_mm"),
+            ("blockwise", "scaled_mm"),
+            ("blockwise", "triton"),
+            ("tensorwise", "triton"),
+            ("mxfp8", "triton"),
+        ]
         for layout, be in cases:
             case = f"fp8 {layout} {be} {s}^3"
             try:
                 a, b = operands(s, s, s, layout, device)
-                t = bench(lambda: backends.gemm(a, b, torch.bfloat16, backend=be), reps, 3, device)
+                t = bench(lambda a=a, b=b, be=be: backends.gemm(a, b, torch.bfloat16, backend=be), reps, 3, device)
                 target = layout == "tensorwise" and be == "scaled_mm" and s == 8192
                 sp = t16 / t
-                rows.append(dict(check="timing", case=case, status=("ok" if sp >= 1.6 else "BELOW TARGET")
-                                 if target else "ok",
-                                 detail=f"{t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s, {sp:.2f}x bf16"
-                                        + (" (target >= 1.6x)" if target else ""), speedup=sp))
+                rows.append(
+                    dict(
+                        check="timing",
+                        case=case,
+                        status=("ok" if sp >= 1.6 else "BELOW TARGET") if target else "ok",
+                        detail=f"{t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s, {sp:.2f}x bf16"
+                        + (" (target >= 1.6x)" if target else ""),
+                        speedup=sp,
+                    )
+                )
                 if layout == "tensorwise" and be == "scaled_mm":  # for reference: cuBLAS fast accumulation
                     ad, bd = a.data, b.data
                     sa, sb = a.scale.reshape(1, 1), b.scale.reshape(1, 1)
-                    tf = bench(lambda: torch._scaled_mm(ad, bd.t(), sa, sb, out_dtype=torch.bfloat16,
-                                                        use_fast_accum=True), reps, 3, device)
-                    rows.append(dict(check="timing", case=f"fp8 tensorwise _scaled_mm fast_accum {s}^3",
-                                     status="info", detail=f"{tf * 1e3:.3f} ms, {t16 / tf:.2f}x bf16 (not used: "
-                                     "fast accumulation is not fp32 accumulation)", speedup=t16 / tf))
+                    tf = bench(
+                        lambda: torch._scaled_mm(ad, bd.t(), sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True),
+                        reps,
+                        3,
+                        device,
+                    )
+                    rows.append(
+                        dict(
+                            check="timing",
+                            case=f"fp8 tensorwise _scaled_mm fast_accum {s}^3",
+                            status="info",
+                            detail=f"{tf * 1e3:.3f} ms, {t16 / tf:.2f}x bf16 (not used: "
+                            "fast accumulation is not fp32 accumulation)",
+                            speedup=t16 / tf,
+                        )
+                    )
                 del a, b
             except NotImplementedError as e:
                 rows.append(dict(check="timing", case=case, status="n/a", detail=_err(e)))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 rows.append(dict(check="timing", case=case, status="FAIL", detail=_err(e)))
     tokens, n_in, n_out = (2048, 1024, 1024) if quick else (16384, 8192, 8192)
     flop = 6.0 * tokens * n_in * n_out
@@ -162,10 +205,17 @@ def timing_rows(device, quick: bool) -> list[dict]:
             layer(x).backward(dy)
             x.grad = None
             layer.weight.grad = None
+
         t16 = bench(lambda: step(ref, False), reps, 3, device)
-        rows.append(dict(check="timing", case=f"nn.Linear bf16 fwd+bwd {tokens}x{n_in}->{n_out}", status="ok",
-                         detail=f"{t16 * 1e3:.3f} ms, {flop / t16 / 1e12:.0f} TFLOP/s"))
-    except Exception as e:  # noqa: BLE001
+        rows.append(
+            dict(
+                check="timing",
+                case=f"nn.Linear bf16 fwd+bwd {tokens}x{n_in}->{n_out}",
+                status="ok",
+                detail=f"{t16 * 1e3:.3f} ms, {flop / t16 / 1e12:.0f} TFLOP/s",
+            )
+        )
+    except Exception as e:
         rows.append(dict(check="timing", case="nn.Linear bf16 fwd+bwd", status="FAIL", detail=_err(e)))
         return rows
     for name in ("tensorwise", "fp8_amax", "rowwise", "blockwise"):
@@ -173,16 +223,23 @@ def timing_rows(device, quick: bool) -> list[dict]:
         try:
             lin = Fp8Linear(n_in, n_out, bias=False, device=device, recipe=name)
             telemetry.reset_counters()
-            t = bench(lambda: step(lin, True), reps, 3, device)
+            t = bench(lambda lin=lin: step(lin, True), reps, 3, device)
             sp = t16 / t
             routes = ",".join(f"{k[5:]}:{v}" for k, v in telemetry.counters("gemm.").items())
             target = name == "tensorwise"
-            rows.append(dict(check="timing", case=case, status=("ok" if sp >= 1.3 else "BELOW TARGET")
-                             if target else "ok", speedup=sp,
-                             detail=f"{t * 1e3:.3f} ms, {sp:.2f}x nn.Linear bf16" +
-                                    (" (target >= 1.3x)" if target else "") + f"; routes {routes}"))
+            rows.append(
+                dict(
+                    check="timing",
+                    case=case,
+                    status=("ok" if sp >= 1.3 else "BELOW TARGET") if target else "ok",
+                    speedup=sp,
+                    detail=f"{t * 1e3:.3f} ms, {sp:.2f}x nn.Linear bf16"
+                    + (" (target >= 1.3x)" if target else "")
+                    + f"; routes {routes}",
+                )
+            )
             del lin
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             rows.append(dict(check="timing", case=case, status="FAIL", detail=_err(e)))
     return rows
 
@@ -192,15 +249,22 @@ def gemm_section(quick: bool = False, device: torch.device | str | None = None) 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
     if device.type == "cuda":
-        rows.append(dict(check="env", case=torch.cuda.get_device_name(device), status="info",
-                         detail=f"torch {torch.__version__}, capability {torch.cuda.get_device_capability(device)}"))
+        rows.append(
+            dict(
+                check="env",
+                case=torch.cuda.get_device_name(device),
+                status="info",
+                detail=f"torch {torch.__version__}, capability {torch.cuda.get_device_capability(device)}",
+            )
+        )
     for fn in (agreement_rows, linear_rows, timing_rows):
         t0 = time.time()
         try:
             rows += fn(device, quick)
-        except Exception:  # noqa: BLE001 - one part failing must not hide the others
-            rows.append(dict(check=fn.__name__, case="(section)", status="FAIL",
-                             detail=traceback.format_exc().splitlines()[-1]))
+        except Exception:
+            rows.append(
+                dict(check=fn.__name__, case="(section)", status="FAIL", detail=traceback.format_exc().splitlines()[-1])
+            )
         print(f"[gemm] {fn.__name__} done in {time.time() - t0:.1f} s", flush=True)
     print("| check | case | status | detail |\n|---|---|---|---|")
     for r in rows:
@@ -230,7 +294,7 @@ def main() -> int:
         args = ["--device", dev, "--out", os.path.join(out or "runs", "train_gpt_gpu")] + a.train_args.split()
         try:
             train_gpt.main(args)
-        except Exception:  # noqa: BLE001
+        except Exception:
             traceback.print_exc()
     return 1 if any(r["status"] == "FAIL" for r in rows) else 0
 

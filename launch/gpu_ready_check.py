@@ -13,6 +13,7 @@ megatron-core are importable: carry them as wheels, launch/gpu_wheels.sh). Rows 
 (merged by name) and $OUT/gpu_ready.json when OUT is set. `--only a,b` runs some sections; `--budget S` skips
 sections once S seconds have passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,17 +41,29 @@ def section(fn):
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001 - a copy without .git
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
+    except Exception:
         return "unknown"
 
 
 def row(name: str, value, target=None, unit: str = "") -> None:
     """One machine-readable result (the docs/results/gpu.json schema of the GPU-speed work)."""
-    ROWS.append({"name": name, "value": value, "target": target, "unit": unit,
-                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                 "commit": COMMIT, "device": DEVICE})
+    ROWS.append(
+        {
+            "name": name,
+            "value": value,
+            "target": target,
+            "unit": unit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": COMMIT,
+            "device": DEVICE,
+        }
+    )
     print(f"  {name} = {value} {unit}" + (f" (target {target})" if target is not None else ""), flush=True)
 
 
@@ -58,8 +71,7 @@ def init_nccl_1rank() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
 
 
 def collective_calls(n: int = 1 << 20) -> dict:
@@ -103,8 +115,14 @@ def env(a) -> dict:
     import triton
 
     p = torch.cuda.get_device_properties(0)
-    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda, "gpu": p.name,
-            "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2 ** 30, 1)}
+    return {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": p.name,
+        "capability": f"{p.major}.{p.minor}",
+        "memory_gib": round(p.total_memory / 2**30, 1),
+    }
 
 
 @section
@@ -234,7 +252,7 @@ def host_time(a) -> dict:
             r["graph_gpu_ms"] = e0.elapsed_time(e1) / 20
             r["graph_equal"] = bool(torch.equal(got, want))
             row(f"graph_gpu_ms_{name}_16Mi", round(r["graph_gpu_ms"], 4), None, "ms")
-        except Exception as e:  # noqa: BLE001 - recorded: capture may be unsupported for a path
+        except Exception as e:
             r["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         out[name] = r
     over = [k for k, v in out.items() if v["fp8comm"] > 0.1]
@@ -274,8 +292,11 @@ def streams(a) -> dict:
         with torch.cuda.stream(s2):
             buf.all_gather_into(o2, x2)  # leases the buffers just returned by the first call
         torch.cuda.synchronize()
-        res[label] = {"first_equal": bool(torch.equal(o1, want1)), "second_equal": bool(torch.equal(o2, want2)),
-                      "cross_stream_waits": getattr(pool, "cross_stream_waits", None)}
+        res[label] = {
+            "first_equal": bool(torch.equal(o1, want1)),
+            "second_equal": bool(torch.equal(o2, want2)),
+            "cross_stream_waits": getattr(pool, "cross_stream_waits", None),
+        }
     ok = res["ordered"]["first_equal"] and res["ordered"]["second_equal"]
     shows = not (res["unordered"]["first_equal"] and res["unordered"]["second_equal"])
     row("streams_ordered_outputs_equal", int(ok), 1, "bool")
@@ -302,11 +323,11 @@ def offsets(a) -> dict:
     acc = unpack_sum(buf, lay, E4M3, backend="triton")
     bad = 0
     for a0 in (0, k // 2, k - 4096):
-        w = x[:, a0:a0 + 4096]
+        w = x[:, a0 : a0 + 4096]
         wl = layout_of((1, 1, 1), 4096, sc)
         ref = unpack_sum(pack_chunks(w, wl, E4M3, backend="reference"), wl, E4M3, backend="reference")
-        bad += int(not torch.equal(acc[:, a0:a0 + 4096], ref))
-    out["unpack_sum_packed_gib"] = round(lay.total_bytes / 2 ** 30, 2)
+        bad += int(not torch.equal(acc[:, a0 : a0 + 4096], ref))
+    out["unpack_sum_packed_gib"] = round(lay.total_bytes / 2**30, 2)
     out["unpack_sum_windows_bad"] = bad
     row("offsets_unpack_sum_3GiB_windows_equal", 3 - bad, 3, "windows")
     del x, buf, acc
@@ -355,21 +376,90 @@ def examples(a) -> dict:
     try:  # fp8comm.integrations maps to integrations/ through pyproject: an (offline) editable install
         __import__("fp8comm.integrations.megatron")
     except ImportError:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--no-index", "-e", str(ROOT)], check=False, timeout=300)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "--no-index",
+                "-e",
+                str(ROOT),
+            ],
+            check=False,
+            timeout=300,
+        )
     runs = {
-        "demo": [sys.executable, "-m", "fp8comm.tools.cli", "demo", "--device", "cuda", "--ranks", "1", "--steps", "60",
-                 "--out", "/tmp/fp8comm_gpu_demo"],
-        "train_gpt": [sys.executable, "examples/train_gpt.py", "--device", "cuda", "--recipes",
-                      "bf16,fp8_amax,tensorwise,blockwise", "--seeds", "0", "--steps", "200", "--out",
-                      "/tmp/fp8comm_gpu_train"],
-        "megatron": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
-                     "fp8comm.integrations.megatron.pretrain_gpt", "--num-layers", "2", "--hidden-size", "256",
-                     "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
-                     "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "20", "--lr", "3e-4",
-                     "--bf16", "--use-distributed-optimizer", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-                     "1024", "--transformer-impl", "local", "--log-interval", "5", "--fp8comm-grad-reduce",
-                     "--fp8comm-param-gather"],
+        "demo": [
+            sys.executable,
+            "-m",
+            "fp8comm.tools.cli",
+            "demo",
+            "--device",
+            "cuda",
+            "--ranks",
+            "1",
+            "--steps",
+            "60",
+            "--out",
+            "/tmp/fp8comm_gpu_demo",
+        ],
+        "train_gpt": [
+            sys.executable,
+            "examples/train_gpt.py",
+            "--device",
+            "cuda",
+            "--recipes",
+            "bf16,fp8_amax,tensorwise,blockwise",
+            "--seeds",
+            "0",
+            "--steps",
+            "200",
+            "--out",
+            "/tmp/fp8comm_gpu_train",
+        ],
+        "megatron": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            "-m",
+            "fp8comm.integrations.megatron.pretrain_gpt",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "256",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "128",
+            "--max-position-embeddings",
+            "128",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "20",
+            "--lr",
+            "3e-4",
+            "--bf16",
+            "--use-distributed-optimizer",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "1024",
+            "--transformer-impl",
+            "local",
+            "--log-interval",
+            "5",
+            "--fp8comm-grad-reduce",
+            "--fp8comm-param-gather",
+        ],
     }
     out, bad = {}, []
     for name, cmd in runs.items():
@@ -414,15 +504,20 @@ def main(argv=None) -> int:
         t0 = time.time()
         try:
             res = fn(a) or {}
-        except Exception as e:  # noqa: BLE001 - one broken section must not hide the others
+        except Exception as e:
             traceback.print_exc()
             res = {"status": "error", "error": f"{type(e).__name__}: {e}"}
         res.setdefault("status", "ok")
         res["seconds"] = round(time.time() - t0, 1)
         results[fn.__name__] = res
         print(f"== {fn.__name__}: {res['status']} ({res['seconds']} s)", flush=True)
-    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": COMMIT, "device": DEVICE,
-           "sections": results, "rows": ROWS}
+    doc = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "commit": COMMIT,
+        "device": DEVICE,
+        "sections": results,
+        "rows": ROWS,
+    }
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_ready.json").write_text(json.dumps(doc, indent=1, default=str))
     if not a.no_write:

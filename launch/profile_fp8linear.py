@@ -7,6 +7,7 @@ Prints (1) nn.Linear bf16 vs Fp8Linear fwd+bwd, (2) the profiler's top kernels b
 (3) each quantize / transpose / GEMM of the FP8 path timed alone (medians of CUDA-event timed calls), so the sum
 of the pieces can be compared with the whole. Needs CUDA.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp8comm.tools.bench.gemm import bench  # noqa: E402
-from fp8comm.gemm import Fp8Linear, backends, get_recipe  # noqa: E402
-from fp8comm.quant import quantize  # noqa: E402
+from fp8comm.gemm import Fp8Linear, backends, get_recipe
+from fp8comm.quant import quantize
+from fp8comm.tools.bench.gemm import bench
 
 
 def sweep_tiles(x: torch.Tensor, dev: torch.device, reps: int) -> None:
@@ -33,8 +34,7 @@ def sweep_tiles(x: torch.Tensor, dev: torch.device, reps: int) -> None:
         for warps in (4, 8):
             bt.GPU_T_TILE, bt.GPU_T_WARPS = tile, warps
             t = bench(lambda: quantize_with_transpose(x, "e4m3"), reps, 3, dev)
-            print(f"quantize_with_transpose tile {tile} warps {warps}: {t * 1e3:.3f} ms, {gb / t:.0f} GB/s",
-                  flush=True)
+            print(f"quantize_with_transpose tile {tile} warps {warps}: {t * 1e3:.3f} ms, {gb / t:.0f} GB/s", flush=True)
             if best is None or t < best[0]:
                 best = (t, tile, warps)
     bt.GPU_T_TILE, bt.GPU_T_WARPS = best[1], best[2]
@@ -43,10 +43,10 @@ def sweep_tiles(x: torch.Tensor, dev: torch.device, reps: int) -> None:
 
 def sweep_gemm(dev: torch.device, reps: int, s: int = 8192) -> None:
     """Time the Triton block-scaled GEMM at s^3 per tile config (blockwise, then MX 1x32); keep the fastest."""
-    from fp8comm.tools.bench.gemm import operands
     from fp8comm.gemm import triton_gemm as tg
+    from fp8comm.tools.bench.gemm import operands
 
-    flop = 2.0 * s ** 3
+    flop = 2.0 * s**3
     for layout, name in (("blockwise", "GPU_CONFIG"), ("mxfp8", "GPU_CONFIG_SMALL_K")):
         a, b = operands(s, s, s, layout, dev)
         best = None
@@ -56,8 +56,8 @@ def sweep_gemm(dev: torch.device, reps: int, s: int = 8192) -> None:
                     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
                     setattr(tg, name, cfg)
                     try:
-                        t = bench(lambda: tg.triton_gemm(a, b, torch.bfloat16), reps, 2, dev)
-                    except Exception as e:  # noqa: BLE001 - a config the GPU cannot run (shared memory)
+                        t = bench(lambda a=a, b=b: tg.triton_gemm(a, b, torch.bfloat16), reps, 2, dev)
+                    except Exception as e:
                         print(f"gemm {layout} {cfg}: failed: {str(e).splitlines()[0][:100]}", flush=True)
                         continue
                     print(f"gemm {layout} {cfg}: {t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s", flush=True)
@@ -75,10 +75,16 @@ def main() -> int:
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--sweep", action="store_true", help="first time quantize_with_transpose per tile shape and "
-                   "warps, and use the fastest")
-    p.add_argument("--sweep-gemm", action="store_true", help="first time the Triton GEMM per tile config at "
-                   "8192^3 and use the fastest")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="first time quantize_with_transpose per tile shape and warps, and use the fastest",
+    )
+    p.add_argument(
+        "--sweep-gemm",
+        action="store_true",
+        help="first time the Triton GEMM per tile config at 8192^3 and use the fastest",
+    )
     a = p.parse_args()
     dev = torch.device(os.environ.get("PROFILE_DEVICE", "cuda"))
     m, k, n, reps = a.tokens, a.k, a.n, a.reps
@@ -113,12 +119,19 @@ def main() -> int:
     print(f"speedup: {t16 / t8:.3f}x (re-quantized), {t16 / t8c:.3f}x (cached)")
 
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             step(lin, True)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total" if dev.type == "cuda" else "cpu_time_total", row_limit=30, max_name_column_width=70))
+    print(
+        prof.key_averages().table(
+            sort_by="cuda_time_total" if dev.type == "cuda" else "cpu_time_total",
+            row_limit=30,
+            max_name_column_width=70,
+        )
+    )
 
     r = get_recipe(a.recipe)
     mb = m * k * 2 / 1e9
@@ -126,21 +139,34 @@ def main() -> int:
     row("quantize x (input role)", lambda: quantize(x.detach(), r.input.fmt, scaling=r.input.scaling), 1.5 * mb)
     row("quantize dy (grad role)", lambda: quantize(dy, r.grad.fmt, scaling=r.grad.scaling), 1.5 * mb)
     w = lin.weight.detach()
-    row("quantize W fp32 (weight role)", lambda: quantize(w, r.weight.fmt, scaling=r.weight.scaling),
-        w.numel() * 5 / 1e9)
+    row(
+        "quantize W fp32 (weight role)",
+        lambda: quantize(w, r.weight.fmt, scaling=r.weight.scaling),
+        w.numel() * 5 / 1e9,
+    )
     row("amax x (torch: abs().amax())", lambda: x.detach().abs().amax())
     xq = quantize(x.detach(), r.input.fmt, scaling=r.input.scaling)
     s1 = xq.scale
-    row("quantize x, scale given", lambda: quantize(x.detach(), r.input.fmt, scaling=r.input.scaling, scale=s1),
-        1.5 * mb)
+    row(
+        "quantize x, scale given",
+        lambda: quantize(x.detach(), r.input.fmt, scaling=r.input.scaling, scale=s1),
+        1.5 * mb,
+    )
     row("quantize x 1x128 e4m3 (reference point)", lambda: quantize(x.detach(), "e4m3", 128), 1.5 * mb)
     from fp8comm.quant import quantize_with_transpose
+
     if r.input.transpose_invariant:
-        row("quantize_with_transpose x (input role)",
-            lambda: quantize_with_transpose(x.detach(), r.input.fmt, scaling=r.input.scaling), 2 * mb)
+        row(
+            "quantize_with_transpose x (input role)",
+            lambda: quantize_with_transpose(x.detach(), r.input.fmt, scaling=r.input.scaling),
+            2 * mb,
+        )
     else:
-        row("quantize x^T (input role, along tokens)",
-            lambda: quantize(x.detach().t(), r.input.fmt, scaling=r.input.scaling), 1.5 * mb)
+        row(
+            "quantize x^T (input role, along tokens)",
+            lambda: quantize(x.detach().t(), r.input.fmt, scaling=r.input.scaling),
+            1.5 * mb,
+        )
     row("transpose x codes (torch .t().contiguous())", lambda: xq.data.t().contiguous(), mb)
     row("transpose x codes as uint8", lambda: xq.data.view(torch.uint8).t().contiguous(), mb)
     dyq = quantize(dy, r.grad.fmt, scaling=r.grad.scaling)

@@ -11,6 +11,7 @@ mode steps first, so the step times compare under the same machine load. Checkpo
 `latest`, which is what makes torchrun's elastic restart (--max-restarts) continue a killed run.
 Launch: launch/torchrun.sh, launch/cluster.py run, sbatch launch/slurm/*.sbatch, or launch/mpirun.sh.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import fp8comm.comm as fc  # noqa: E402
-from fp8comm.distributed import init_distributed  # noqa: E402
+import fp8comm.comm as fc
+from fp8comm.distributed import init_distributed
 
 MODES = ("fp8", "bf16", "fp32")
 
@@ -61,9 +62,9 @@ class Replica:
         off = 0
         for p in params:
             k = p.numel()
-            self.flat[off:off + k].copy_(p.data.view(-1))
-            p.data = self.flat[off:off + k].view_as(p)  # the model reads the gathered weights in place
-            p.grad = self.gflat[off:off + k].view_as(p)  # backward accumulates straight into the flat buffer
+            self.flat[off : off + k].copy_(p.data.view(-1))
+            p.data = self.flat[off : off + k].view_as(p)  # the model reads the gathered weights in place
+            p.grad = self.gflat[off : off + k].view_as(p)  # backward accumulates straight into the flat buffer
             off += k
         mine = slice(rank * self.shard_n, (rank + 1) * self.shard_n)
         self.master = self.flat[mine].clone()
@@ -105,7 +106,7 @@ class Replica:
         b1, b2 = 0.9, 0.999
         self.m.mul_(b1).add_(g, alpha=1 - b1)
         self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        mh, vh = self.m / (1 - b1 ** self.t), self.v / (1 - b2 ** self.t)
+        mh, vh = self.m / (1 - b1**self.t), self.v / (1 - b2**self.t)
         self.master.addcdiv_(mh, vh.sqrt_().add_(1e-8), value=-self.lr)
         self.loss = loss.item()
 
@@ -150,8 +151,10 @@ def load(ckpt: Path, reps: dict, rank: int, world: int) -> int:
     step = int(f.read_text())
     st = torch.load(ckpt / f"step{step:06d}" / f"rank{rank}.pt")
     if st["world"] != world:
-        raise SystemExit(f"checkpoint {ckpt} was written by {st['world']} ranks, this run has {world}: "
-                         "restart with the same world size")
+        raise SystemExit(
+            f"checkpoint {ckpt} was written by {st['world']} ranks, this run has {world}: "
+            "restart with the same world size"
+        )
     for k, r in reps.items():
         r.load(st["modes"][k])
     return step
@@ -181,19 +184,21 @@ def main(argv=None) -> int:
     info = init_distributed(timeout_s=300)
     rank, world = info.rank, info.world_size
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    teacher = torch.randn(a.dim, a.dim, generator=torch.Generator().manual_seed(7)) / a.dim ** 0.5
+    teacher = torch.randn(a.dim, a.dim, generator=torch.Generator().manual_seed(7)) / a.dim**0.5
     reps = {m: Replica(m, a, rank, world) for m in modes}
     ckpt = Path(a.ckpt_dir) if a.ckpt_dir else None
     start = load(ckpt, reps, rank, world) if ckpt else 0
     if rank == 0:
         n = reps[modes[0]].shard_n * world
-        print(f"[train] {world} ranks ({world // info.local_world_size} nodes), {n / 1e6:.1f}M params, modes "
-              f"{modes}, restart {restart}, " + (f"resumed from step {start}" if start else "starting at step 0"),
-              flush=True)
+        print(
+            f"[train] {world} ranks ({world // info.local_world_size} nodes), {n / 1e6:.1f}M params, modes "
+            f"{modes}, restart {restart}, " + (f"resumed from step {start}" if start else "starting at step 0"),
+            flush=True,
+        )
     times = {m: [] for m in modes}
     fc.reset_comm_stats()
     for step in range(start, a.steps):
-        order = modes[step % len(modes):] + modes[:step % len(modes)]
+        order = modes[step % len(modes) :] + modes[: step % len(modes)]
         dt = torch.zeros(len(modes), dtype=torch.float64)
         for m in order:
             dist.barrier()
@@ -205,8 +210,11 @@ def main(argv=None) -> int:
             for i, m in enumerate(modes):
                 times[m].append(float(dt[i]))
         if rank == 0:
-            print(f"[train] step {step + 1}/{a.steps} " + " ".join(
-                f"{m}: loss {reps[m].loss:.5f} {dt[i] * 1e3:.0f} ms" for i, m in enumerate(modes)), flush=True)
+            print(
+                f"[train] step {step + 1}/{a.steps} "
+                + " ".join(f"{m}: loss {reps[m].loss:.5f} {dt[i] * 1e3:.0f} ms" for i, m in enumerate(modes)),
+                flush=True,
+            )
         if ckpt and (step + 1) % a.ckpt_every == 0:
             save(ckpt, step + 1, reps, rank, world)
         if a.step_delay:
@@ -221,12 +229,24 @@ def main(argv=None) -> int:
         if lo.item() != hi.item():
             raise SystemExit(f"mode {m}: ranks disagree on the weights after training")
     if rank == 0:
-        out = {"world": world, "nodes": world // info.local_world_size, "start_step": start, "restart": restart,
-               "steps": a.steps, "params": reps[modes[0]].shard_n * world,
-               "modes": {m: {"median_step_s": statistics.median(times[m]) if times[m] else None,
-                             "step_times_s": times[m], "final_loss": reps[m].loss} for m in modes},
-               "fp8_comm_stats": fc.comm_stats()}
-        print(f"[train] done: " + ", ".join(f"{m} loss {reps[m].loss:.5f}" for m in modes), flush=True)
+        out = {
+            "world": world,
+            "nodes": world // info.local_world_size,
+            "start_step": start,
+            "restart": restart,
+            "steps": a.steps,
+            "params": reps[modes[0]].shard_n * world,
+            "modes": {
+                m: {
+                    "median_step_s": statistics.median(times[m]) if times[m] else None,
+                    "step_times_s": times[m],
+                    "final_loss": reps[m].loss,
+                }
+                for m in modes
+            },
+            "fp8_comm_stats": fc.comm_stats(),
+        }
+        print("[train] done: " + ", ".join(f"{m} loss {reps[m].loss:.5f}" for m in modes), flush=True)
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps(out, indent=1))

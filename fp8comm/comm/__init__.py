@@ -3,13 +3,21 @@
 Every call quantizes with per-block scales, moves payload and scales in ONE uint8 collective, and dequantizes on
 the receiver; see docs/collectives.md for options, error bounds and the metadata check.
 """
+
 from ..errors import CommMismatchError, Fp8CommConfigError, Fp8CommError
 from .api import Buffer
 from .buffers import Handle, ScratchPool
-from .collectives import (all_gather, all_gather_into, all_reduce, all_reduce_into, reduce_scatter,
-                          reduce_scatter_into)
-from .config import (CHECK_POLICIES, FORMATS, KERNEL_BACKENDS, RESIDUAL_DTYPES, ROUNDINGS, SCALE_ENCODINGS,
-                     WireConfig, default_check_policy)
+from .collectives import all_gather, all_gather_into, all_reduce, all_reduce_into, reduce_scatter, reduce_scatter_into
+from .config import (
+    CHECK_POLICIES,
+    FORMATS,
+    KERNEL_BACKENDS,
+    RESIDUAL_DTYPES,
+    ROUNDINGS,
+    SCALE_ENCODINGS,
+    WireConfig,
+    default_check_policy,
+)
 from .feedback import ErrorFeedback
 from .guard import Guard, GuardBucket, GuardPolicy
 from .hierarchical import HierarchicalGroups, node_groups
@@ -19,9 +27,40 @@ from .stats import Stats, comm_stats, format_comm_stats, reset_comm_stats
 
 DEFAULT_POOL = default_state().pool  # the functional API's scratch pool (0.1 name)
 
-__all__ = ["all_gather", "all_gather_into", "reduce_scatter", "reduce_scatter_into", "all_reduce",
-           "all_reduce_into", "all_to_all", "comm_stats", "reset_comm_stats", "format_comm_stats", "Buffer",
-           "WireConfig", "Handle", "ScratchPool", "DEFAULT_POOL", "CommState", "default_state", "Stats",
-           "ErrorFeedback", "HierarchicalGroups", "node_groups", "Fp8CommError", "Fp8CommConfigError",
-           "CommMismatchError", "FORMATS", "SCALE_ENCODINGS", "ROUNDINGS", "KERNEL_BACKENDS", "CHECK_POLICIES",
-           "RESIDUAL_DTYPES", "WIRES", "default_check_policy", "Guard", "GuardPolicy", "GuardBucket"]
+__all__ = [
+    "all_gather",
+    "all_gather_into",
+    "reduce_scatter",
+    "reduce_scatter_into",
+    "all_reduce",
+    "all_reduce_into",
+    "all_to_all",
+    "comm_stats",
+    "reset_comm_stats",
+    "format_comm_stats",
+    "Buffer",
+    "WireConfig",
+    "Handle",
+    "ScratchPool",
+    "DEFAULT_POOL",
+    "CommState",
+    "default_state",
+    "Stats",
+    "ErrorFeedback",
+    "HierarchicalGroups",
+    "node_groups",
+    "Fp8CommError",
+    "Fp8CommConfigError",
+    "CommMismatchError",
+    "FORMATS",
+    "SCALE_ENCODINGS",
+    "ROUNDINGS",
+    "KERNEL_BACKENDS",
+    "CHECK_POLICIES",
+    "RESIDUAL_DTYPES",
+    "WIRES",
+    "default_check_policy",
+    "Guard",
+    "GuardPolicy",
+    "GuardBucket",
+]

@@ -1,17 +1,17 @@
 """Buffer: one object owning a group's default WireConfig, scratch memory, statistics and seeds (DeepEP-style).
 
-    buf = fp8comm.comm.Buffer(group, fmt="e4m3", scaling="e8m0")     # validated here: a typo raises now
-    out = buf.reduce_scatter(grads, op="avg")                        # per-call options override the defaults
-    buf.stats.snapshot()                                              # this Buffer's traffic; comm_stats(): all
+buf = fp8comm.comm.Buffer(group, fmt="e4m3", scaling="e8m0")     # validated here: a typo raises now
+out = buf.reduce_scatter(grads, op="avg")                        # per-call options override the defaults
+buf.stats.snapshot()                                              # this Buffer's traffic; comm_stats(): all
 """
+
 from __future__ import annotations
 
 import torch
 
 from ..errors import Fp8CommConfigError
 from .buffers import Handle, ScratchPool
-from .collectives import (all_gather, all_gather_into, all_reduce, all_reduce_into, reduce_scatter,
-                          reduce_scatter_into)
+from .collectives import all_gather, all_gather_into, all_reduce, all_reduce_into, reduce_scatter, reduce_scatter_into
 from .config import WireConfig, resolve
 from .hierarchical import HierarchicalGroups
 from .moe import all_to_all
@@ -27,8 +27,14 @@ class Buffer:
     Its methods mirror the functional API; per-call keywords override the defaults. `hierarchical` applies to
     all_gather / reduce_scatter / all_reduce; all_to_all has no hierarchical mode and refuses such a Buffer."""
 
-    def __init__(self, group=None, config: WireConfig | None = None, *,
-                 hierarchical: bool | HierarchicalGroups | None = None, **options) -> None:
+    def __init__(
+        self,
+        group=None,
+        config: WireConfig | None = None,
+        *,
+        hierarchical: bool | HierarchicalGroups | None = None,
+        **options,
+    ) -> None:
         self.group = group
         self.config = resolve(config, WireConfig(), options)  # raises Fp8CommConfigError on a bad option
         self.hierarchical = hierarchical
@@ -70,8 +76,10 @@ class Buffer:
 
     def all_to_all(self, tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None, **kw):
         if self.hierarchical:
-            raise Fp8CommConfigError("this Buffer is hierarchical, and all_to_all has no hierarchical mode; use a "
-                                     "Buffer without hierarchical= for MoE traffic")
+            raise Fp8CommConfigError(
+                "this Buffer is hierarchical, and all_to_all has no hierarchical mode; use a "
+                "Buffer without hierarchical= for MoE traffic"
+            )
         return all_to_all(tensor, output_split_sizes, input_split_sizes, self.group, **kw, buffer=self)
 
     def release(self) -> None:

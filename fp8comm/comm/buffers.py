@@ -10,11 +10,13 @@ and reduce stream, FSDP2 likewise), so without the event a gather could pack int
 reduce-scatter's decode has not read yet. A buffer used on a stream other than the one it was allocated on is
 `record_stream`-ed there, so dropping it from the pool hands it back to the caching allocator safely too.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import cast
 
 import torch
 
@@ -97,7 +99,6 @@ class ScratchPool:
             return sum(b.base.numel() * b.base.element_size() for fl in self._free.values() for b in fl)
 
 
-
 class Lease:
     """The scratch tensors one call holds; released together when the call finishes (or fails)."""
 
@@ -160,7 +161,7 @@ class Handle:
                     self._ready = self._lease.release()
         if self._error is not None:
             raise self._error
-        return self._result
+        return cast(torch.Tensor, self._result)  # None only for finishers that fill the caller's output
 
     def is_completed(self) -> bool:
         if not self._done:

@@ -9,9 +9,11 @@ Which calls are checked: the check policy (WireConfig.check, default from FP8COM
 CommState.should_check: "first" (default) checks the first 3 calls of each op on each group, then none, so steady
 state has no extra collective and no host sync; "always" checks every call (debugging), "never" none.
 """
+
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +22,9 @@ import torch.distributed as dist
 from ..errors import CommMismatchError, Fp8CommError
 from ..quant.formats import FLOAT8_DTYPES
 from ..quant.layout import view_2d
-from ..quant.tensor import Fp8Tensor
 from ..quant.scaling import ENCODINGS
+from ..quant.tensor import Fp8Tensor
 from .config import WireSpec
-
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_to_all.backward")
 ERROR_KINDS = ("", "dtype", "contiguity", "shape", "splits", "device", "option", "group")
@@ -37,13 +38,18 @@ def tensor_problem(t, what: str, allow_0d: bool = False) -> tuple[str, str] | No
     if not isinstance(t, torch.Tensor):
         return "dtype", f"{what} must be a torch.Tensor, got {type(t).__name__}"
     if t.dtype in FLOAT8_DTYPES:
-        return "dtype", (f"{what} is {t.dtype}: pass the bf16/fp16/fp32 tensor and fp8comm quantizes it (FP8 "
-                         f"crosses the wire as uint8 bytes with its scales; gloo rejects float8 tensors outright)")
+        return "dtype", (
+            f"{what} is {t.dtype}: pass the bf16/fp16/fp32 tensor and fp8comm quantizes it (FP8 "
+            f"crosses the wire as uint8 bytes with its scales; gloo rejects float8 tensors outright)"
+        )
     if t.dtype not in _DTYPES:
         return "dtype", f"{what} must be float32, bfloat16, float16 or float64, got {t.dtype}"
     if not t.is_contiguous():
-        return "contiguity", f"{what} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); call " \
-                             ".contiguous() first (fp8comm never copies a buffer silently)"
+        return (
+            "contiguity",
+            f"{what} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); call "
+            ".contiguous() first (fp8comm never copies a buffer silently)",
+        )
     if t.dim() == 0 and not allow_0d:
         return "shape", f"{what} is 0-d; collectives work along dim 0 (reshape it to [1])"
     return None
@@ -58,11 +64,15 @@ def out_problem(out, shape: tuple, dtype, device, fp8_spec=None) -> tuple[str, s
             return "dtype", f"out must be an Fp8Tensor for fp8_out=True, got {type(out).__name__}"
         want = fp8_spec.scaling.scale_shape(*view_2d(shape))
         if tuple(out.shape) != shape or tuple(out.scale.shape) != want:
-            return "shape", (f"out has shape {tuple(out.shape)} with scales {tuple(out.scale.shape)}, expected {shape}"
-                             f" with scales {want}")
+            return "shape", (
+                f"out has shape {tuple(out.shape)} with scales {tuple(out.scale.shape)}, expected {shape}"
+                f" with scales {want}"
+            )
         if out.fmt.name != fp8_spec.fmt.name or out.scaling != fp8_spec.scaling:
-            return "option", (f"out is {out.fmt.name} with {out.scaling.describe()} scales, the call produces "
-                              f"{fp8_spec.fmt.name} with {fp8_spec.scaling.describe()}")
+            return "option", (
+                f"out is {out.fmt.name} with {out.scaling.describe()} scales, the call produces "
+                f"{fp8_spec.fmt.name} with {fp8_spec.scaling.describe()}"
+            )
         if out.scale.dtype != torch.float32 or not out.data.is_contiguous() or not out.scale.is_contiguous():
             return "contiguity", "out needs contiguous codes and contiguous fp32 scales"
         if out.data.device != device or out.scale.device != device:
@@ -119,8 +129,10 @@ class Meta:
         """(max over ranks of tokens sent, of tokens received) from the exchanged splits; None without a check."""
         if self.table is None:
             return None
-        return (max(sum(r[_FIXED:_FIXED + world]) for r in self.table),
-                max(sum(r[_FIXED + world:_FIXED + 2 * world]) for r in self.table))
+        return (
+            max(sum(r[_FIXED : _FIXED + world]) for r in self.table),
+            max(sum(r[_FIXED + world : _FIXED + 2 * world]) for r in self.table),
+        )
 
     def fail(self, problem: tuple[str, str] | None) -> None:
         if problem is not None and self.error is None:
@@ -149,17 +161,27 @@ class Meta:
             v[13] = self.reduce_op
             v[14] = self.hier
             v[15] = self.pipeline
-            v[_FIXED:_FIXED + len(self.in_splits)] = self.in_splits
-            v[_FIXED + world:_FIXED + world + len(self.out_splits)] = self.out_splits
+            v[_FIXED : _FIXED + len(self.in_splits)] = self.in_splits
+            v[_FIXED + world : _FIXED + world + len(self.out_splits)] = self.out_splits
         return torch.tensor(v, dtype=torch.int64)
 
 
-_FIELD_NAMES = {3: "input dtype", 4: "FP8 format", 5: "scale encoding", 6: "block size", 7: "scale margin",
-                8: "rounding", 13: "reduce op / wire mode", 14: "hierarchical node size",
-                15: "pipeline pieces"}
+_FIELD_NAMES = {
+    3: "input dtype",
+    4: "FP8 format",
+    5: "scale encoding",
+    6: "block size",
+    7: "scale margin",
+    8: "rounding",
+    13: "reduce op / wire mode",
+    14: "hierarchical node size",
+    15: "pipeline pieces",
+}
 
 
-def exchange(meta: Meta, group, rank: int, world: int, check: bool, defer: bool = False) -> tuple[int, object]:
+def exchange(
+    meta: Meta, group, rank: int, world: int, check: bool, defer: bool = False
+) -> tuple[int, Callable[[], None]]:
     """Raise a clear error on every rank if any rank's input is bad or ranks disagree; returns (bytes sent, settle).
 
     defer=True (and no local problem): the table travels while the caller quantizes its first piece; settle()
@@ -204,15 +226,18 @@ def _compare(meta: Meta, rows: list[list[int]], rank: int, name: str) -> None:
     world = len(rows)
     if any(r[0] != _MAGIC for r in rows) or len({r[1] for r in rows}) > 1:
         ops = [OPS[r[1]] if r[0] == _MAGIC and 0 <= r[1] < len(OPS) else "?" for r in rows]
-        raise CommMismatchError(f"{name}: ranks are running different collectives ({ops} by rank); every rank "
-                                "of the group must make the same fp8comm calls in the same order")
+        raise CommMismatchError(
+            f"{name}: ranks are running different collectives ({ops} by rank); every rank "
+            "of the group must make the same fp8comm calls in the same order"
+        )
     bad = [i for i, r in enumerate(rows) if r[2]]
     if bad:
         if meta.error:
             raise Fp8CommError(f"{name}: {meta.error[1]}")
         kinds = {i: ERROR_KINDS[rows[i][2]] for i in bad}
-        raise Fp8CommError(f"{name}: rank(s) {bad} rejected their input ({kinds}); see the error on those ranks. "
-                           "No data was sent.")
+        raise Fp8CommError(
+            f"{name}: rank(s) {bad} rejected their input ({kinds}); see the error on those ranks. No data was sent."
+        )
     hint = " (found by the metadata check before any data moved; it can be disabled with check=False)"
     for idx, label in _FIELD_NAMES.items():
         vals = [r[idx] for r in rows]
@@ -221,25 +246,31 @@ def _compare(meta: Meta, rows: list[list[int]], rank: int, name: str) -> None:
     if meta.op == "all_to_all" or meta.op == "all_to_all.backward":
         widths = [r[11] for r in rows if r[10]]
         if len(set(widths)) > 1:
-            raise CommMismatchError(f"{name}: ranks disagree on the token width (elements per row, per rank with "
-                                    f"tokens: {widths}){hint}")
-        send = [r[_FIXED:_FIXED + world] for r in rows]
-        recv = [r[_FIXED + world:_FIXED + 2 * world] for r in rows]
+            raise CommMismatchError(
+                f"{name}: ranks disagree on the token width (elements per row, per rank with tokens: {widths}){hint}"
+            )
+        send = [r[_FIXED : _FIXED + world] for r in rows]
+        recv = [r[_FIXED + world : _FIXED + 2 * world] for r in rows]
         for i in range(world):
             for j in range(world):
                 if send[i][j] != recv[j][i]:
                     raise CommMismatchError(
                         f"{name}: rank {i} sends {send[i][j]} rows to rank {j}, which expects {recv[j][i]} "
-                        f"(input_split_sizes[{j}] on rank {i} must equal output_split_sizes[{i}] on rank {j}){hint}")
+                        f"(input_split_sizes[{j}] on rank {i} must equal output_split_sizes[{i}] on rank {j}){hint}"
+                    )
     else:
         numels = [r[9] for r in rows]
         if len(set(numels)) > 1:
-            raise CommMismatchError(f"{name}: ranks disagree on the input size (numel per rank: {numels}); every "
-                                    f"rank must pass a tensor of the same shape{hint}")
+            raise CommMismatchError(
+                f"{name}: ranks disagree on the input size (numel per rank: {numels}); every "
+                f"rank must pass a tensor of the same shape{hint}"
+            )
         shapes = [(r[10], r[11], r[12]) for r in rows]
         if len(set(shapes)) > 1:
-            raise CommMismatchError(f"{name}: ranks pass the same number of elements in different shapes (dim 0 "
-                                    f"per rank: {[s[0] for s in shapes]}){hint}")
+            raise CommMismatchError(
+                f"{name}: ranks pass the same number of elements in different shapes (dim 0 "
+                f"per rank: {[s[0] for s in shapes]}){hint}"
+            )
 
 
 def _decode(idx: int, vals: list[int]) -> list:

@@ -10,7 +10,10 @@ Pipelining (CPU): a big call is cut into column pieces of whole blocks (whole to
 collective, so quantizing, the wire and dequantizing overlap; bit-identical to one piece.
 all_gather(fp8_out=True) returns an Fp8Tensor (codes + scales) for an FP8 GEMM instead of dequantizing.
 """
+
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -20,7 +23,7 @@ from ..quant.layout import view_2d
 from ..quant.tensor import Fp8Tensor
 from .buffers import Handle, Lease, completed
 from .checks import Meta, exchange, group_rank_size, out_problem, tensor_problem
-from .config import WireConfig, resolve
+from .config import WireConfig, WireSpec, resolve
 from .core import Call, ag_phase, chunk_rows, gathered_into, guarded, rs_phase
 from .feedback import ErrorFeedback
 from .guard import GuardBucket
@@ -31,8 +34,16 @@ _OPS = {"sum": 0, "avg": 1, dist.ReduceOp.SUM: 0, dist.ReduceOp.AVG: 1}
 DEFAULT_CONFIG = WireConfig()
 
 
-def start_call(op: str, group, meta: Meta, kw: dict, extra=None, defer: bool = True, fp8_wire: bool = True,
-               ef: ErrorFeedback | None = None) -> Call:
+def start_call(
+    op: str,
+    group,
+    meta: Meta,
+    kw: dict,
+    extra=None,
+    defer: bool = True,
+    fp8_wire: bool = True,
+    ef: ErrorFeedback | None = None,
+) -> Call:
     """Resolve the call's WireConfig (kw: config, buffer, seed and option overrides), validate, run the metadata
     check if this call is checked (raises on every rank) and lease scratch memory from the buffer's state.
 
@@ -57,9 +68,15 @@ def start_call(op: str, group, meta: Meta, kw: dict, extra=None, defer: bool = T
         if extra is not None:
             meta.fail(extra(cfg.spec))
         if cfg.error_feedback and ef is None:
-            meta.fail(("option", "config.error_feedback=True needs an error_feedback=ErrorFeedback(...) state on the "
-                                 "call (one per gradient buffer, kept across calls)" if op != "all_gather" else
-                                 "error feedback applies to gradient reductions; all_gather has none"))
+            meta.fail(
+                (
+                    "option",
+                    "config.error_feedback=True needs an error_feedback=ErrorFeedback(...) state on the "
+                    "call (one per gradient buffer, kept across calls)"
+                    if op != "all_gather"
+                    else "error feedback applies to gradient reductions; all_gather has none",
+                )
+            )
     spec = meta.spec
     if not fp8_wire:
         meta.spec = None
@@ -72,8 +89,19 @@ def start_call(op: str, group, meta: Meta, kw: dict, extra=None, defer: bool = T
     if sent:
         state.stats.record(op, 0, 0, 0, check_bytes=sent, calls=0)
     rounding = cfg.rounding if cfg is not None else "nearest"
-    return Call(op, group, rank, world, spec, Lease(state.pool), state.next_seed(seed, rank, rounding),
-                meta.pipeline, settle=settle, state=state, guard=guard)
+    return Call(
+        op,
+        group,
+        rank,
+        world,
+        cast(WireSpec, spec),  # set whenever the exchange above returned
+        Lease(state.pool),
+        state.next_seed(seed, rank, rounding),
+        meta.pipeline,
+        settle=settle,
+        state=state,
+        guard=guard,
+    )
 
 
 def _reduce_op(op) -> tuple[int, tuple[str, str] | None]:
@@ -117,8 +145,16 @@ def _run(call: Call, works: list, finish, async_op: bool):
 
 
 # ---------------------------------------------------------------------------------------------- all-gather
-def all_gather(tensor: torch.Tensor, group=None, *, async_op: bool = False, hierarchical=None,
-               fp8_out: bool = False, out=None, **kw):
+def all_gather(
+    tensor: torch.Tensor,
+    group=None,
+    *,
+    async_op: bool = False,
+    hierarchical=None,
+    fp8_out: bool = False,
+    out=None,
+    **kw,
+):
     """Concatenation along dim 0 of every rank's tensor, in its dtype; bit-identical on every rank (owner too).
 
     fp8_out=True: return the gathered FP8 codes and scales as an Fp8Tensor (shape [world * dim0, ...], 1xB scales
@@ -154,9 +190,12 @@ def _ag_out_problem(tensor, group, hierarchical, fp8_out, out):
         b = spec.scaling.cols
         k = tensor.shape[-1] if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
         if b is None or k % b:
-            return "shape", (f"fp8_out=True needs the last dim ({k}) to be a multiple of the block size ({b}) so "
-                             f"the wire's flat 1x{b} blocks are the Fp8Tensor's row blocks")
+            return "shape", (
+                f"fp8_out=True needs the last dim ({k}) to be a multiple of the block size ({b}) so "
+                f"the wire's flat 1x{b} blocks are the Fp8Tensor's row blocks"
+            )
         return None
+
     return check
 
 
@@ -170,9 +209,13 @@ def _all_gather_fp8(call: Call, shape: tuple, x: torch.Tensor, async_op: bool, o
         codes, scales, result = out.data.view(torch.uint8), out.scale, out
     if n == 0:
         return _nothing_to_move(call, result, async_op)
-    blk = spec.scaling.cols
-    work, fin = guarded(call, lambda: ag_phase(call, x.reshape(-1), (codes.view(w, n), scales.view(w, n // blk)),
-                                               call.group, w, "all_gather", x.dtype))
+    blk = cast(int, spec.scaling.cols)  # wire scaling is always 1 x cols blocks
+    work, fin = guarded(
+        call,
+        lambda: ag_phase(
+            call, x.reshape(-1), (codes.view(w, n), scales.view(w, n // blk)), call.group, w, "all_gather", x.dtype
+        ),
+    )
 
     def finish():
         fin()
@@ -181,16 +224,22 @@ def _all_gather_fp8(call: Call, shape: tuple, x: torch.Tensor, async_op: bool, o
     return _run(call, [work], finish, async_op)
 
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False,
-                    hierarchical=None, **kw):
+def all_gather_into(
+    output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False, hierarchical=None, **kw
+):
     """Flat-buffer all-gather: output (world * input.numel() elements, any float dtype) <- every rank's input."""
     meta = _meta("all_gather", input, "input", output)
     if meta.error is None:
         meta.shape = (input.numel(),)  # flat semantics: only the element count must agree across ranks
         world = group_rank_size(group)[1]
         if output.numel() != world * input.numel():
-            meta.fail(("shape", f"output has {output.numel()} elements, expected world ({world}) x input "
-                                f"({input.numel()}) = {world * input.numel()}"))
+            meta.fail(
+                (
+                    "shape",
+                    f"output has {output.numel()} elements, expected world ({world}) x input "
+                    f"({input.numel()}) = {world * input.numel()}",
+                )
+            )
         elif output.device != input.device:
             meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
     hg = _hier(hierarchical, group, meta)
@@ -220,8 +269,16 @@ def _all_gather_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_o
 
 
 # ------------------------------------------------------------------------------------------ reduce-scatter
-def reduce_scatter(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool = False, hierarchical=None,
-                   error_feedback: ErrorFeedback | None = None, **kw):
+def reduce_scatter(
+    tensor: torch.Tensor,
+    group=None,
+    op="sum",
+    *,
+    async_op: bool = False,
+    hierarchical=None,
+    error_feedback: ErrorFeedback | None = None,
+    **kw,
+):
     """This rank's chunk (rows [r*c, (r+1)*c), c = ceil(dim0 / world)) of the sum/mean over ranks, in the input dtype.
 
     Chunks are padded to c rows, so the last ranks may get fewer (or zero) rows when dim 0 does not divide.
@@ -236,8 +293,17 @@ def reduce_scatter(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool
     return _reduce_scatter_flat(call, hg, out, tensor, c * row, meta.reduce_op, error_feedback, async_op)
 
 
-def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, op="sum", *, async_op: bool = False,
-                        hierarchical=None, error_feedback: ErrorFeedback | None = None, **kw):
+def reduce_scatter_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group=None,
+    op="sum",
+    *,
+    async_op: bool = False,
+    hierarchical=None,
+    error_feedback: ErrorFeedback | None = None,
+    **kw,
+):
     """Flat-buffer reduce-scatter: output <- elements [r*L, r*L + output.numel()) of the sum, L = ceil(N / world)."""
     meta = _meta("reduce_scatter", input, "input", output, op)
     if meta.error is None:
@@ -245,8 +311,13 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, o
         rank, world = group_rank_size(group)
         L, mine = chunk_rows(input.numel(), world, rank)
         if output.numel() != mine:
-            meta.fail(("shape", f"output has {output.numel()} elements; rank {rank}'s chunk of a {input.numel()}-"
-                                f"element input over {world} ranks has {mine} (chunks of ceil(N/world) = {L})"))
+            meta.fail(
+                (
+                    "shape",
+                    f"output has {output.numel()} elements; rank {rank}'s chunk of a {input.numel()}-"
+                    f"element input over {world} ranks has {mine} (chunks of ceil(N/world) = {L})",
+                )
+            )
         elif output.device != input.device:
             meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
     hg = _hier(hierarchical, group, meta)
@@ -258,6 +329,7 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, o
 
 def _rs_start(call: Call, hg, x: torch.Tensor, L: int, ef: ErrorFeedback | None):
     """Start the FP8 reduce-scatter phase (flat or hierarchical) of `call.op` -> (work, finish giving fp32 sums)."""
+
     def begin():
         if hg is not None:
             return hier_rs_phase(call, hg, x, L, ef, x.dtype)
@@ -266,8 +338,9 @@ def _rs_start(call: Call, hg, x: torch.Tensor, L: int, ef: ErrorFeedback | None)
     return guarded(call, begin)
 
 
-def _reduce_scatter_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, L: int, avg: int,
-                         ef: ErrorFeedback | None, async_op: bool):
+def _reduce_scatter_flat(
+    call: Call, hg, out: torch.Tensor, x: torch.Tensor, L: int, avg: int, ef: ErrorFeedback | None, async_op: bool
+):
     if x.numel() == 0:
         return _nothing_to_move(call, out, async_op)
 
@@ -277,33 +350,56 @@ def _reduce_scatter_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, L: 
         acc = acc_fn()
         if avg:
             acc.div_(call.world)
-        out.view(-1).copy_(acc[:out.numel()])
+        out.view(-1).copy_(acc[: out.numel()])
         return out
 
     return _run(call, [work], finish, async_op)
 
 
 # ---------------------------------------------------------------------------------------------- all-reduce
-def all_reduce(tensor: torch.Tensor, group=None, op="sum", *, async_op: bool = False, hierarchical=None,
-               error_feedback: ErrorFeedback | None = None, **kw):
+def all_reduce(
+    tensor: torch.Tensor,
+    group=None,
+    op="sum",
+    *,
+    async_op: bool = False,
+    hierarchical=None,
+    error_feedback: ErrorFeedback | None = None,
+    **kw,
+):
     """Sum (or mean) over ranks, same shape and dtype: FP8 reduce-scatter, then FP8 all-gather of the sums.
 
     Every rank ends bit-identical; error feedback applies to the reduce-scatter (sender) quantization.
     """
     out = torch.empty_like(tensor) if isinstance(tensor, torch.Tensor) else tensor
-    return all_reduce_into(out, tensor, group, op, async_op=async_op, hierarchical=hierarchical,
-                           error_feedback=error_feedback, **kw)
+    return all_reduce_into(
+        out, tensor, group, op, async_op=async_op, hierarchical=hierarchical, error_feedback=error_feedback, **kw
+    )
 
 
-def all_reduce_into(output: torch.Tensor, input: torch.Tensor, group=None, op="sum", *, async_op: bool = False,
-                    hierarchical=None, error_feedback: ErrorFeedback | None = None, **kw):
+def all_reduce_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group=None,
+    op="sum",
+    *,
+    async_op: bool = False,
+    hierarchical=None,
+    error_feedback: ErrorFeedback | None = None,
+    **kw,
+):
     """Flat-buffer all-reduce: output (same numel as input; may BE input) <- sum/mean of every rank's input."""
     meta = _meta("all_reduce", input, "input", output, op)
     if meta.error is None:
         meta.shape = (input.numel(),)
         if output.numel() != input.numel() or output.device != input.device:
-            meta.fail(("shape", f"output ({output.numel()} elements on {output.device}) must match input "
-                                f"({input.numel()} on {input.device})"))
+            meta.fail(
+                (
+                    "shape",
+                    f"output ({output.numel()} elements on {output.device}) must match input "
+                    f"({input.numel()} on {input.device})",
+                )
+            )
     hg = _hier(hierarchical, group, meta)
     call = start_call("all_reduce", group, meta, kw, ef=error_feedback)
     hg = hg()

@@ -4,6 +4,7 @@ Every collective, `Buffer` and the engine adapters take a WireConfig (keyword op
 `all_gather(x, fmt="e5m2")` is `all_gather(x, config=WireConfig(fmt="e5m2"))`). The valid values of every field
 are written here once; the adapters' configs and flags import them.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,17 +16,30 @@ import torch
 from ..errors import Fp8CommConfigError
 from ..quant.api import ROUNDINGS
 from ..quant.dispatch import BACKENDS
-from ..quant.formats import FORMATS, Fp8Format, get_format
+from ..quant.formats import FORMATS as _FORMATS
+from ..quant.formats import Fp8Format, get_format
 from ..quant.scaling import ENCODINGS, PRESETS, Scaling
 
-FORMATS = tuple(FORMATS)
+FORMATS = tuple(_FORMATS)
 SCALE_ENCODINGS = ENCODINGS  # fp32 (amax / max), pow2 (power of two as fp32), e8m0 (power of two, one byte)
 KERNEL_BACKENDS = ("auto", *BACKENDS)
 CHECK_POLICIES = ("first", "always", "never")
 RESIDUAL_DTYPES = ("float32", "bfloat16")
 CHECK_ENV = "FP8COMM_CHECK"
-_CHECK_ALIASES = {"": "first", "first": "first", "always": "always", "1": "always", "on": "always", "true": "always",
-                  "yes": "always", "never": "never", "0": "never", "off": "never", "false": "never", "no": "never"}
+_CHECK_ALIASES = {
+    "": "first",
+    "first": "first",
+    "always": "always",
+    "1": "always",
+    "on": "always",
+    "true": "always",
+    "yes": "always",
+    "never": "never",
+    "0": "never",
+    "off": "never",
+    "false": "never",
+    "no": "never",
+}
 PIPELINE_MAX_PIECES = 1024
 
 
@@ -52,7 +66,7 @@ class WireConfig:
     block_size: int | None = 128
     rounding: str = "nearest"
     backend: str = "auto"
-    check: str | None = None
+    check: str | bool | None = None  # True: "always", False: "never"
     pipeline: int = 0
     error_feedback: bool = False
     residual_dtype: str = "float32"
@@ -62,8 +76,9 @@ class WireConfig:
             object.__setattr__(self, "fmt", get_format(self.fmt).name)
         except ValueError:
             raise _bad("fmt", self.fmt, FORMATS) from None
-        if self.block_size is not None and (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
-                                            or self.block_size <= 0):
+        if self.block_size is not None and (
+            not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0
+        ):
             raise Fp8CommConfigError(f"block_size must be a positive int (elements per scale), got {self.block_size!r}")
         _block_scaling(self.scaling, self.block_size)  # validates scaling (and its rows)
         if self.rounding not in ROUNDINGS:
@@ -82,8 +97,9 @@ class WireConfig:
 
     @cached_property
     def spec(self) -> WireSpec:
-        return WireSpec(get_format(self.fmt), _block_scaling(self.scaling, self.block_size), self.rounding,
-                        self.backend)
+        return WireSpec(
+            get_format(self.fmt), _block_scaling(self.scaling, self.block_size), self.rounding, self.backend
+        )
 
     @property
     def residual_torch_dtype(self) -> torch.dtype:
@@ -119,8 +135,10 @@ def _block_scaling(scaling, block_size) -> Scaling:
     elif isinstance(scaling, str) and scaling in PRESETS:
         sc = PRESETS[scaling]
     else:
-        raise Fp8CommConfigError(f"scaling={scaling!r} is not valid; valid: a scale encoding ({', '.join(ENCODINGS)})"
-                                 f", a preset ({', '.join(PRESETS)}) or a Scaling")
+        raise Fp8CommConfigError(
+            f"scaling={scaling!r} is not valid; valid: a scale encoding ({', '.join(ENCODINGS)})"
+            f", a preset ({', '.join(PRESETS)}) or a Scaling"
+        )
     if sc.rows != 1:
         raise Fp8CommConfigError(f"collectives quantize 1xB blocks of the flat buffer (rows=1); got {sc.describe()}")
     return sc
@@ -134,8 +152,9 @@ def _pieces(v) -> int:
         return 1
     if isinstance(v, int) and 0 <= v <= PIPELINE_MAX_PIECES:
         return v
-    raise Fp8CommConfigError(f"pipeline must be None/'auto', False, or a piece count 1..{PIPELINE_MAX_PIECES}, "
-                             f"got {v!r}")
+    raise Fp8CommConfigError(
+        f"pipeline must be None/'auto', False, or a piece count 1..{PIPELINE_MAX_PIECES}, got {v!r}"
+    )
 
 
 def _with(base: WireConfig, options: dict) -> WireConfig:
@@ -166,8 +185,9 @@ def default_check_policy() -> str:
     """The metadata-check policy for check=None: FP8COMM_CHECK=first (default), always (or 1) or never (or 0)."""
     raw = os.environ.get(CHECK_ENV, "").strip().lower()
     if raw not in _CHECK_ALIASES:
-        raise Fp8CommConfigError(f"{CHECK_ENV}={raw!r} is not a check policy; valid: {', '.join(CHECK_POLICIES)} "
-                                 "(or 1/0 for always/never)")
+        raise Fp8CommConfigError(
+            f"{CHECK_ENV}={raw!r} is not a check policy; valid: {', '.join(CHECK_POLICIES)} (or 1/0 for always/never)"
+        )
     return _CHECK_ALIASES[raw]
 
 

@@ -5,8 +5,10 @@ quantizes with its own 1xB block scales, one all_to_all, the receiver dequantize
 fp32. all-gather phase: the own shard is packed as one chunk, one all_gather of bytes, every rank (the owner too)
 dequantizes the same bytes, so all replicas end bit-identical.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,15 +38,23 @@ class Call:
     seed: int
     pipeline: int = 0  # pieces per call (0: auto); see options.plan_pieces
     size_hint: int | None = None  # all-to-all: elements of the largest rank's message (all ranks agree), if known
-    settle: object = settled  # a deferred metadata check (checks.exchange): run before the first payload collective
+    settle: Callable[[], None] = settled  # a deferred metadata check (checks.exchange), run before the payload
     state: CommState = None  # type: ignore[assignment]  # whose statistics the call adds to (default: the process's)
     guard: GuardBucket | None = None  # the numerics guard's bucket: the packing kernels count into it
 
     def pack(self, x2: torch.Tensor, layout: ChunkLayout, out: torch.Tensor, backend: str) -> None:
         """Quantize x2 into `out` as `layout` (the call's format, rounding and seed; its guard counts)."""
         g = self.guard
-        pack_chunks(x2, layout, self.spec.fmt, self.spec.rounding, self.seed, out=out, backend=backend,
-                    counters=None if g is None else g.counters)
+        pack_chunks(
+            x2,
+            layout,
+            self.spec.fmt,
+            self.spec.rounding,
+            self.seed,
+            out=out,
+            backend=backend,
+            counters=None if g is None else g.counters,
+        )
         if g is not None:
             g.add_elements(x2.numel())
 
@@ -96,8 +106,9 @@ def all_gather_bytes(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool
     return fn(out, inp, group=group, async_op=async_op)
 
 
-def quantize_input(call: Call, x: torch.Tensor, total: int, ef: ErrorFeedback | None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
+def quantize_input(
+    call: Call, x: torch.Tensor, total: int, ef: ErrorFeedback | None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The flat buffer to quantize: x, zero-padded to `total` elements, plus the error-feedback residual."""
     n = x.numel()
     if ef is None and n == total and (dtype is None or dtype == x.dtype):
@@ -144,13 +155,22 @@ class Pieces:
 def _slices(buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     out, o = [], 0
     for n in sizes:
-        out.append(buf[o:o + n])
+        out.append(buf[o : o + n])
         o += n
     return out
 
 
-def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFeedback | None, stats_op: str,
-             stats_dtype: torch.dtype, calls: int = 1):
+def rs_phase(
+    call: Call,
+    x: torch.Tensor,
+    L: int,
+    group,
+    gsize: int,
+    ef: ErrorFeedback | None,
+    stats_op: str,
+    stats_dtype: torch.dtype,
+    calls: int = 1,
+):
     """Start an FP8 reduce-scatter of x (<= gsize*L elements) over `group`: returns (work, finish -> fp32 [L] sum).
 
     Pipelined (CPU, nearest rounding, no error feedback): the [gsize, L] view is cut into column pieces of whole
@@ -176,8 +196,13 @@ def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFe
         # Equal chunks, so no split sizes: one all_to_all moves payload and scales together.
         works.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
     itemsize = stats_dtype.itemsize
-    call.record(stats_op, (gsize - 1) * sum(lay.chunk_bytes[0] for lay in lays) if L else 0,
-           (gsize - 1) * L * itemsize, total, calls=calls)
+    call.record(
+        stats_op,
+        (gsize - 1) * sum(lay.chunk_bytes[0] for lay in lays) if L else 0,
+        (gsize - 1) * L * itemsize,
+        total,
+        calls=calls,
+    )
 
     def finish() -> torch.Tensor:
         acc = call.lease.take(L, torch.float32, dev).view(1, L)
@@ -189,8 +214,9 @@ def rs_phase(call: Call, x: torch.Tensor, L: int, group, gsize: int, ef: ErrorFe
     return Pieces(works), finish
 
 
-def ag_phase(call: Call, src: torch.Tensor, dest, group, gsize: int, stats_op: str,
-             stats_dtype: torch.dtype, calls: int = 1):
+def ag_phase(
+    call: Call, src: torch.Tensor, dest, group, gsize: int, stats_op: str, stats_dtype: torch.dtype, calls: int = 1
+):
     """Start an FP8 all-gather of flat src (N elements) into dest [gsize, N]: returns (work, finish -> dest).
 
     dest may be a pair (codes uint8 [gsize, N], scales fp32 [gsize, N/B]): the FP8 output, nothing dequantized.
@@ -221,7 +247,7 @@ def ag_phase(call: Call, src: torch.Tensor, dest, group, gsize: int, stats_op: s
             all_rows = lay.with_rows((1,) * gsize)
             if isinstance(dest, tuple):
                 codes, scales = dest
-                unpack_codes(recv, all_rows, codes[:, a:b], scales[:, a // blk:a // blk + lay.kb])
+                unpack_codes(recv, all_rows, codes[:, a:b], scales[:, a // blk : a // blk + lay.kb])
             else:
                 unpack_chunks(recv, all_rows, spec.fmt, dest.dtype, out=dest[:, a:b], backend=kd)
         return dest

@@ -1,4 +1,5 @@
 """ErrorFeedback: one gradient buffer's quantization residual, carried from one call to the next."""
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ A bucket whose saturated-or-underflowed fraction is above `threshold` for `patie
 (the engine's own collective) for the next `cooldown` steps, then FP8 again. Non-finite elements are counted but
 never trigger a fallback: they must reach the engine's overflow check, as without fp8comm.
 """
+
 from __future__ import annotations
 
 import logging
@@ -75,7 +76,7 @@ class _Pending:
     keys: list[str]
     work: object
     host: torch.Tensor
-    event: object = None
+    event: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -102,7 +103,7 @@ class Guard:
         return b
 
     def wire(self, key: str) -> str:
-        """"fp8", or "bf16" while `key` is falling back (the same answer on every rank at the same step)."""
+        """ "fp8", or "bf16" while `key` is falling back (the same answer on every rank at the same step)."""
         st = self.states.get(key)
         return "bf16" if st is not None and st.bf16_left > 0 else "fp8"
 
@@ -164,9 +165,13 @@ class Guard:
             if st.over >= self.policy.patience:
                 st.over = 0
                 st.bf16_left = self.policy.cooldown
-                self._switch("bf16", st, f"{frac:.2%} of its elements saturated or underflowed for "
-                                         f"{self.policy.patience} steps (threshold {self.policy.threshold:.2%})",
-                             key)
+                self._switch(
+                    "bf16",
+                    st,
+                    f"{frac:.2%} of its elements saturated or underflowed for "
+                    f"{self.policy.patience} steps (threshold {self.policy.threshold:.2%})",
+                    key,
+                )
         self.history.append({"step": self.steps, **fractions})
 
     def _switch(self, to: str, st: BucketState, why: str, key: str | None = None) -> None:
@@ -178,13 +183,18 @@ class Guard:
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        return {"policy": asdict(self.policy), "steps": self.steps,
-                "states": {k: asdict(s) for k, s in self.states.items()}, "history": list(self.history)}
+        return {
+            "policy": asdict(self.policy),
+            "steps": self.steps,
+            "states": {k: asdict(s) for k, s in self.states.items()},
+            "history": list(self.history),
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         if GuardPolicy(**sd["policy"]) != self.policy:
-            raise Fp8CommConfigError(f"checkpointed guard policy {sd['policy']} differs from this run's "
-                                     f"{asdict(self.policy)}")
+            raise Fp8CommConfigError(
+                f"checkpointed guard policy {sd['policy']} differs from this run's {asdict(self.policy)}"
+            )
         self.steps = int(sd["steps"])
         self.states = {k: BucketState(**v) for k, v in sd["states"].items()}
         self.history = list(sd.get("history", []))
@@ -192,8 +202,15 @@ class Guard:
 
     def summary(self) -> dict[str, dict]:
         """{key: {wire, switches, last_fraction, bf16_left}} for logs and reports."""
-        return {k: {"wire": self.wire(k), "switches": s.switches, "last_fraction": s.last_fraction,
-                    "bf16_left": s.bf16_left} for k, s in self.states.items()}
+        return {
+            k: {
+                "wire": self.wire(k),
+                "switches": s.switches,
+                "last_fraction": s.last_fraction,
+                "bf16_left": s.bf16_left,
+            }
+            for k, s in self.states.items()
+        }
 
     def plot(self, path: str, title: str = "fp8comm guard") -> None:
         """Per bucket: the fraction that saturated or underflowed per step, the threshold, and BF16 spans."""
@@ -222,5 +239,7 @@ def _same_buckets(n: int, group, device: torch.device) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     hi, lo = (int(v) for v in t.tolist())
     if hi != -lo:
-        raise Fp8CommError(f"fp8comm guard: ranks registered different numbers of buckets (max {hi}, min {-lo}); "
-                           "every rank must make the same guarded collectives")
+        raise Fp8CommError(
+            f"fp8comm guard: ranks registered different numbers of buckets (max {hi}, min {-lo}); "
+            "every rank must make the same guarded collectives"
+        )

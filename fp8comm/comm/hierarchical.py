@@ -5,6 +5,7 @@ Ranks n*local .. n*local+local-1 of the group form node n (torchrun's layout). `
 grouped by local index, then an FP8 reduce-scatter across nodes. all-gather: FP8 all-gather across nodes, then the
 same bytes all-gathered inside the node (cheaper than high precision, and every rank decodes identical bytes).
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..quant.wire import layout_of, unpack_chunks
 from ..errors import Fp8CommError
+from ..quant.wire import layout_of, unpack_chunks
 from .core import Call, all_gather_bytes, quantize_input, rs_phase
 from .feedback import ErrorFeedback
 
@@ -31,7 +32,7 @@ class HierarchicalGroups:
     local_rank: int
 
 
-_CACHE: dict[tuple, HierarchicalGroups] = {}
+_CACHE: dict[tuple, HierarchicalGroups | None] = {}
 
 
 def node_groups(group=None, local_size: int | None = None, ranks: list[int] | None = None):
@@ -47,16 +48,18 @@ def node_groups(group=None, local_size: int | None = None, ranks: list[int] | No
     if local_size is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None:
-            raise Fp8CommError("hierarchical=True needs LOCAL_WORLD_SIZE (set by torchrun) or explicit "
-                               "HierarchicalGroups / node_groups(local_size=...)")
+            raise Fp8CommError(
+                "hierarchical=True needs LOCAL_WORLD_SIZE (set by torchrun) or explicit "
+                "HierarchicalGroups / node_groups(local_size=...)"
+            )
         local_size = int(env)
     if ranks is None:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    ranks = tuple(int(r) for r in ranks)
+    ranks = [int(r) for r in ranks]
     world = len(ranks)
     if local_size <= 0 or world % local_size:
         raise Fp8CommError(f"hierarchical mode: group size {world} is not a multiple of the node size {local_size}")
-    key = (ranks, local_size)
+    key = (tuple(ranks), local_size)
     if key not in _CACHE:
         nodes = world // local_size
         intra = [dist.new_group([ranks[n * local_size + i] for i in range(local_size)]) for n in range(nodes)]
@@ -80,15 +83,21 @@ def precheck(hierarchical, group) -> tuple[int, tuple[str, str] | None]:
         return 0, ("option", f"hierarchical must be None/False, True or HierarchicalGroups, got {hierarchical!r}")
     env = os.environ.get("LOCAL_WORLD_SIZE")
     if env is None:
-        return 0, ("option", "hierarchical=True needs LOCAL_WORLD_SIZE (set by torchrun) or a HierarchicalGroups "
-                             "from node_groups(local_size=...)")
+        return 0, (
+            "option",
+            "hierarchical=True needs LOCAL_WORLD_SIZE (set by torchrun) or a HierarchicalGroups "
+            "from node_groups(local_size=...)",
+        )
     local = int(env)
     if group is not None and dist.get_world_size(group) != dist.get_world_size():
         ranks = tuple(dist.get_process_group_ranks(group))
         if (ranks, local) not in _CACHE:
             # Creating groups is collective over the whole world; members alone would deadlock.
-            return 0, ("option", "hierarchical=True on a subgroup: call fp8comm.comm.node_groups(group, ranks=...) "
-                                 "on every rank of the world first, or pass hierarchical=<HierarchicalGroups>")
+            return 0, (
+                "option",
+                "hierarchical=True on a subgroup: call fp8comm.comm.node_groups(group, ranks=...) "
+                "on every rank of the world first, or pass hierarchical=<HierarchicalGroups>",
+            )
     return local, None
 
 
@@ -101,8 +110,15 @@ def resolve_groups(hierarchical, group) -> HierarchicalGroups | None:
     return node_groups(group)
 
 
-def hier_rs_phase(call: Call, hg: HierarchicalGroups, x: torch.Tensor, L: int, ef: ErrorFeedback | None,
-                  stats_dtype: torch.dtype, calls: int = 1):
+def hier_rs_phase(
+    call: Call,
+    hg: HierarchicalGroups,
+    x: torch.Tensor,
+    L: int,
+    ef: ErrorFeedback | None,
+    stats_dtype: torch.dtype,
+    calls: int = 1,
+):
     """Intra-node fp32 reduce-scatter now, then start the FP8 cross-node phase: (work, finish -> fp32 [L])."""
     dev, nn, lc = x.device, hg.nodes, hg.local
     total = call.world * L
@@ -120,8 +136,9 @@ def hier_rs_phase(call: Call, hg: HierarchicalGroups, x: torch.Tensor, L: int, e
     return rs_phase(call, part, L, hg.inter, nn, ef, call.op, stats_dtype, calls)
 
 
-def hier_ag_phase(call: Call, hg: HierarchicalGroups, src: torch.Tensor, dest: torch.Tensor,
-                  stats_dtype: torch.dtype, calls: int = 1):
+def hier_ag_phase(
+    call: Call, hg: HierarchicalGroups, src: torch.Tensor, dest: torch.Tensor, stats_dtype: torch.dtype, calls: int = 1
+):
     """FP8 cross-node all-gather now, start the node-local gather of the same bytes: (work, finish -> dest)."""
     spec, dev, n, nn, lc = call.spec, src.device, src.numel(), hg.nodes, hg.local
     one = layout_of((1,), n, spec.scaling)

@@ -4,6 +4,7 @@ The forward packs the tokens for each destination as one chunk (payload then sca
 ONE all_to_all_single over bytes. The backward sends gradients the reverse way (bf16 by default, FP8 optional).
 For the combine direction call it with the reversed splits; wire="bf16" (DeepSeek-V3's choice) or "fp8".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from ..quant.formats import get_format
 from ..quant.tensor import Fp8Tensor
-from ..quant.wire import ChunkLayout, layout_of, pack_chunks, unpack_chunks, unpack_codes
+from ..quant.wire import ChunkLayout, layout_of, unpack_chunks, unpack_codes
 from .buffers import Handle, Lease
 from .checks import Meta, as_int_list, group_rank_size, out_problem, split_problem, tensor_problem
 from .collectives import start_call
@@ -33,17 +34,29 @@ class _Spec:
 
     out_splits: tuple[int, ...]
     in_splits: tuple[int, ...]
-    group: object
+    group: dist.ProcessGroup | None
     grad_wire: str
-    grad_spec: WireSpec
+    grad_spec: WireSpec  # used when grad_wire is fp8
     state: CommState  # the forward's buffer state: the backward leases, counts and seeds through it too
     bwd_hint: int | None = None  # size hint (see Call.size_hint) for the backward's reverse all-to-all
     ef: ErrorFeedback | None = None  # the forward's error feedback (FP8 wire)
 
 
-def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None, group=None, *,
-               wire: str = "fp8", grad_wire: str = "bf16", grad_fmt=None, async_op: bool = False,
-               fp8_out: bool = False, out=None, error_feedback: ErrorFeedback | None = None, **kw):
+def all_to_all(
+    tensor: torch.Tensor,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    *,
+    wire: str = "fp8",
+    grad_wire: str = "bf16",
+    grad_fmt=None,
+    async_op: bool = False,
+    fp8_out: bool = False,
+    out=None,
+    error_feedback: ErrorFeedback | None = None,
+    **kw,
+):
     """Send rows input_split_sizes[j] of tokens [T, H] to rank j; returns [sum(output_split_sizes), H] (autograd).
 
     config= / keyword options / buffer= / seed= as for every collective (fp8comm.comm.collectives).
@@ -69,8 +82,13 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
     if error_feedback is not None and (wire != "fp8" or not isinstance(error_feedback, ErrorFeedback)):
         meta.fail(("option", "error_feedback needs wire='fp8' and an fp8comm.comm.ErrorFeedback"))
     if fp8_out and isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
-        meta.fail(("option", "fp8_out=True returns FP8 codes with no autograd edge, but the tokens require grad; "
-                             "pass tokens.detach() (or use the dequantizing path, which has the backward)"))
+        meta.fail(
+            (
+                "option",
+                "fp8_out=True returns FP8 codes with no autograd edge, but the tokens require grad; "
+                "pass tokens.detach() (or use the dequantizing path, which has the backward)",
+            )
+        )
     grad_format = None
     if grad_fmt is not None:
         try:
@@ -82,17 +100,19 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         if out is None or meta.error is not None:
             return None
         if not fp8_out and tensor.requires_grad and torch.is_grad_enabled():
-            return ("option", "out= writes in place and has no autograd edge, but the tokens require grad; "
-                              "pass tokens.detach() or leave out=None")
+            return (
+                "option",
+                "out= writes in place and has no autograd edge, but the tokens require grad; "
+                "pass tokens.detach() or leave out=None",
+            )
         return out_problem(out, (sum(outs), tensor.shape[1]), tensor.dtype, tensor.device, spec if fp8_out else None)
 
     even = input_split_sizes is None and output_split_sizes is None
     # Deferred with even splits: the check travels while the first piece is quantized. Uneven splits need its
     # table first (the piece plan below depends on every rank's token count).
-    call = start_call("all_to_all", group, meta, kw, out_check, defer=even, fp8_wire=wire == "fp8",
-                      ef=error_feedback)
+    call = start_call("all_to_all", group, meta, kw, out_check, defer=even, fp8_wire=wire == "fp8", ef=error_feedback)
     spec = call.spec
-    grad_spec = WireSpec(grad_format or spec.fmt, spec.scaling, spec.rounding, spec.backend) if spec else None
+    grad_spec = WireSpec(grad_format or spec.fmt, spec.scaling, spec.rounding, spec.backend)
     # Auto pipelining needs a size every rank agrees on: even splits (the token count is checked to be equal), or
     # the largest rank's token count from the metadata check's table of every rank's splits.
     h = tensor.shape[1]
@@ -105,8 +125,20 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         bwd = None
     s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, call.state, bwd, error_feedback)
     if fp8_out or out is not None:  # no autograd edge: FP8 codes out, or a caller's preallocated output
-        h = guarded(call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all",
-                                         fp8_out=fp8_out, out=out, ef=error_feedback))
+        h = guarded(
+            call,
+            lambda: _start(
+                call,
+                tensor.detach(),
+                s.out_splits,
+                s.in_splits,
+                wire,
+                "all_to_all",
+                fp8_out=fp8_out,
+                out=out,
+                ef=error_feedback,
+            ),
+        )
         if async_op:
             return Handle([h], h.wait, call.lease)
         try:
@@ -119,8 +151,9 @@ def all_to_all(tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=
         finally:
             call.lease.release()
     # Async: the transfer starts now; wait() dequantizes and attaches the autograd edge for the backward.
-    h = guarded(call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all",
-                                     ef=error_feedback))
+    h = guarded(
+        call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all", ef=error_feedback)
+    )
     return Handle([h], lambda: _Attach.apply(tensor, h.wait(), s), call.lease)
 
 
@@ -158,8 +191,17 @@ class _Pending:
         return self._out is not None or self._work is None or self._work.is_completed()
 
 
-def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8_out: bool = False,
-           out=None, ef: ErrorFeedback | None = None) -> _Pending:
+def _start(
+    call: Call,
+    x: torch.Tensor,
+    outs,
+    ins,
+    wire: str,
+    stats_op: str,
+    fp8_out: bool = False,
+    out=None,
+    ef: ErrorFeedback | None = None,
+) -> _Pending:
     """Start moving rows ins[j] of x to rank j (receiving outs[i] rows from rank i) with `wire` encoding."""
     h, dev, dtype = x.shape[1], x.device, x.dtype
     me = call.rank
@@ -184,10 +226,12 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
     oparts = [[row_part(n, p, npieces) for n in outs] for p in range(npieces)]
     lins = [layout_of(tuple(b - a for a, b in pp), h, spec.scaling) for pp in parts]
     louts = [layout_of(tuple(b - a for a, b in pp), h, spec.scaling) for pp in oparts]
-    sends = _slices(call.lease.take(sum(lay.total_bytes for lay in lins), torch.uint8, dev),
-                    [lay.total_bytes for lay in lins])
-    recvs = _slices(call.lease.take(sum(lay.total_bytes for lay in louts), torch.uint8, dev),
-                    [lay.total_bytes for lay in louts])
+    sends = _slices(
+        call.lease.take(sum(lay.total_bytes for lay in lins), torch.uint8, dev), [lay.total_bytes for lay in lins]
+    )
+    recvs = _slices(
+        call.lease.take(sum(lay.total_bytes for lay in louts), torch.uint8, dev), [lay.total_bytes for lay in louts]
+    )
     kq, kd = call.kernel(dev, x.numel()), call.kernel(dev, sum(outs) * h)
     in0, out0 = [0, *accumulate(ins)], [0, *accumulate(outs)]  # first row of each chunk
     works = []
@@ -199,13 +243,20 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
         else:
             for j, (a, b) in enumerate(pp):
                 one, o = lin.chunk(j), lin.offsets[j]
-                call.pack(x[in0[j] + a:in0[j] + b], one, send[o:o + one.total_bytes], kq)
+                call.pack(x[in0[j] + a : in0[j] + b], one, send[o : o + one.total_bytes], kq)
         call.checked()  # the deferred metadata check travelled while piece 0 was quantized
         # Byte splits: each destination's chunk is payload + scales, so one collective carries both.
-        works.append(dist.all_to_all_single(recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes),
-                                            group=call.group, async_op=True))
-    call.record(stats_op, sum(lin.total_bytes - lin.chunk_bytes[me] for lin in lins),
-           (sum(ins) - ins[me]) * h * x.element_size(), x.numel())
+        works.append(
+            dist.all_to_all_single(
+                recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes), group=call.group, async_op=True
+            )
+        )
+    call.record(
+        stats_op,
+        sum(lin.total_bytes - lin.chunk_bytes[me] for lin in lins),
+        (sum(ins) - ins[me]) * h * x.element_size(),
+        x.numel(),
+    )
     if fp8_out and given is not None:
         codes, scales = given.data.view(torch.uint8), given.scale
     elif fp8_out:
@@ -228,10 +279,13 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
             for i, (a, b) in enumerate(pp):
                 if b > a:
                     o = lout.offsets[i]
-                    receive(recv[o:o + lout.chunk_bytes[i]], lout.chunk(i), out0[i] + a, out0[i] + b)
+                    receive(recv[o : o + lout.chunk_bytes[i]], lout.chunk(i), out0[i] + a, out0[i] + b)
         if fp8_out:
-            return given if given is not None else Fp8Tensor(codes.view(spec.fmt.dtype), scales, spec.fmt,
-                                                             spec.scaling, dtype)
+            return (
+                given
+                if given is not None
+                else Fp8Tensor(codes.view(spec.fmt.dtype), scales, spec.fmt, spec.scaling, dtype)
+            )
         return out
 
     return _Pending(Pieces(works), finish)
@@ -239,8 +293,17 @@ def _start(call: Call, x: torch.Tensor, outs, ins, wire: str, stats_op: str, fp8
 
 def _backward(ctx_spec: _Spec, g: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     s = ctx_spec
-    call = Call("all_to_all.backward", s.group, rank, world, s.grad_spec, Lease(s.state.pool),
-                s.state.next_seed(None, rank, s.grad_spec.rounding), size_hint=s.bwd_hint, state=s.state)
+    call = Call(
+        "all_to_all.backward",
+        s.group,
+        rank,
+        world,
+        s.grad_spec,
+        Lease(s.state.pool),
+        s.state.next_seed(None, rank, s.grad_spec.rounding),
+        size_hint=s.bwd_hint,
+        state=s.state,
+    )
     try:
         # Reverse direction: what we received (out_splits) goes back to where it came from.
         return _start(call, g.contiguous(), s.in_splits, s.out_splits, s.grad_wire, "all_to_all.backward").wait()

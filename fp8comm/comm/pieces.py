@@ -3,6 +3,7 @@
 Every rank must cut the same pieces (each is its own collective), so the plan depends only on sizes and options
 every rank agrees on (checked by the metadata check when it runs).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ def piece_count(numel: int | None, device: torch.device, rounding: str, pipeline
     return max(1, pipeline or auto)
 
 
-def plan_pieces(k: int, block: int | None, numel: int | None, device: torch.device, rounding: str,
-                pipeline: int) -> list[tuple[int, int]]:
+def plan_pieces(
+    k: int, block: int | None, numel: int | None, device: torch.device, rounding: str, pipeline: int
+) -> list[tuple[int, int]]:
     """Column ranges [a, b) of the K dim that travel as separate pieces: whole blocks each, equal but the last."""
     if k == 0 or block is None:
         return [(0, k)]

@@ -3,6 +3,7 @@
 Each Buffer owns one; calls without a Buffer use the process's default state (`default_state()`), so the
 functional API and a Buffer never share scratch memory, counters or seeds by accident.
 """
+
 from __future__ import annotations
 
 import threading

@@ -4,6 +4,7 @@
 scales included; the baseline uses the same definition for the input dtype, so the ratio is the saving. Every
 Buffer keeps its own Stats; each record also adds to the process totals that comm_stats() reports.
 """
+
 from __future__ import annotations
 
 import threading
@@ -23,8 +24,14 @@ class OpStats:
         return self.dtype_bytes / self.wire_bytes if self.wire_bytes else float("nan")
 
     def as_dict(self) -> dict:
-        return {"calls": self.calls, "wire_bytes": self.wire_bytes, "dtype_bytes": self.dtype_bytes,
-                "check_bytes": self.check_bytes, "elements": self.elements, "ratio": self.ratio}
+        return {
+            "calls": self.calls,
+            "wire_bytes": self.wire_bytes,
+            "dtype_bytes": self.dtype_bytes,
+            "check_bytes": self.check_bytes,
+            "elements": self.elements,
+            "ratio": self.ratio,
+        }
 
 
 class Stats:
@@ -35,8 +42,9 @@ class Stats:
         self.parent = parent
         self._lock = threading.Lock()
 
-    def record(self, op: str, wire_bytes: int, dtype_bytes: int, elements: int = 0, check_bytes: int = 0,
-               calls: int = 1) -> None:
+    def record(
+        self, op: str, wire_bytes: int, dtype_bytes: int, elements: int = 0, check_bytes: int = 0, calls: int = 1
+    ) -> None:
         with self._lock:
             s = self.ops.setdefault(op, OpStats())
             s.calls += calls
@@ -77,6 +85,7 @@ def format_comm_stats(stats: dict | None = None) -> str:
     stats = comm_stats() if stats is None else stats
     rows = [f"{'op':<28}{'calls':>8}{'wire MB':>12}{'dtype MB':>12}{'saved':>8}"]
     for op, s in stats.items():
-        rows.append(f"{op:<28}{s['calls']:>8}{s['wire_bytes'] / 1e6:>12.3f}{s['dtype_bytes'] / 1e6:>12.3f}"
-                    f"{s['ratio']:>7.3f}x")
+        rows.append(
+            f"{op:<28}{s['calls']:>8}{s['wire_bytes'] / 1e6:>12.3f}{s['dtype_bytes'] / 1e6:>12.3f}{s['ratio']:>7.3f}x"
+        )
     return "\n".join(rows)

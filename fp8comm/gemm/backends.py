@@ -9,6 +9,7 @@ Routing is never silent (routing.py): every GEMM increments a counter `gemm.<bac
 and each new routing decision is logged once at DEBUG on the "fp8comm.gemm" logger (a failed backend at WARNING).
 There is no BF16 fallback: when no FP8 backend can take a GEMM, the exact emulation runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,13 +18,22 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..errors import Fp8CommError, Fp8CommNotImplementedError
 from ..quant import Fp8Tensor, Scaling, quantize
 from .operands import check_operands, row_scales, scale_kind, transpose
 from .routing import ROUTING, log
-from ..errors import Fp8CommError, Fp8CommNotImplementedError
 
-__all__ = ["BACKENDS", "gemm", "emulate", "emulate_f64", "scaled_mm", "scale_kind", "transpose", "check_operands",
-           "row_scales"]
+__all__ = [
+    "BACKENDS",
+    "gemm",
+    "emulate",
+    "emulate_f64",
+    "scaled_mm",
+    "scale_kind",
+    "transpose",
+    "check_operands",
+    "row_scales",
+]
 
 BACKENDS = ("auto", "emulation", "scaled_mm", "triton")
 
@@ -47,20 +57,23 @@ def emulate(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32) 
     # scales per K block: [nk, m, 1] and [nk, 1, n] (a scale column spans ca // kblk K blocks)
     sa_t = (sa if ca == kblk else sa.repeat_interleave(ca // kblk, 1)[:, :nk]).t().unsqueeze(2)
     sb_t = (sb if cb == kblk else sb.repeat_interleave(cb // kblk, 1)[:, :nk]).t().unsqueeze(1)
-    out = None
+    out: torch.Tensor | None = None
     g = max(1, (1 << 24) // max(m * n, 1))  # K blocks per batched matmul: bounds the [g, m, n] temporary
     for k0 in range(0, nk, g):
-        part = torch.bmm(a3[k0:k0 + g], b3[k0:k0 + g])  # fp32 accumulation within each K block
-        part = part.mul_(sa_t[k0:k0 + g]).mul_(sb_t[k0:k0 + g]).sum(0)  # in place: CPU broadcasts are slow
+        part = torch.bmm(a3[k0 : k0 + g], b3[k0 : k0 + g])  # fp32 accumulation within each K block
+        part = part.mul_(sa_t[k0 : k0 + g]).mul_(sb_t[k0 : k0 + g]).sum(0)  # in place: CPU broadcasts are slow
         out = part if out is None else out.add_(part)
+    assert out is not None  # nk >= 1
     return out.to(out_dtype)
 
 
 def emulate_f64(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     """float64 product of the dequantized operands (the ground truth the backends are tested against)."""
+
     def deq(q):
         s, c = row_scales(q)
-        return q.data.double() * s.double().repeat_interleave(c, 1)[:, :q.shape[1]]
+        return q.data.double() * s.double().repeat_interleave(c, 1)[:, : q.shape[1]]
+
     return deq(a) @ deq(b).t()
 
 
@@ -98,10 +111,9 @@ def _blockwise_layouts(device: torch.device):
     for name, fa in candidates.items():
         for nameb, fb in candidates.items():
             try:
-                got = torch._scaled_mm(qa.data, qb.data.t(), fa(qa.scale), fb(qb.scale.t()),
-                                       out_dtype=torch.bfloat16)
+                got = torch._scaled_mm(qa.data, qb.data.t(), fa(qa.scale), fb(qb.scale.t()), out_dtype=torch.bfloat16)
                 err = (got.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-            except Exception as e:  # noqa: BLE001 - any failure means "not this layout"
+            except Exception as e:
                 log.debug("blockwise _scaled_mm probe %s/%s failed: %s", name, nameb, e)
                 continue
             if err < 1e-2:
@@ -172,8 +184,13 @@ def candidates(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> list[tuple
             cands.append(("scaled_mm", ""))
         elif ka == kb_ == "row" and a.fmt.name == b.fmt.name == "e4m3" and out_dtype == torch.bfloat16:
             cands.append(("scaled_mm", ""))
-        elif (ka == "block1x128" and kb_ in ("block128x128", "block1x128") and a.fmt.name == b.fmt.name == "e4m3"
-              and out_dtype == torch.bfloat16 and _blockwise_layouts(dev) is not None):
+        elif (
+            ka == "block1x128"
+            and kb_ in ("block128x128", "block1x128")
+            and a.fmt.name == b.fmt.name == "e4m3"
+            and out_dtype == torch.bfloat16
+            and _blockwise_layouts(dev) is not None
+        ):
             cands.append(("scaled_mm", ""))
         if _triton_ok(dev):
             cands.append(("triton", "" if not cands else "fallback"))
@@ -202,8 +219,16 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32, bac
             ROUTING.count(key)
             if (key, sig) not in ROUTING.logged:
                 ROUTING.logged.add((key, sig))
-                log.debug("GEMM %s x %s (%s x %s, out %s) -> %s%s", scale_kind(a), scale_kind(b), a.fmt, b.fmt,
-                          out_dtype, name, f" ({why})" if why else "")
+                log.debug(
+                    "GEMM %s x %s (%s x %s, out %s) -> %s%s",
+                    scale_kind(a),
+                    scale_kind(b),
+                    a.fmt,
+                    b.fmt,
+                    out_dtype,
+                    name,
+                    f" ({why})" if why else "",
+                )
         fn = _BACKEND_FNS[name]
         if compiling or backend != "auto" or i == len(cands) - 1:
             return fn(a, b, out_dtype)
@@ -212,14 +237,21 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32, bac
         except (RuntimeError, NotImplementedError) as e:  # record, warn once, route to the next backend
             ROUTING.failed[(name, sig)] = str(e)
             ROUTING.count(f"gemm.{name}.failed")
-            log.warning("FP8 GEMM backend %s failed for %s; routing to %s from now on: %s", name, sig,
-                        cands[i + 1][0], str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning(
+                "FP8 GEMM backend %s failed for %s; routing to %s from now on: %s",
+                name,
+                sig,
+                cands[i + 1][0],
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+            )
     raise AssertionError("unreachable: emulation is always a candidate")
 
 
 def _triton(a, b, out_dtype):
     if not _triton_ok(a.data.device):
-        raise Fp8CommNotImplementedError(f"the Triton GEMM needs CUDA tensors or TRITON_INTERPRET=1 (got {a.data.device})")
+        raise Fp8CommNotImplementedError(
+            f"the Triton GEMM needs CUDA tensors or TRITON_INTERPRET=1 (got {a.data.device})"
+        )
     from .triton_gemm import triton_gemm
 
     return triton_gemm(a, b, out_dtype)

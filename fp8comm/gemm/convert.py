@@ -4,16 +4,17 @@ Skipped, each with its reason in the report: the output head (by name, or tied t
 dimension below `min_features`, the first/last N transformer blocks on request, modules a user filter rejects.
 Embeddings and norms are not linears; they are listed as kept in high precision so the report is complete.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from torch import nn
 
+from ..errors import Fp8CommError, Fp8CommTypeError
 from .linear import WEIGHT_CACHES, Fp8Linear
 from .recipes import Fp8Recipe, get_recipe
-from ..errors import Fp8CommError, Fp8CommTypeError
 
 HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "classifier")
 
@@ -28,8 +29,10 @@ class ConversionReport:
 
     def __str__(self) -> str:
         w = max([len(n) for n in self.converted + list(self.skipped)] + [6])
-        lines = [f"convert_to_fp8 (recipe {self.recipe}): {len(self.converted)} converted, "
-                 f"{len(self.skipped)} kept in high precision"]
+        lines = [
+            f"convert_to_fp8 (recipe {self.recipe}): {len(self.converted)} converted, "
+            f"{len(self.skipped)} kept in high precision"
+        ]
         lines += [f"  {n:<{w}}  fp8" for n in self.converted]
         lines += [f"  {n:<{w}}  kept: {why}" for n, why in self.skipped.items()]
         return "\n".join(lines)
@@ -39,23 +42,36 @@ def _find_blocks(model: nn.Module) -> tuple[str, int] | None:
     """(name, length) of the transformer-block container: the first ModuleList/Sequential of >= 2 children that
     contain linears."""
     for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2 and all(
-                any(isinstance(s, nn.Linear) for s in c.modules()) for c in m):
+        if (
+            isinstance(m, (nn.ModuleList, nn.Sequential))
+            and len(m) >= 2
+            and all(any(isinstance(s, nn.Linear) for s in c.modules()) for c in m)
+        ):
             return name, len(m)
     return None
 
 
 def _is_norm(m: nn.Module) -> bool:
-    return isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm)) or \
-        "norm" in type(m).__name__.lower()
+    return (
+        isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm))
+        or "norm" in type(m).__name__.lower()
+    )
 
 
-def convert_to_fp8(model: nn.Module, recipe: str | Fp8Recipe = "blockwise", *, skip_first_blocks: int = 0,
-                   skip_last_blocks: int = 0, min_features: int = 16, skip_output_head: bool = True,
-                   head_names: tuple[str, ...] = HEAD_NAMES,
-                   module_filter: Callable[[str, nn.Linear], bool] | None = None,
-                   backend: str = "auto", quant_backend: str = "auto",
-                   weight_cache: str = "step") -> ConversionReport:
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: str | Fp8Recipe = "blockwise",
+    *,
+    skip_first_blocks: int = 0,
+    skip_last_blocks: int = 0,
+    min_features: int = 16,
+    skip_output_head: bool = True,
+    head_names: tuple[str, ...] = HEAD_NAMES,
+    module_filter: Callable[[str, nn.Linear], bool] | None = None,
+    backend: str = "auto",
+    quant_backend: str = "auto",
+    weight_cache: str = "step",
+) -> ConversionReport:
     """Replace eligible nn.Linear modules of `model` (in place) by Fp8Linear sharing their Parameters.
 
     module_filter(name, linear) -> False skips a module ("user filter"); weight_cache: see Fp8Linear ("gathered"
@@ -81,7 +97,7 @@ def convert_to_fp8(model: nn.Module, recipe: str | Fp8Recipe = "blockwise", *, s
         if min(lin.in_features, lin.out_features) < min_features:
             return f"below size threshold (min dim {min(lin.in_features, lin.out_features)} < {min_features})"
         if blocks is not None and name.startswith(blocks[0] + "."):
-            idx = int(name[len(blocks[0]) + 1:].split(".", 1)[0])
+            idx = int(name[len(blocks[0]) + 1 :].split(".", 1)[0])
             if idx < skip_first_blocks:
                 return f"first {skip_first_blocks} block(s) (block {idx})"
             if idx >= blocks[1] - skip_last_blocks:
@@ -107,8 +123,9 @@ def convert_to_fp8(model: nn.Module, recipe: str | Fp8Recipe = "blockwise", *, s
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = Fp8Linear.from_linear(getattr(parent, child), rec, backend=backend, quant_backend=quant_backend,
-                                    weight_cache=weight_cache)
+        new = Fp8Linear.from_linear(
+            getattr(parent, child), rec, backend=backend, quant_backend=quant_backend, weight_cache=weight_cache
+        )
         new.fp8_name = name
         setattr(parent, child, new)
         report.converted.append(name)

@@ -15,20 +15,22 @@ would keep ~2 bytes per parameter of the whole model on every GPU (and the engin
 and version counter, so the cache key could repeat after an optimizer step). weight_cache="gathered" keeps
 nothing: the forward quantizes the gathered weight, the backward quantizes it again from the engine's re-gather.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import Fp8CommError, Fp8CommTypeError
 from ..quant import Fp8Tensor, quantize, quantize_with_transpose, scale_from_amax
 from ..quant.formats import get_format
 from . import backends
 from .recipes import ROLES, Fp8Recipe, get_recipe
-from ..errors import Fp8CommError, Fp8CommTypeError
 
 
 def _push_history(hist: torch.Tensor, amax: torch.Tensor) -> None:
@@ -90,9 +92,19 @@ class Fp8Linear(nn.Linear):
     Output dtype is the input's (under autocast, the autocast dtype, like nn.Linear).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe: str | Fp8Recipe = "blockwise", backend: str = "auto", quant_backend: str = "auto",
-                 weight_cache: str = "step"):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        recipe: str | Fp8Recipe = "blockwise",
+        backend: str = "auto",
+        quant_backend: str = "auto",
+        weight_cache: str = "step",
+    ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._setup(recipe, backend, quant_backend, weight_cache)
 
@@ -103,7 +115,7 @@ class Fp8Linear(nn.Linear):
         self.backend = backend
         self.quant_backend = quant_backend
         self.weight_cache = weight_cache
-        self.telemetry = None  # a telemetry.Telemetry, set by Telemetry.attach
+        self.telemetry: Any = None  # a telemetry.Telemetry, set by Telemetry.attach
         self.fp8_name = ""
         self.weight_quantizations = 0  # how often the weight was quantized (once per optimizer step)
         self._wcache: tuple | None = None
@@ -112,15 +124,21 @@ class Fp8Linear(nn.Linear):
         dev = self.weight.device
         for r in ROLES:
             if self.recipe.role(r).source == "delayed":
-                self.register_buffer(f"{r}_amax_history",
-                                     torch.zeros(self.recipe.history_len, dtype=torch.float32, device=dev))
+                self.register_buffer(
+                    f"{r}_amax_history", torch.zeros(self.recipe.history_len, dtype=torch.float32, device=dev)
+                )
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, recipe: str | Fp8Recipe = "blockwise", backend: str = "auto",
-                    quant_backend: str = "auto", weight_cache: str = "step") -> "Fp8Linear":
+    def from_linear(
+        cls,
+        lin: nn.Linear,
+        recipe: str | Fp8Recipe = "blockwise",
+        backend: str = "auto",
+        quant_backend: str = "auto",
+        weight_cache: str = "step",
+    ) -> Fp8Linear:
         """An Fp8Linear sharing `lin`'s Parameters (optimizer state and tied weights stay valid)."""
-        new = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta",
-                  recipe="tensorwise")
+        new = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta", recipe="tensorwise")
         new.weight, new.bias = lin.weight, lin.bias
         new._setup(recipe, backend, quant_backend, weight_cache)
         new.train(lin.training)
@@ -133,8 +151,10 @@ class Fp8Linear(nn.Linear):
     @weight_cache.setter
     def weight_cache(self, policy: str) -> None:
         if policy not in WEIGHT_CACHES:
-            raise Fp8CommError(f"unknown weight_cache {policy!r}; valid: {', '.join(WEIGHT_CACHES)} ('gathered' "
-                             "under ZeRO-3 / FSDP, where the full weight exists only while the engine gathers it)")
+            raise Fp8CommError(
+                f"unknown weight_cache {policy!r}; valid: {', '.join(WEIGHT_CACHES)} ('gathered' "
+                "under ZeRO-3 / FSDP, where the full weight exists only while the engine gathers it)"
+            )
         self._weight_cache = policy
         self._wcache = None
 
@@ -149,7 +169,7 @@ class Fp8Linear(nn.Linear):
         if cfg.source == "none":
             return torch.ones(1, 1, device=dev)
         if cfg.source == "constant":
-            return torch.full((1, 1), 2.0 ** -self.recipe.constant_bias, device=dev)
+            return torch.full((1, 1), 2.0**-self.recipe.constant_bias, device=dev)
         if cfg.source == "delayed" and self._ready[role]:
             h = getattr(self, f"{role}_amax_history")
             amax = h.max() if self.recipe.amax_reduce == "max" else h[0]
@@ -164,13 +184,15 @@ class Fp8Linear(nn.Linear):
         # one global state (no grad, no autocast) for every call: compiled quantizers would recompile per state
         with torch.no_grad(), torch.autocast(t.device.type, enabled=False):
             if with_transpose:
-                q, q_t = quantize_with_transpose(t.detach(), cfg.fmt, scaling=cfg.scaling,
-                                                 scale=self._scale_for(role), backend=self.quant_backend)
+                q, q_t = quantize_with_transpose(
+                    t.detach(), cfg.fmt, scaling=cfg.scaling, scale=self._scale_for(role), backend=self.quant_backend
+                )
             else:
-                q = quantize(t.detach(), cfg.fmt, scaling=cfg.scaling, scale=self._scale_for(role),
-                             backend=self.quant_backend)
+                q = quantize(
+                    t.detach(), cfg.fmt, scaling=cfg.scaling, scale=self._scale_for(role), backend=self.quant_backend
+                )
         if primary and cfg.source == "delayed" and t.numel():
-            _push_history(getattr(self, f"{role}_amax_history"), q.amax)
+            _push_history(getattr(self, f"{role}_amax_history"), cast(torch.Tensor, q.amax))  # quantize sets it
             self._ready[role] = True
         tel = self.telemetry
         if primary and tel is not None and not torch.compiler.is_compiling() and tel.active(role):
@@ -230,14 +252,14 @@ class Fp8Linear(nn.Linear):
         """W^T [K, N] for dgrad, cached with W: the same codes transposed (contiguous) for transpose-invariant
         scaling, else W quantized along N. Made here only when the cached W came from a no-grad forward."""
         c = self._wcache
-        cached = c is not None and c[1] is wq
-        if cached and c[2] is not None:
+        if c is not None and c[1] is wq and c[2] is not None:
             return c[2]
+        cached = c is not None and c[1] is wq
         if self.recipe.weight.transpose_invariant:
             wq_t = backends.transpose(wq, contiguous=cached)  # compiled graphs: a view, as it is used once
         else:
             wq_t = self._quantize(self.weight.detach().t(), "weight", primary=False)
-        if cached:
+        if c is not None and cached:
             self._wcache = (c[0], c[1], wq_t)
         return wq_t
 
@@ -267,10 +289,12 @@ class Fp8Linear(nn.Linear):
         return y.reshape(*lead, self.out_features)
 
     # ---------------------------------------------------------------------------------------------- state dict
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         for r in ROLES:
             key = f"{prefix}{r}_amax_history"
             if hasattr(self, f"{r}_amax_history"):
@@ -287,4 +311,3 @@ FP8_STATE_SUFFIXES = tuple(f"{r}_amax_history" for r in ROLES)
 def strip_fp8_state(state_dict: dict) -> dict:
     """A copy of `state_dict` without Fp8Linear's scaling state: loadable into the plain (unconverted) model."""
     return {k: v for k, v in state_dict.items() if not k.endswith(FP8_STATE_SUFFIXES)}
-

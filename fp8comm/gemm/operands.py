@@ -1,10 +1,11 @@
 """What the GEMM backends need to know about one FP8 operand: its scale layout, transposition and validity."""
+
 from __future__ import annotations
 
 import torch
 
-from ..quant import Fp8Tensor, Scaling
 from ..errors import Fp8CommError
+from ..quant import Fp8Tensor, Scaling
 
 
 def scale_kind(q: Fp8Tensor) -> str:
@@ -28,8 +29,14 @@ def transpose(q: Fp8Tensor, contiguous: bool = False) -> Fp8Tensor:
     if not (sc.rows is None and sc.cols is None) and sc.rows != sc.cols:
         raise Fp8CommError(f"{sc.describe()} scales are not transpose-invariant; quantize the transpose instead")
     data = q.data.t().contiguous() if contiguous else q.data.t()
-    return Fp8Tensor(data, q.scale.t(), q.fmt, Scaling(sc.cols, sc.rows, sc.encoding, sc.margin), q.dtype,
-                     None if q.amax is None else q.amax.t())
+    return Fp8Tensor(
+        data,
+        q.scale.t(),
+        q.fmt,
+        Scaling(sc.cols, sc.rows, sc.encoding, sc.margin),
+        q.dtype,
+        None if q.amax is None else q.amax.t(),
+    )
 
 
 def check_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
@@ -43,8 +50,10 @@ def check_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
     for name, q in (("a", a), ("b", b)):
         m, k = q.shape
         if tuple(q.scale.shape) != q.scaling.scale_shape(m, k):
-            raise Fp8CommError(f"operand {name}: scale shape {tuple(q.scale.shape)} does not match "
-                             f"{q.scaling.describe()} blocks of {tuple(q.shape)}")
+            raise Fp8CommError(
+                f"operand {name}: scale shape {tuple(q.scale.shape)} does not match "
+                f"{q.scaling.describe()} blocks of {tuple(q.shape)}"
+            )
 
 
 def row_scales(q: Fp8Tensor) -> tuple[torch.Tensor, int]:

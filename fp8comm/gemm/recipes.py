@@ -5,12 +5,13 @@ encoding, the margin and where the scale comes from (current amax, delayed amax 
 Named presets reproduce the seed paper (fp8_amax, cscale), torchao/TE (tensorwise, delayed, rowwise),
 DeepSeek-V3 (blockwise) and OCP MX (mxfp8); `fp8_noscale` is the negative control.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..quant import Scaling, get_format
 from ..errors import Fp8CommError
+from ..quant import Scaling, get_format
 
 ROLES = ("input", "weight", "grad")
 GRANULARITIES = ("tensor", "row", "block", "mx")
@@ -113,35 +114,73 @@ def _tensor(fmt: str, **kw) -> RoleConfig:
 def _presets() -> dict[str, Fp8Recipe]:
     e4, e5 = "e4m3", "e5m2"
     pow2 = dict(encoding="pow2")
-    return {r.name: r for r in [
-        # Seed paper FP8-AMAX: per tensor, power-of-two scales; margin 3 on gradients only (Graphcore's layer),
-        # E4 weights/activations, E5 gradients.
-        Fp8Recipe("fp8_amax", _tensor(e4, **pow2), _tensor(e4, **pow2), _tensor(e5, margin=3, **pow2),
-                  notes="Perez et al. 2023 FP8-AMAX"),
-        # Seed paper FP8-CSCALE: one constant bias for every tensor for the whole run (sweep it).
-        Fp8Recipe("cscale", _tensor(e4, source="constant", **pow2), _tensor(e4, source="constant", **pow2),
-                  _tensor(e5, source="constant", **pow2), notes="Perez et al. 2023 FP8-CSCALE"),
-        # TE/torchao delayed scaling: the scale comes from the max of the last 16 amax values.
-        Fp8Recipe("delayed", _tensor(e4, source="delayed"), _tensor(e4, source="delayed"),
-                  _tensor(e5, source="delayed"), notes="TE / torchao delayed scaling (HYBRID formats)"),
-        Fp8Recipe("tensorwise", _tensor(e4), _tensor(e4), _tensor(e5), notes="exact fp32 per-tensor scales"),
-        Fp8Recipe("rowwise", RoleConfig(e4, "row"), RoleConfig(e4, "row"), RoleConfig(e4, "row"),
-                  notes="torchao rowwise: one scale per row along K of every GEMM operand"),
-        # DeepSeek-V3: 1x128 activations and gradients, 128x128 weights, E4M3 everywhere, fp32 promotion per 128.
-        Fp8Recipe("blockwise", RoleConfig(e4, "block", 128), RoleConfig(e4, "block", 128, block_rows=128),
-                  RoleConfig(e4, "block", 128), notes="DeepSeek-V3"),
-        Fp8Recipe("mxfp8", RoleConfig(e4, "mx", 32), RoleConfig(e4, "mx", 32), RoleConfig(e4, "mx", 32),
-                  notes="OCP MXFP8: 1x32 blocks, E8M0 scales"),
-        # Negative control: cast to FP8 with scale 1 (saturating), no scaling at all.
-        Fp8Recipe("fp8_noscale", _tensor(e4, source="none"), _tensor(e4, source="none"),
-                  _tensor(e5, source="none"), notes="negative control: plain cast, no scaling"),
-    ]}
+    return {
+        r.name: r
+        for r in [
+            # Seed paper FP8-AMAX: per tensor, power-of-two scales; margin 3 on gradients only (Graphcore's layer),
+            # E4 weights/activations, E5 gradients.
+            Fp8Recipe(
+                "fp8_amax",
+                _tensor(e4, **pow2),
+                _tensor(e4, **pow2),
+                _tensor(e5, margin=3, **pow2),
+                notes="Perez et al. 2023 FP8-AMAX",
+            ),
+            # Seed paper FP8-CSCALE: one constant bias for every tensor for the whole run (sweep it).
+            Fp8Recipe(
+                "cscale",
+                _tensor(e4, source="constant", **pow2),
+                _tensor(e4, source="constant", **pow2),
+                _tensor(e5, source="constant", **pow2),
+                notes="Perez et al. 2023 FP8-CSCALE",
+            ),
+            # TE/torchao delayed scaling: the scale comes from the max of the last 16 amax values.
+            Fp8Recipe(
+                "delayed",
+                _tensor(e4, source="delayed"),
+                _tensor(e4, source="delayed"),
+                _tensor(e5, source="delayed"),
+                notes="TE / torchao delayed scaling (HYBRID formats)",
+            ),
+            Fp8Recipe("tensorwise", _tensor(e4), _tensor(e4), _tensor(e5), notes="exact fp32 per-tensor scales"),
+            Fp8Recipe(
+                "rowwise",
+                RoleConfig(e4, "row"),
+                RoleConfig(e4, "row"),
+                RoleConfig(e4, "row"),
+                notes="torchao rowwise: one scale per row along K of every GEMM operand",
+            ),
+            # DeepSeek-V3: 1x128 activations and gradients, 128x128 weights, E4M3 everywhere, fp32 promotion per 128.
+            Fp8Recipe(
+                "blockwise",
+                RoleConfig(e4, "block", 128),
+                RoleConfig(e4, "block", 128, block_rows=128),
+                RoleConfig(e4, "block", 128),
+                notes="DeepSeek-V3",
+            ),
+            Fp8Recipe(
+                "mxfp8",
+                RoleConfig(e4, "mx", 32),
+                RoleConfig(e4, "mx", 32),
+                RoleConfig(e4, "mx", 32),
+                notes="OCP MXFP8: 1x32 blocks, E8M0 scales",
+            ),
+            # Negative control: cast to FP8 with scale 1 (saturating), no scaling at all.
+            Fp8Recipe(
+                "fp8_noscale",
+                _tensor(e4, source="none"),
+                _tensor(e4, source="none"),
+                _tensor(e5, source="none"),
+                notes="negative control: plain cast, no scaling",
+            ),
+        ]
+    }
 
 
 RECIPES: dict[str, Fp8Recipe] = _presets()
 
 
-def get_recipe(recipe: "str | Fp8Recipe", **overrides) -> Fp8Recipe:
+def get_recipe(recipe: str | Fp8Recipe, **overrides) -> Fp8Recipe:
     """A preset by name (or a recipe itself), with top-level fields replaced, e.g. get_recipe("cscale",
     constant_bias=4)."""
     if isinstance(recipe, Fp8Recipe):

@@ -4,6 +4,7 @@ Routing is never silent: every GEMM counts under `gemm.<backend>[.<why>]` (paddi
 routing decision is logged once. The state is per process because what it caches is (the device's capabilities,
 a backend that raised once for a signature); `reset()` clears it (tests, benchmarks).
 """
+
 from __future__ import annotations
 
 import logging

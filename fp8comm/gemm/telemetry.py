@@ -5,6 +5,7 @@ so a fallback is never silent. `Telemetry` is opt-in (it reads values back from 
 and each quantization of an input, weight or gradient records amax, the scales (as log2, the seed paper's "scale
 bias" up to sign), the fraction that underflowed to zero, the fraction that saturated, and inf/NaN counts.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..errors import Fp8CommError
 from .linear import Fp8Linear
 from .routing import ROUTING
-from ..errors import Fp8CommError
 
 
 def count(key: str, n: int = 1) -> None:
@@ -62,7 +63,7 @@ class Telemetry:
         self.records: list[Record] = []
         self.nonfinite: Counter = Counter()  # (layer, role) -> inf/NaN elements seen, counted at every sample
 
-    def attach(self, model: torch.nn.Module) -> "Telemetry":
+    def attach(self, model: torch.nn.Module) -> Telemetry:
         """Record for every Fp8Linear in `model` (named by its module path)."""
         n = 0
         for name, m in model.named_modules():
@@ -100,13 +101,27 @@ class Telemetry:
         over = int((finite & (x2.abs() > lim)).sum()) / n_fin if n_fin else 0.0
         ls = q.scale.float().reshape(-1)
         if q.amax is not None and q.amax.numel() == ls.numel():  # all-zero blocks get scale 1 by convention:
-            ls = ls[q.amax.reshape(-1) > 0]                        # they carry no information, leave them out
+            ls = ls[q.amax.reshape(-1) > 0]  # they carry no information, leave them out
         ls = torch.log2(ls)
         if ls.numel() == 0:
             ls = torch.zeros(1)
         amax = float(q.amax.max()) if q.amax is not None and q.amax.numel() else 0.0
-        self.records.append(Record(self.step_count, layer, role, q.fmt.name, amax, float(ls.min()),
-                                   float(ls.median()), float(ls.max()), under, over, nonfinite, x2.numel()))
+        self.records.append(
+            Record(
+                self.step_count,
+                layer,
+                role,
+                q.fmt.name,
+                amax,
+                float(ls.min()),
+                float(ls.median()),
+                float(ls.max()),
+                under,
+                over,
+                nonfinite,
+                x2.numel(),
+            )
+        )
 
     def to_jsonl(self, path: str) -> None:
         with open(path, "w") as f:
@@ -120,11 +135,18 @@ class Telemetry:
             groups[(r.layer, r.role)].append(r)
         rows = []
         for (layer, role), rs in groups.items():
-            rows.append(dict(layer=layer, role=role, samples=len(rs), amax=rs[-1].amax,
-                             scale_log2=rs[-1].scale_log2_median,
-                             underflow=sum(r.underflow for r in rs) / len(rs),
-                             overflow=sum(r.overflow for r in rs) / len(rs),
-                             nonfinite=self.nonfinite[(layer, role)]))
+            rows.append(
+                dict(
+                    layer=layer,
+                    role=role,
+                    samples=len(rs),
+                    amax=rs[-1].amax,
+                    scale_log2=rs[-1].scale_log2_median,
+                    underflow=sum(r.underflow for r in rs) / len(rs),
+                    overflow=sum(r.overflow for r in rs) / len(rs),
+                    nonfinite=self.nonfinite[(layer, role)],
+                )
+            )
         return rows
 
     def plot(self, path: str, title: str = "") -> None:
@@ -150,8 +172,14 @@ class Telemetry:
                 steps = [r.step for r in rs]
                 ax.plot(steps, [-r.scale_log2_median for r in rs], color=c, lw=1, label=layer)
                 if any(r.scale_log2_min != r.scale_log2_max for r in rs):
-                    ax.fill_between(steps, [-r.scale_log2_max for r in rs], [-r.scale_log2_min for r in rs],
-                                    color=c, alpha=0.15, lw=0)
+                    ax.fill_between(
+                        steps,
+                        [-r.scale_log2_max for r in rs],
+                        [-r.scale_log2_min for r in rs],
+                        color=c,
+                        alpha=0.15,
+                        lw=0,
+                    )
             ax.set_title(f"{role} ({rs[0].fmt if rs else ''})")
             ax.set_xlabel("step")
             ax.set_ylabel("scale bias  -log2(scale)")

@@ -6,6 +6,7 @@ the scale block along K (128 for blockwise, 32 for MX), so each tile's partial p
 scale per row of a and per row of b before it joins the fp32 accumulator. Runs on CUDA, or on CPU tensors under
 TRITON_INTERPRET=1 (slowly: tests use small shapes).
 """
+
 from __future__ import annotations
 
 import os
@@ -14,10 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import Fp8CommError, Fp8CommNotImplementedError
 from ..quant import Fp8Tensor
 from .operands import check_operands, row_scales
-from ..errors import Fp8CommError, Fp8CommNotImplementedError
-
 
 # Tile configs on CUDA by K tile: >= 64 (per-tensor, rows, 128-blocks) and < 64 (MX 1x32). From a sweep of 16
 # configs at 8192^3 (launch/profile_fp8linear.py --sweep-gemm; the table and its date: docs/benchmarks.md, GEMMs).
@@ -26,11 +26,33 @@ GPU_CONFIG_SMALL_K = dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_s
 
 
 @triton.jit
-def _block_scaled_gemm(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
-                       stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                       stride_sam, stride_sak, stride_sbn, stride_sbk,
-                       SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, UPCAST: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _block_scaled_gemm(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    sa_ptr,
+    sb_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    stride_sam,
+    stride_sak,
+    stride_sbn,
+    stride_sbk,
+    SA_ROWS: tl.constexpr,
+    SB_ROWS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     # grouped order: GROUP_M row tiles sweep the column tiles together, so their a and b tiles are reused from L2
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
@@ -81,8 +103,13 @@ def _scale_args(q: Fp8Tensor, kblock: int) -> tuple[torch.Tensor, int, int, int]
     return s, s_r, s_k, (1 if s.shape[0] == 1 else br)
 
 
-def triton_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32,
-                block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+def triton_gemm(
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
     """a @ b.T for FP8 operands with any scale layout whose K blocks are multiples of 16 (or span all of K)."""
     check_operands(a, b)
     m, k = a.shape
@@ -102,15 +129,37 @@ def triton_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float
     sa, sa_r, sa_k, ra = _scale_args(a, kblock)
     sb, sb_r, sb_k, rb = _scale_args(b, kblock)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    cfg = dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8) if interp else dict(GPU_CONFIG if kblock >= 64 else
-                                                                        GPU_CONFIG_SMALL_K)
+    cfg = (
+        dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8) if interp else dict(GPU_CONFIG if kblock >= 64 else GPU_CONFIG_SMALL_K)
+    )
     if block_m:
         cfg["BLOCK_M"] = block_m
     if block_n:
         cfg["BLOCK_N"] = block_n
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _block_scaled_gemm[grid](a.data, b.data, out, sa, sb, m, n, k,
-                             a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
-                             out.stride(0), out.stride(1), sa_r, sa_k, sb_r, sb_k,
-                             SA_ROWS=ra, SB_ROWS=rb, UPCAST=a.fmt.name != b.fmt.name, BLOCK_K=kblock, **cfg)
+    _block_scaled_gemm[grid](
+        a.data,
+        b.data,
+        out,
+        sa,
+        sb,
+        m,
+        n,
+        k,
+        a.data.stride(0),
+        a.data.stride(1),
+        b.data.stride(0),
+        b.data.stride(1),
+        out.stride(0),
+        out.stride(1),
+        sa_r,
+        sa_k,
+        sb_r,
+        sb_k,
+        SA_ROWS=ra,
+        SB_ROWS=rb,
+        UPCAST=a.fmt.name != b.fmt.name,
+        BLOCK_K=kblock,
+        **cfg,
+    )
     return out

@@ -1,14 +1,15 @@
 """Public quantize/dequantize and the choice of backend (reference torch, torch.compile, Triton)."""
+
 from __future__ import annotations
 
 import torch
 
+from ..errors import Fp8CommError, Fp8CommTypeError
 from .dispatch import resolve_backend
 from .formats import FLOAT8_DTYPES, Fp8Format, get_format
 from .layout import view_2d
 from .scaling import Scaling, check_scale, get_scaling
 from .tensor import Fp8Tensor
-from ..errors import Fp8CommError, Fp8CommTypeError
 
 ROUNDINGS = ("nearest", "stochastic")
 
@@ -18,7 +19,9 @@ def check_input(x: torch.Tensor, what: str = "quantize") -> None:
     if not isinstance(x, torch.Tensor):
         raise Fp8CommTypeError(f"{what} needs a torch.Tensor, got {type(x).__name__}")
     if x.dtype in FLOAT8_DTYPES:
-        raise Fp8CommTypeError(f"{what}: input is already {x.dtype}; pass the high-precision tensor (or dequantize first)")
+        raise Fp8CommTypeError(
+            f"{what}: input is already {x.dtype}; pass the high-precision tensor (or dequantize first)"
+        )
     if x.is_complex() or not x.is_floating_point():
         raise Fp8CommTypeError(f"{what} needs a floating-point tensor (float32, bfloat16, float16), got {x.dtype}")
 
@@ -32,12 +35,22 @@ def _scaling_from(block_size, scaling) -> Scaling:
         return Scaling(block_size[0], block_size[1])
     if isinstance(block_size, int) and not isinstance(block_size, bool):
         return Scaling(1, block_size)
-    raise Fp8CommError(f"invalid block_size {block_size!r}; expected a positive int, (rows, cols), or None (per tensor)")
+    raise Fp8CommError(
+        f"invalid block_size {block_size!r}; expected a positive int, (rows, cols), or None (per tensor)"
+    )
 
 
-def quantize(x: torch.Tensor, fmt: str | Fp8Format = "e4m3", block_size: int | tuple[int, int] | None = 128, *,
-             scaling: Scaling | str | None = None, scale: torch.Tensor | float | None = None,
-             rounding: str = "nearest", seed: int = 0, backend: str = "auto") -> Fp8Tensor:
+def quantize(
+    x: torch.Tensor,
+    fmt: str | Fp8Format = "e4m3",
+    block_size: int | tuple[int, int] | None = 128,
+    *,
+    scaling: Scaling | str | None = None,
+    scale: torch.Tensor | float | None = None,
+    rounding: str = "nearest",
+    seed: int = 0,
+    backend: str = "auto",
+) -> Fp8Tensor:
     """Quantize `x` to FP8 with one scale per 1 x `block_size` block along the last dim (None: per tensor).
 
     `scaling` (a Scaling or preset name) overrides block_size; `scale` fixes the dequant scales (constant/delayed).
@@ -58,9 +71,16 @@ def quantize(x: torch.Tensor, fmt: str | Fp8Format = "e4m3", block_size: int | t
     return Fp8Tensor(codes.contiguous().view(fmt.dtype).reshape(x.shape), s, fmt, sc, x.dtype, amax)
 
 
-def quantize_with_transpose(x: torch.Tensor, fmt: str | Fp8Format = "e4m3", *, scaling: Scaling | str | None = None,
-                            scale: torch.Tensor | float | None = None, rounding: str = "nearest", seed: int = 0,
-                            backend: str = "auto") -> tuple[Fp8Tensor, Fp8Tensor]:
+def quantize_with_transpose(
+    x: torch.Tensor,
+    fmt: str | Fp8Format = "e4m3",
+    *,
+    scaling: Scaling | str | None = None,
+    scale: torch.Tensor | float | None = None,
+    rounding: str = "nearest",
+    seed: int = 0,
+    backend: str = "auto",
+) -> tuple[Fp8Tensor, Fp8Tensor]:
     """(q, q_t): 2-D `x` [M, K] quantized as quantize() does, and x^T [K, M] as a contiguous FP8 operand (what a
     GEMM contracting over M takes). Transpose-invariant scaling (per tensor, square blocks): q_t is the same codes
     transposed. Rows and 1xB blocks: q_t is quantize(x.t()), with its own scales along M. On Triton, per tensor and
@@ -76,17 +96,23 @@ def quantize_with_transpose(x: torch.Tensor, fmt: str | Fp8Format = "e4m3", *, s
     invariant = sc.rows == sc.cols
     if scale is not None:
         if not invariant:
-            raise Fp8CommError(f"caller scales need transpose-invariant scaling (per tensor or square blocks): x^T "
-                             f"under {sc.describe()} blocks has other blocks; pass scale=None")
+            raise Fp8CommError(
+                f"caller scales need transpose-invariant scaling (per tensor or square blocks): x^T "
+                f"under {sc.describe()} blocks has other blocks; pass scale=None"
+            )
         scale = check_scale(scale, sc.scale_shape(m, k), sc).to(x.device)
     b = resolve_backend(backend, x.device, x.numel())
     if not invariant:
         if hasattr(b, "rowcol_supported") and b.rowcol_supported(sc):
             (c, s, a), (c_t, s_t, a_t) = b.quantize_2d_rowcol(x, fmt, sc, rounding, int(seed))
-            return (Fp8Tensor(c.view(fmt.dtype), s, fmt, sc, x.dtype, a),
-                    Fp8Tensor(c_t.view(fmt.dtype), s_t, fmt, sc, x.dtype, a_t))
-        return (quantize(x, fmt, scaling=sc, rounding=rounding, seed=seed, backend=backend),
-                quantize(x.t(), fmt, scaling=sc, rounding=rounding, seed=seed, backend=backend))
+            return (
+                Fp8Tensor(c.view(fmt.dtype), s, fmt, sc, x.dtype, a),
+                Fp8Tensor(c_t.view(fmt.dtype), s_t, fmt, sc, x.dtype, a_t),
+            )
+        return (
+            quantize(x, fmt, scaling=sc, rounding=rounding, seed=seed, backend=backend),
+            quantize(x.t(), fmt, scaling=sc, rounding=rounding, seed=seed, backend=backend),
+        )
     if sc.rows is None and hasattr(b, "quantize_2d_t"):
         codes, codes_t, s, amax = b.quantize_2d_t(x, fmt, sc, rounding, int(seed), scale)
     else:

@@ -7,6 +7,7 @@ be a strided view, e.g. one pipeline piece of a bigger output), unpack_sum sums 
 pass (the measured speedup over the unfused graphs: docs/benchmarks.md). Stochastic rounding keeps the unfused
 path (its seed changes every call).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,6 +23,7 @@ name = "compiled"
 _cfg = torch._dynamo.config
 _key = "recompile_limit" if hasattr(_cfg, "recompile_limit") else "cache_size_limit"  # renamed across versions
 setattr(_cfg, _key, max(getattr(_cfg, _key), 64))
+
 
 def encode_nearest(x2: torch.Tensor, scale: torch.Tensor, scaling, fmt) -> torch.Tensor:
     """ref.encode(rounding="nearest") with one fp32 -> FP8 cast in place of round_to_grid + cast: the same bits, as
@@ -134,7 +136,7 @@ def _scale_view(buf: torch.Tensor, off: int, rows: int, kb: int, scaling) -> tor
     """The scale section of one chunk as [rows, kb] fp32 (4-byte scales; offsets are 16-byte aligned) or E8M0 bytes.
     Made outside the graphs, like the FP8-typed code views: in-graph dtype views cost more than the math."""
     n = rows * kb * scaling.scale_bytes
-    b = buf[off:off + n]
+    b = buf[off : off + n]
     return (b if scaling.encoding == "e8m0" else b.view(torch.float32)).view(rows, kb)
 
 
@@ -158,8 +160,8 @@ def pack_chunks(x2, layout, fmt, rounding, seed, out, counters=None):
         o, r0, pb = layout.offsets[c], layout.row_starts[c], layout.payload_bytes(c)
         nsb = rows * kb * sc.scale_bytes
         if rows and k:
-            x = x2[r0:r0 + rows]
-            codes = out[o:o + rows * k].view(rows, k)
+            x = x2[r0 : r0 + rows]
+            codes = out[o : o + rows * k].view(rows, k)
             sbytes = _scale_view(out, o + pb, rows, kb, sc)
             if kf and counters is None:
                 sbytes[:, :kbf] = _quant_into_c(x[:, :kf], fmt, sc, codes[:, :kf].view(fmt.dtype))
@@ -172,8 +174,8 @@ def pack_chunks(x2, layout, fmt, rounding, seed, out, counters=None):
                 sbytes[:, kbf:] = _scale_bits(ts, sc).view(rows, kb - kbf)
                 if counters is not None:
                     counters += ref.fit_counts(x[:, kf:], ts, tc, sc, fmt)
-        out[o + rows * k:o + pb] = 0
-        out[o + pb + nsb:o + layout.chunk_bytes[c]] = 0
+        out[o + rows * k : o + pb] = 0
+        out[o + pb + nsb : o + layout.chunk_bytes[c]] = 0
     return out
 
 
@@ -184,9 +186,9 @@ def unpack_chunks(buf, layout, fmt, out):
         if not rows or not k:
             continue
         o, r0 = layout.offsets[c], layout.row_starts[c]
-        codes = buf[o:o + rows * k].view(rows, k)
+        codes = buf[o : o + rows * k].view(rows, k)
         sv = _scale_view(buf, o + layout.payload_bytes(c), rows, kb, sc)
-        dst = out[r0:r0 + rows]
+        dst = out[r0 : r0 + rows]
         if kf:
             _deq_into_c(codes[:, :kf].view(fmt.dtype), sv[:, :kbf], fmt, sc, dst[:, :kf])
         if kf < k:
@@ -201,9 +203,9 @@ def unpack_sum(buf, layout, fmt, out):
         return out.zero_()
     kf, kbf = _split(layout)
     cb, pb = layout.chunk_bytes[0], layout.payload_bytes(0)
-    chunks = buf[:n * cb].view(n, cb)
-    codes3 = chunks[:, :rows * k].view(n, rows, k)
-    sb = chunks[:, pb:pb + rows * kb * sc.scale_bytes]
+    chunks = buf[: n * cb].view(n, cb)
+    codes3 = chunks[:, : rows * k].view(n, rows, k)
+    sb = chunks[:, pb : pb + rows * kb * sc.scale_bytes]
     sbytes3 = (sb if sc.encoding == "e8m0" else sb.view(torch.float32)).view(n, rows, kb)
     if kf:
         _sum_into_c(codes3[:, :, :kf].view(fmt.dtype), sbytes3[:, :, :kbf], fmt, sc, out[:, :kf])

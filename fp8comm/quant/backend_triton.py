@@ -4,22 +4,23 @@ Runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (slow: there t
 NaN payload bits of float outputs are whatever the hardware's fp32 multiply/add give (x86 keeps the operand's,
 CUDA returns the canonical NaN); which elements are NaN, and every other bit, match the reference.
 """
+
 from __future__ import annotations
 
 import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
+from ..errors import Fp8CommError, Fp8CommTypeError
 from . import reference as ref
 from . import triton_kernels as tk
 from .formats import Fp8Format
-from .scaling import Scaling, scale_from_amax
 from .layout import ChunkLayout
-from ..errors import Fp8CommError, Fp8CommTypeError
+from .scaling import Scaling, scale_from_amax
 
 name = "triton"
 
@@ -58,7 +59,7 @@ def _hw(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -96,8 +97,9 @@ class _Plan:
     grid: tuple
 
     def meta(self) -> dict:
-        return dict(RSTEP=self.rstep, SEG=self.seg, R=self.r, NB=self.nb, SEGW=self.segw, ROWS2D=self.rows2d,
-                    FIT=self.fit)
+        return dict(
+            RSTEP=self.rstep, SEG=self.seg, R=self.r, NB=self.nb, SEGW=self.segw, ROWS2D=self.rows2d, FIT=self.fit
+        )
 
     @property
     def num_warps(self) -> int:
@@ -150,9 +152,18 @@ def launch(kernel, grid, *args, num_warps: int = 4, **meta) -> None:
 @lru_cache(maxsize=256)
 def _quant_meta(fmt: Fp8Format, scaling: Scaling, rounding: str) -> dict:
     fm, fk = math.frexp(fmt.max)
-    return dict(FMAX=float(fmt.max), MBITS=fmt.mantissa_bits, MIN_SUB=fmt.min_subnormal_exp, HAS_INF=fmt.has_inf,
-                STOCHASTIC=rounding == "stochastic", POW2=scaling.encoding != "fp32", MARGIN=scaling.margin,
-                MARGIN_MUL=float(2.0 ** scaling.margin), FM_FRAC=int((2 * fm - 1) * 2 ** 23), FK=fk)
+    return dict(
+        FMAX=float(fmt.max),
+        MBITS=fmt.mantissa_bits,
+        MIN_SUB=fmt.min_subnormal_exp,
+        HAS_INF=fmt.has_inf,
+        STOCHASTIC=rounding == "stochastic",
+        POW2=scaling.encoding != "fp32",
+        MARGIN=scaling.margin,
+        MARGIN_MUL=float(2.0**scaling.margin),
+        FM_FRAC=int((2 * fm - 1) * 2**23),
+        FK=fk,
+    )
 
 
 def decode_meta(fmt: Fp8Format, device: torch.device) -> dict:
@@ -161,8 +172,12 @@ def decode_meta(fmt: Fp8Format, device: torch.device) -> dict:
 
 @lru_cache(maxsize=16)
 def _fmt_meta(fmt: Fp8Format) -> dict:
-    return dict(MBITS=fmt.mantissa_bits, BIAS=1 - fmt.min_normal_exp, MIN_SUB_MUL=float(2.0 ** fmt.min_subnormal_exp),
-                HAS_INF=fmt.has_inf)
+    return dict(
+        MBITS=fmt.mantissa_bits,
+        BIAS=1 - fmt.min_normal_exp,
+        MIN_SUB_MUL=float(2.0**fmt.min_subnormal_exp),
+        HAS_INF=fmt.has_inf,
+    )
 
 
 def _as_input(x2: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -198,9 +213,11 @@ def chunk_tables(layout: ChunkLayout, device: torch.device):
         return t
     n = len(layout.rows)
     pin = device.type == "cuda"
-    host = (torch.tensor(list(layout.row_starts) + [layout.total_rows], dtype=torch.int32),
-            torch.tensor(list(layout.offsets) + [layout.total_bytes], dtype=torch.int64),
-            torch.tensor([layout.payload_bytes(c) for c in range(n)] or [0], dtype=torch.int64))
+    host: tuple[torch.Tensor, ...] = (
+        torch.tensor(list(layout.row_starts) + [layout.total_rows], dtype=torch.int32),
+        torch.tensor(list(layout.offsets) + [layout.total_bytes], dtype=torch.int64),
+        torch.tensor([layout.payload_bytes(c) for c in range(n)] or [0], dtype=torch.int64),
+    )
     if pin:
         host = tuple(v.pin_memory() for v in host)
     t = tuple(v.to(device, non_blocking=True) for v in host) if device.type != "cpu" else host
@@ -220,13 +237,37 @@ def _amax_big(x: torch.Tensor, bf16: bool, amax: torch.Tensor, m: int, k: int, b
     nsr = _cdiv(min(br, m) if mb == 1 else br, tr)
     nsc = _cdiv(min(bc, k) if kb == 1 else bc, tc)
     if kb * nsc > MAX_GRID_1:
-        raise Fp8CommError(f"triton backend: {kb * nsc} column tiles exceed CUDA's grid limit; use the reference backend")
-    launch(tk.amax_kernel, (mb * nsr, kb * nsc), x, amax.view(torch.int32), m, k, br, bc, kb, nsr, nsc,
-            TR=tr, TC=tc, IN_BF16=bf16, num_warps=min(8, max(1, tr * tc // 1024)))
+        raise Fp8CommError(
+            f"triton backend: {kb * nsc} column tiles exceed CUDA's grid limit; use the reference backend"
+        )
+    launch(
+        tk.amax_kernel,
+        (mb * nsr, kb * nsc),
+        x,
+        amax.view(torch.int32),
+        m,
+        k,
+        br,
+        bc,
+        kb,
+        nsr,
+        nsc,
+        TR=tr,
+        TC=tc,
+        IN_BF16=bf16,
+        num_warps=min(8, max(1, tr * tc // 1024)),
+    )
 
 
-def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: str = "nearest", seed: int = 0,
-                scale: torch.Tensor | None = None, index_base: int = 0):
+def quantize_2d(
+    x2: torch.Tensor,
+    fmt: Fp8Format,
+    scaling: Scaling,
+    rounding: str = "nearest",
+    seed: int = 0,
+    scale: torch.Tensor | None = None,
+    index_base: int = 0,
+):
     """reference.quantize_2d: (uint8 codes [M, K], fp32 scales [mb, kb], fp32 block amax [mb, kb])."""
     if scaling.rows is None and scaling.cols is None:  # one scale: a plain elementwise pass after the amax
         codes, _, s, amax = quantize_2d_t(x2, fmt, scaling, rounding, seed, scale, index_base, transposed=False)
@@ -241,20 +282,59 @@ def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: st
         return codes, (scale if scale is not None else scale_from_amax(amax, fmt, scaling)), amax
     x, bf16 = _as_input(x2)
     given = scale is not None
-    s_out = scale.to(dev, torch.float32).contiguous() if given else torch.empty(mb, kb, dtype=torch.float32, device=dev)
+    s_out = (
+        scale.to(dev, torch.float32).contiguous()
+        if scale is not None
+        else torch.empty(mb, kb, dtype=torch.float32, device=dev)
+    )
     p = plan(m, k, br, bc)
     if not p.fit:
         _amax_big(x, bf16, amax, m, k, br, bc)
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
-    launch(tk.quant_kernel, p.grid, x, codes, s_out, amax, codes, codes, codes, 0, m, k, br, bc, kb,
-            _i32(index_base), _i32(key), codes, SCALE_GIVEN=given, PACK=False, SCALE_BYTES=4, NCH_STEPS=0,
-            K16=k % 16 == 0, PADC=1, IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
-            **_quant_meta(fmt, scaling, rounding))
+    launch(
+        tk.quant_kernel,
+        p.grid,
+        x,
+        codes,
+        s_out,
+        amax,
+        codes,
+        codes,
+        codes,
+        0,
+        m,
+        k,
+        br,
+        bc,
+        kb,
+        _i32(index_base),
+        _i32(key),
+        codes,
+        SCALE_GIVEN=given,
+        PACK=False,
+        SCALE_BYTES=4,
+        NCH_STEPS=0,
+        K16=k % 16 == 0,
+        PADC=1,
+        IN_BF16=bf16,
+        HW=_hw(dev),
+        num_warps=p.num_warps,
+        **p.meta(),
+        **_quant_meta(fmt, scaling, rounding),
+    )
     return codes, (scale if given else s_out), amax
 
 
-def quantize_2d_t(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: str = "nearest", seed: int = 0,
-                  scale: torch.Tensor | None = None, index_base: int = 0, transposed: bool = True):
+def quantize_2d_t(
+    x2: torch.Tensor,
+    fmt: Fp8Format,
+    scaling: Scaling,
+    rounding: str = "nearest",
+    seed: int = 0,
+    scale: torch.Tensor | None = None,
+    index_base: int = 0,
+    transposed: bool = True,
+):
     """Per-tensor quantize_2d plus the codes transposed, in one pass over x: (codes [M, K], codes^T [K, M]
     contiguous (codes again when not `transposed`), fp32 scale [1, 1], fp32 amax [1, 1]). The tensor amax is
     one read of x before it."""
@@ -269,7 +349,11 @@ def quantize_2d_t(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: 
         return codes, codes_t, (scale if scale is not None else scale_from_amax(amax, fmt, scaling)), amax
     x, bf16 = _as_input(x2)
     given = scale is not None
-    s_out = scale.to(dev, torch.float32).contiguous() if given else torch.empty(1, 1, dtype=torch.float32, device=dev)
+    s_out = (
+        scale.to(dev, torch.float32).contiguous()
+        if scale is not None
+        else torch.empty(1, 1, dtype=torch.float32, device=dev)
+    )
     _amax_big(x, bf16, amax, m, k, m, k)
     if _interpreting():  # the interpreter pays per program: one tile of up to INTERP_TILE elements
         bk = min(_p2(k), INTERP_TILE)
@@ -281,9 +365,27 @@ def quantize_2d_t(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: 
     if _cdiv(k, bk) > MAX_GRID_1:
         raise Fp8CommError(f"triton backend: {k} columns need {_cdiv(k, bk)} column tiles, over CUDA's grid limit")
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
-    launch(tk.quant_tensor_t_kernel, (_cdiv(m, bm), _cdiv(k, bk)), x, codes, codes_t, s_out, amax, m, k,
-            _i32(index_base), _i32(key), BM=bm, BK=bk, SCALE_GIVEN=given, WRITE_T=transposed, IN_BF16=bf16, HW=_hw(dev),
-            num_warps=warps, **_quant_meta(fmt, scaling, rounding))
+    launch(
+        tk.quant_tensor_t_kernel,
+        (_cdiv(m, bm), _cdiv(k, bk)),
+        x,
+        codes,
+        codes_t,
+        s_out,
+        amax,
+        m,
+        k,
+        _i32(index_base),
+        _i32(key),
+        BM=bm,
+        BK=bk,
+        SCALE_GIVEN=given,
+        WRITE_T=transposed,
+        IN_BF16=bf16,
+        HW=_hw(dev),
+        num_warps=warps,
+        **_quant_meta(fmt, scaling, rounding),
+    )
     return codes, codes_t, (scale if given else s_out), amax
 
 
@@ -297,27 +399,49 @@ def quantize_2d_rowcol(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, round
     """quantize_2d(x2) and quantize_2d(x2.t()) with 1 x B blocks (B = scaling.cols <= ROWCOL_MAX_BLOCK, power of
     two), both from one read of x2: (codes, scale, amax) of x2 [M, K], then of x2^T [K, M] (contiguous)."""
     if not rowcol_supported(scaling):
-        raise Fp8CommError(f"quantize_2d_rowcol takes 1xB blocks, B a power of two in [16, {ROWCOL_MAX_BLOCK}], "
-                         f"got {scaling.describe()}")
+        raise Fp8CommError(
+            f"quantize_2d_rowcol takes 1xB blocks, B a power of two in [16, {ROWCOL_MAX_BLOCK}], "
+            f"got {scaling.describe()}"
+        )
     m, k = x2.shape
     b = scaling.cols
+    assert b is not None  # rowcol_supported
     kb, mb = _cdiv(k, b), _cdiv(m, b)
     dev = x2.device
     codes = torch.empty(m, k, dtype=torch.uint8, device=dev)
     codes_t = torch.empty(k, m, dtype=torch.uint8, device=dev)
-    f32 = dict(dtype=torch.float32, device=dev)
-    s, a, s_t, a_t = (torch.empty(m, kb, **f32), torch.empty(m, kb, **f32), torch.empty(k, mb, **f32),
-                      torch.empty(k, mb, **f32))
+    s, a = (torch.empty(m, kb, dtype=torch.float32, device=dev) for _ in range(2))
+    s_t, a_t = (torch.empty(k, mb, dtype=torch.float32, device=dev) for _ in range(2))
     if m and k:
         x, bf16 = _as_input(x2)
         key = ref.seed_key(seed) if rounding == "stochastic" else 0
-        launch(tk.quant_rowcol_kernel, (mb, kb), x, codes, codes_t, s, s_t, a, a_t, m, k, kb, mb, _i32(key), B=b,
-                IN_BF16=bf16, HW=_hw(dev), num_warps=min(8, max(1, b * b // 2048)), **_quant_meta(fmt, scaling, rounding))
+        launch(
+            tk.quant_rowcol_kernel,
+            (mb, kb),
+            x,
+            codes,
+            codes_t,
+            s,
+            s_t,
+            a,
+            a_t,
+            m,
+            k,
+            kb,
+            mb,
+            _i32(key),
+            B=b,
+            IN_BF16=bf16,
+            HW=_hw(dev),
+            num_warps=min(8, max(1, b * b // 2048)),
+            **_quant_meta(fmt, scaling, rounding),
+        )
     return (codes, s, a), (codes_t, s_t, a_t)
 
 
-def dequantize_2d(codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scaling: Scaling,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+def dequantize_2d(
+    codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scaling: Scaling, out_dtype: torch.dtype
+) -> torch.Tensor:
     """reference.dequantize_2d(...).to(out_dtype): codes [M, K] times their block scales."""
     m, k = codes.shape
     out = torch.empty(m, k, dtype=out_dtype, device=codes.device)
@@ -329,13 +453,43 @@ def dequantize_2d(codes: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, scal
     s = scale.to(codes.device, torch.float32).contiguous()
     o, ov, bf16 = _out_target(out)
     p = plan(m, k, br, bc)
-    launch(tk.dequant_kernel, p.grid, c, s, ov, c, c, c, 0, 0, m, k, br, bc, kb, MODE=0, SCALE_BYTES=4,
-            NCH_STEPS=0, K16=k % 16 == 0, OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **decode_meta(fmt, c.device))
+    launch(
+        tk.dequant_kernel,
+        p.grid,
+        c,
+        s,
+        ov,
+        c,
+        c,
+        c,
+        0,
+        0,
+        m,
+        k,
+        br,
+        bc,
+        kb,
+        MODE=0,
+        SCALE_BYTES=4,
+        NCH_STEPS=0,
+        K16=k % 16 == 0,
+        OUT_BF16=bf16,
+        num_warps=p.num_warps,
+        **p.meta(),
+        **decode_meta(fmt, c.device),
+    )
     return o
 
 
-def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding: str, seed: int,
-                out: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
+def pack_chunks(
+    x2: torch.Tensor,
+    layout: ChunkLayout,
+    fmt: Fp8Format,
+    rounding: str,
+    seed: int,
+    out: torch.Tensor,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One launch: block amax, scale, rounding, payload + wire scales + zeroed padding into `out` (1xB blocks).
     Blocks wider than a tile (cols=None on very wide rows) add one amax launch before it. counters: the guard's
     counts are added by the same launch (three atomics per program)."""
@@ -352,11 +506,39 @@ def pack_chunks(x2: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, rounding:
         amax = torch.zeros(m, kb, dtype=torch.float32, device=dev)
         _amax_big(x, bf16, amax, m, k, 1, bc)
     key = ref.seed_key(seed) if rounding == "stochastic" else 0
-    launch(tk.quant_kernel, p.grid, x, out, starts, amax, starts, offs, pbytes, n, m, k, 1, bc, kb, 0, _i32(key),
-            counters if counters is not None else starts, COUNT=counters is not None,
-            SAT_LIMIT=ref.saturation_limit(fmt), SCALE_GIVEN=False, PACK=True, SCALE_BYTES=layout.scaling.scale_bytes,
-            NCH_STEPS=(n - 1).bit_length(), K16=k % 16 == 0, PADC=min(_p2(n), 64), IN_BF16=bf16, HW=_hw(dev), num_warps=p.num_warps, **p.meta(),
-            **_quant_meta(fmt, layout.scaling, rounding))
+    launch(
+        tk.quant_kernel,
+        p.grid,
+        x,
+        out,
+        starts,
+        amax,
+        starts,
+        offs,
+        pbytes,
+        n,
+        m,
+        k,
+        1,
+        bc,
+        kb,
+        0,
+        _i32(key),
+        counters if counters is not None else starts,
+        COUNT=counters is not None,
+        SAT_LIMIT=ref.saturation_limit(fmt),
+        SCALE_GIVEN=False,
+        PACK=True,
+        SCALE_BYTES=layout.scaling.scale_bytes,
+        NCH_STEPS=(n - 1).bit_length(),
+        K16=k % 16 == 0,
+        PADC=min(_p2(n), 64),
+        IN_BF16=bf16,
+        HW=_hw(dev),
+        num_warps=p.num_warps,
+        **p.meta(),
+        **_quant_meta(fmt, layout.scaling, rounding),
+    )
     return out
 
 
@@ -369,9 +551,31 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: t
     n = len(layout.rows)
     o, ov, bf16 = _out_target(out)
     p = plan(m, k, 1, layout.block)
-    launch(tk.dequant_kernel, p.grid, buf, buf, ov, starts, offs, pbytes, n, 0, m, k, 1, layout.block, layout.kb,
-            MODE=1, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=(n - 1).bit_length(), K16=k % 16 == 0,
-            OUT_BF16=bf16, num_warps=p.num_warps, **p.meta(), **decode_meta(fmt, buf.device))
+    launch(
+        tk.dequant_kernel,
+        p.grid,
+        buf,
+        buf,
+        ov,
+        starts,
+        offs,
+        pbytes,
+        n,
+        0,
+        m,
+        k,
+        1,
+        layout.block,
+        layout.kb,
+        MODE=1,
+        SCALE_BYTES=layout.scaling.scale_bytes,
+        NCH_STEPS=(n - 1).bit_length(),
+        K16=k % 16 == 0,
+        OUT_BF16=bf16,
+        num_warps=p.num_warps,
+        **p.meta(),
+        **decode_meta(fmt, buf.device),
+    )
     if o is not out:
         out.copy_(o)
     return out
@@ -386,9 +590,31 @@ def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torc
     _, _, pbytes = chunk_tables(layout, buf.device)
     o, ov, _ = _out_target(out)
     p = plan(rows, k, 1, layout.block)
-    launch(tk.dequant_kernel, p.grid, buf, buf, ov, pbytes, pbytes, pbytes, n, layout.chunk_bytes[0], rows, k, 1,
-            layout.block, layout.kb, MODE=2, SCALE_BYTES=layout.scaling.scale_bytes, NCH_STEPS=0, K16=k % 16 == 0,
-            OUT_BF16=False, num_warps=p.num_warps, **p.meta(), **decode_meta(fmt, buf.device))
+    launch(
+        tk.dequant_kernel,
+        p.grid,
+        buf,
+        buf,
+        ov,
+        pbytes,
+        pbytes,
+        pbytes,
+        n,
+        layout.chunk_bytes[0],
+        rows,
+        k,
+        1,
+        layout.block,
+        layout.kb,
+        MODE=2,
+        SCALE_BYTES=layout.scaling.scale_bytes,
+        NCH_STEPS=0,
+        K16=k % 16 == 0,
+        OUT_BF16=False,
+        num_warps=p.num_warps,
+        **p.meta(),
+        **decode_meta(fmt, buf.device),
+    )
     if o is not out:
         out.copy_(o)
     return out

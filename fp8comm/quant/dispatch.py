@@ -3,14 +3,15 @@
 resolve_backend(name, device, numel) returns the backend module; "auto" picks Triton on CUDA and the compiled path
 for big CPU tensors. Every backend implements the same functions and is tested bit-exact against the reference.
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
 
-from . import backend_compiled, backend_reference
 from ..errors import Fp8CommError, Fp8CommRuntimeError
+from . import backend_compiled, backend_reference
 
 BACKENDS = ("reference", "compiled", "triton")
 # Below this many elements the compile path is not worth its per-shape compile time on CPU.
@@ -41,7 +42,9 @@ def resolve_backend(name: str, device: torch.device, numel: int | None = None):
         return backend_compiled
     if name == "triton":
         if not triton_available(device):
-            raise Fp8CommRuntimeError(f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})")
+            raise Fp8CommRuntimeError(
+                f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})"
+            )
         from . import backend_triton  # triton is an optional dependency: imported on first use
 
         return backend_triton

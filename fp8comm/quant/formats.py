@@ -3,11 +3,13 @@
 A format knows its torch dtype, its largest finite value and its grid (mantissa bits, smallest exponent), which is
 all the quantizer needs to clamp, round and encode.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
 from ..errors import Fp8CommError
 
 
@@ -47,8 +49,9 @@ E8M0_MIN_EXP = -126  # we never emit 2**-127 so that every scale is a normal fp3
 E8M0_MAX_EXP = 127
 
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
-FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-                           torch.float8_e8m0fnu})
+FLOAT8_DTYPES = frozenset(
+    {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu}
+)
 _ALIASES = {"e4m3fn": "e4m3", "float8_e4m3fn": "e4m3", "fp8_e4m3": "e4m3", "float8_e5m2": "e5m2", "fp8_e5m2": "e5m2"}
 
 

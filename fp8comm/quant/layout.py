@@ -2,6 +2,7 @@
 
 Pure shape and byte arithmetic shared by every backend and by Fp8Tensor; nothing here runs a kernel.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +10,8 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from .scaling import Scaling
 from ..errors import Fp8CommError
+from .scaling import Scaling
 
 ALIGN = 16
 
@@ -101,11 +102,11 @@ class ChunkLayout:
     def total_bytes(self) -> int:
         return sum(self.chunk_bytes)
 
-    def chunk(self, c: int) -> "ChunkLayout":
+    def chunk(self, c: int) -> ChunkLayout:
         """Chunk c alone: its bytes are the same as at offsets[c] here (every chunk is aligned on its own)."""
         return layout_of((self.rows[c],), self.k, self.scaling)
 
-    def with_rows(self, rows) -> "ChunkLayout":
+    def with_rows(self, rows) -> ChunkLayout:
         return layout_of(tuple(int(r) for r in rows), self.k, self.scaling)
 
 

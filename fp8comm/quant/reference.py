@@ -4,6 +4,7 @@ All arithmetic is fp32 and correctly rounded: block amax over finite |x|, scale 
 clamp to the format max, round onto the FP8 grid (nearest-even, or stochastic from a counter-based hash), cast.
 Non-finite inputs are never clamped: E5M2 keeps +-inf (0x7C/0xFC); other inf/NaN become NaN (0x7F).
 """
+
 from __future__ import annotations
 
 import torch
@@ -103,8 +104,15 @@ def expand_scale(scale: torch.Tensor, m: int, k: int, scaling: Scaling) -> torch
     return scale.repeat_interleave(br, 0)[:m].repeat_interleave(bc, 1)[:, :k]
 
 
-def encode(x2: torch.Tensor, scale: torch.Tensor, scaling: Scaling, fmt: Fp8Format, rounding: str, seed: int,
-           index_base: int = 0) -> torch.Tensor:
+def encode(
+    x2: torch.Tensor,
+    scale: torch.Tensor,
+    scaling: Scaling,
+    fmt: Fp8Format,
+    rounding: str,
+    seed: int,
+    index_base: int = 0,
+) -> torch.Tensor:
     """FP8 codes (uint8 [M, K]) of x2 / block scale; `index_base` offsets the stochastic-rounding counter."""
     m, k = x2.shape
     x = blocks_view(x2.float(), scaling)
@@ -125,8 +133,15 @@ def encode(x2: torch.Tensor, scale: torch.Tensor, scaling: Scaling, fmt: Fp8Form
     return unblock(y.to(fmt.dtype).view(torch.uint8), m, k)
 
 
-def quantize_2d(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, rounding: str = "nearest", seed: int = 0,
-                scale: torch.Tensor | None = None, index_base: int = 0):
+def quantize_2d(
+    x2: torch.Tensor,
+    fmt: Fp8Format,
+    scaling: Scaling,
+    rounding: str = "nearest",
+    seed: int = 0,
+    scale: torch.Tensor | None = None,
+    index_base: int = 0,
+):
     """Quantize an [M, K] view -> (uint8 codes [M, K], fp32 scales [mb, kb], fp32 block amax [mb, kb])."""
     amax = block_amax(x2, scaling)
     if scale is None:
@@ -140,8 +155,9 @@ def saturation_limit(fmt: Fp8Format) -> float:
     return fmt.max * (1.0 + 2.0 ** -(fmt.mantissa_bits + 1))
 
 
-def fit_counts(x2: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor, scaling: Scaling,
-               fmt: Fp8Format) -> torch.Tensor:
+def fit_counts(
+    x2: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor, scaling: Scaling, fmt: Fp8Format
+) -> torch.Tensor:
     """int64 [saturated, underflow, nonfinite] of one quantization (the numerics guard's counts).
 
     saturated: finite x with |x| > scale * saturation_limit (fp32 product); underflow: finite non-zero x whose code

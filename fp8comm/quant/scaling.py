@@ -3,6 +3,7 @@
 Every scale is a *dequantization* multiplier: x ~= fp8_code * scale.  Current scaling derives it from the amax of
 the finite values in the block; delayed and constant scaling hand a fixed scale to `quantize(..., scale=...)`.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .formats import E8M0_MAX_EXP, E8M0_MIN_EXP, Fp8Format
 from ..errors import Fp8CommError, Fp8CommTypeError
+from .formats import E8M0_MAX_EXP, E8M0_MIN_EXP, Fp8Format
 
 ENCODINGS = ("fp32", "pow2", "e8m0")
 """fp32: exact amax/max scale. pow2: a power of two (with `margin`), stored as fp32. e8m0: a power of two, one byte."""
@@ -92,7 +93,7 @@ PRESETS = {
 }
 
 
-def get_scaling(s: "str | Scaling") -> Scaling:
+def get_scaling(s: str | Scaling) -> Scaling:
     if isinstance(s, Scaling):
         return s
     if isinstance(s, str) and s in PRESETS:
@@ -125,7 +126,7 @@ def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, scaling: Scaling) -> tor
     return torch.ldexp(torch.ones_like(amax), pow2_scale_exponent(amax, fmt, scaling.margin))
 
 
-def check_scale(scale: torch.Tensor, expected_shape: tuple[int, int], scaling: Scaling) -> torch.Tensor:
+def check_scale(scale: torch.Tensor | float, expected_shape: tuple[int, int], scaling: Scaling) -> torch.Tensor:
     """Validate a caller-supplied scale tensor (constant/delayed scaling) and return it as fp32 [mb, kb].
 
     Shape and dtype are always checked. Values (finite, > 0, powers of two for pow2/e8m0) are checked for host

@@ -1,15 +1,17 @@
 """Fp8Tensor: FP8 codes plus block scales, enough to dequantize or to pack into one wire buffer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import Fp8CommError
 from .dispatch import resolve_backend
 from .formats import Fp8Format, get_format
 from .layout import align, decode_scales, encode_scales, view_2d
 from .scaling import Scaling
-from ..errors import Fp8CommError
+
 
 @dataclass(repr=False)
 class Fp8Tensor:
@@ -31,8 +33,10 @@ class Fp8Tensor:
         return self.data.shape
 
     def __repr__(self) -> str:
-        return (f"Fp8Tensor(shape={tuple(self.shape)}, fmt={self.fmt.name}, scaling={self.scaling.describe()}, "
-                f"dtype={self.dtype}, device={self.data.device})")
+        return (
+            f"Fp8Tensor(shape={tuple(self.shape)}, fmt={self.fmt.name}, scaling={self.scaling.describe()}, "
+            f"dtype={self.dtype}, device={self.data.device})"
+        )
 
     def codes_2d(self) -> torch.Tensor:
         return self.data.view(torch.uint8).reshape(view_2d(self.shape))
@@ -42,9 +46,11 @@ class Fp8Tensor:
         dtype = self.dtype if dtype is None else dtype
         m, k = view_2d(self.shape)
         if tuple(self.scale.shape) != self.scaling.scale_shape(m, k):
-            raise Fp8CommError(f"Fp8Tensor scale has shape {tuple(self.scale.shape)}, expected "
-                             f"{self.scaling.scale_shape(m, k)} for {self.scaling.describe()} blocks of shape "
-                             f"{tuple(self.shape)}")
+            raise Fp8CommError(
+                f"Fp8Tensor scale has shape {tuple(self.scale.shape)}, expected "
+                f"{self.scaling.scale_shape(m, k)} for {self.scaling.describe()} blocks of shape "
+                f"{tuple(self.shape)}"
+            )
         b = resolve_backend(backend, self.data.device, self.data.numel())
         return b.dequantize_2d(self.codes_2d(), self.scale, self.fmt, self.scaling, dtype).reshape(self.shape)
 
@@ -73,11 +79,11 @@ class Fp8Tensor:
             raise Fp8CommError(f"pack buffer must be uint8 with >= {self.packed_size()} bytes")
         buf[:n] = self.data.reshape(-1).view(torch.uint8)
         off = align(n)
-        buf[off:off + ns * self.scaling.scale_bytes] = encode_scales(self.scale.reshape(-1), self.scaling)
+        buf[off : off + ns * self.scaling.scale_bytes] = encode_scales(self.scale.reshape(-1), self.scaling)
         return buf
 
     @classmethod
-    def unpack(cls, buf: torch.Tensor, shape, dtype: torch.dtype, fmt, scaling: Scaling) -> "Fp8Tensor":
+    def unpack(cls, buf: torch.Tensor, shape, dtype: torch.dtype, fmt, scaling: Scaling) -> Fp8Tensor:
         """Inverse of pack(): `shape`, `dtype`, `fmt` and `scaling` travel out of band (both sides know them)."""
         fmt = get_format(fmt)
         shape = torch.Size(shape)
@@ -89,5 +95,5 @@ class Fp8Tensor:
             raise Fp8CommError(f"unpack buffer must be uint8 with >= {need} bytes, got {buf.dtype} x {buf.numel()}")
         data = buf[:n].view(fmt.dtype).reshape(shape)
         off = align(n)
-        scale = decode_scales(buf[off:off + mb * kb * scaling.scale_bytes], scaling).reshape(mb, kb)
+        scale = decode_scales(buf[off : off + mb * kb * scaling.scale_bytes], scaling).reshape(mb, kb)
         return cls(data, scale, fmt, scaling, dtype)

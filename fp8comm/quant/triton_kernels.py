@@ -11,6 +11,7 @@ Tiles are [R rows, NB segments, SEGW columns]. With FIT, one segment is one 1xB 
 2-D block when ROWS2D), so block amax is a reduction inside the tile and the whole quantization is one pass.
 Without FIT (blocks larger than a tile) amax comes from `amax_kernel` and each element looks its block up.
 """
+
 from __future__ import annotations
 
 import triton
@@ -45,8 +46,9 @@ _SUM_COMBINE = getattr(getattr(tl, "standard", None), "_sum_combine", None) or _
 @triton.jit
 def _count3(v):
     """Number of true lanes of a 3-D boolean tile, as int64 (tl.sum without the standard library, as _rmax)."""
-    return tl.reduce(tl.reduce(tl.reduce(v.to(tl.int32), 2, _SUM_COMBINE), 1, _SUM_COMBINE), 0,
-                     _SUM_COMBINE).to(tl.int64)
+    return tl.reduce(tl.reduce(tl.reduce(v.to(tl.int32), 2, _SUM_COMBINE), 1, _SUM_COMBINE), 0, _SUM_COMBINE).to(
+        tl.int64
+    )
 
 
 @triton.jit
@@ -78,8 +80,15 @@ def _recip_pow2(s):
 
 
 @triton.jit
-def _scale_from_amax(amax, FMAX: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr,
-                     MARGIN_MUL: tl.constexpr, FM_FRAC: tl.constexpr, FK: tl.constexpr):
+def _scale_from_amax(
+    amax,
+    FMAX: tl.constexpr,
+    POW2: tl.constexpr,
+    MARGIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    FM_FRAC: tl.constexpr,
+    FK: tl.constexpr,
+):
     """scaling.scale_from_amax for fp32 amax >= 0: amax == 0 -> 1.0; else amax/max (fp32) or 2**E (pow2/e8m0)."""
     bits = amax.to(tl.int32, bitcast=True)
     pos = bits > 0  # integer test: a subnormal amax counts as > 0 even where compares flush to zero
@@ -103,8 +112,21 @@ def _scale_from_amax(amax, FMAX: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.co
 
 
 @triton.jit
-def _encode(x, finite, s, r, idx, key, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr,
-            HAS_INF: tl.constexpr, STOCHASTIC: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr):
+def _encode(
+    x,
+    finite,
+    s,
+    r,
+    idx,
+    key,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_SUB: tl.constexpr,
+    HAS_INF: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    POW2: tl.constexpr,
+    HW: tl.constexpr,
+):
     """reference.encode: uint8 FP8 codes of fp32 x / s (s > 0), rounded nearest-even or stochastically.
 
     POW2: s is a power of two and r its exact reciprocal, so x * r is the correctly rounded x / s (one multiply
@@ -147,8 +169,9 @@ def _encode(x, finite, s, r, idx, key, FMAX: tl.constexpr, MBITS: tl.constexpr, 
 
 
 @triton.jit
-def _decode(code, MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.constexpr, HAS_INF: tl.constexpr,
-            HW: tl.constexpr):
+def _decode(
+    code, MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.constexpr, HAS_INF: tl.constexpr, HW: tl.constexpr
+):
     """FP8 codes -> fp32 (exact). HW: the hardware's fp8->f16->f32 conversions (NaN payloads are the hardware's);
     otherwise from the bit fields, with the same NaN bits as torch's CPU cast (quiet bit set, payload kept)."""
     if HW:
@@ -192,8 +215,9 @@ def _load_x(ptr, mask, IN_BF16: tl.constexpr):
 
 
 @triton.jit
-def _coords(pid0, pid1, M, K, RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
-            SEGW: tl.constexpr):
+def _coords(
+    pid0, pid1, M, K, RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr
+):
     """Rows [R], segment ids [NB], columns [1, NB, SEGW], row mask [R] and element mask [R, NB, SEGW]."""
     i = tl.arange(0, R)
     row = pid0 * RSTEP + i
@@ -245,8 +269,9 @@ def _store_scale_bytes(ptr, off, s, mask, SCALE_BYTES: tl.constexpr):
 
 
 @triton.jit
-def amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.constexpr, TC: tl.constexpr,
-                 IN_BF16: tl.constexpr):
+def amax_kernel(
+    x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.constexpr, TC: tl.constexpr, IN_BF16: tl.constexpr
+):
     """Partial amax of one TR x TC sub-tile of one (large) block, merged with an integer atomic max (exact and
     order-free: non-negative fp32 values order like their bit patterns). amax must start at +0."""
     pid0 = tl.program_id(0)
@@ -264,15 +289,51 @@ def amax_kernel(x_ptr, amax_bits_ptr, M, K, BR, BC, KB, NSR, NSC, TR: tl.constex
 
 
 @triton.jit(do_not_specialize=["index_base", "key"])  # bitcast below needs them as i32, never constexpr 1
-def quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks,
-                  M, K, BR, BC, KB, index_base, key, counters_ptr,
-                  RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr,
-                  ROWS2D: tl.constexpr, FIT: tl.constexpr, SCALE_GIVEN: tl.constexpr, PACK: tl.constexpr,
-                  SCALE_BYTES: tl.constexpr, NCH_STEPS: tl.constexpr, K16: tl.constexpr, PADC: tl.constexpr,
-                  FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
-                  STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr, MARGIN_MUL: tl.constexpr,
-                  FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr, HW: tl.constexpr,
-                  COUNT: tl.constexpr = False, SAT_LIMIT: tl.constexpr = 0.0):
+def quant_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    amax_ptr,
+    starts_ptr,
+    offs_ptr,
+    pbytes_ptr,
+    nchunks,
+    M,
+    K,
+    BR,
+    BC,
+    KB,
+    index_base,
+    key,
+    counters_ptr,
+    RSTEP: tl.constexpr,
+    SEG: tl.constexpr,
+    R: tl.constexpr,
+    NB: tl.constexpr,
+    SEGW: tl.constexpr,
+    ROWS2D: tl.constexpr,
+    FIT: tl.constexpr,
+    SCALE_GIVEN: tl.constexpr,
+    PACK: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    NCH_STEPS: tl.constexpr,
+    K16: tl.constexpr,
+    PADC: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_SUB: tl.constexpr,
+    HAS_INF: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    POW2: tl.constexpr,
+    MARGIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    FM_FRAC: tl.constexpr,
+    FK: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    HW: tl.constexpr,
+    COUNT: tl.constexpr = False,
+    SAT_LIMIT: tl.constexpr = 0.0,
+):
     """Block amax + scale + round + store in one pass. PACK=False: codes [M, K], scales and amax [MB, KB] to
     their own tensors. PACK=True (1xB blocks): codes and wire scales into the chunked uint8 buffer, plus the
     zero padding of every chunk (program (0, 0)), so the buffer matches the reference byte for byte.
@@ -307,8 +368,9 @@ def quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbyt
         if SCALE_GIVEN:
             s3 = tl.load(scale_ptr + bidx3, mask=mask, other=1.0)
         else:
-            s3 = _scale_from_amax(tl.load(amax_ptr + bidx3, mask=mask, other=0.0), FMAX, POW2, MARGIN, MARGIN_MUL,
-                                  FM_FRAC, FK)
+            s3 = _scale_from_amax(
+                tl.load(amax_ptr + bidx3, mask=mask, other=0.0), FMAX, POW2, MARGIN, MARGIN_MUL, FM_FRAC, FK
+            )
         r3 = s3
         if POW2:
             r3 = _recip_pow2(s3)
@@ -316,7 +378,7 @@ def quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbyt
 
     idx = None
     if STOCHASTIC:  # the SR counter is the element's flat index (+ index_base), mod 2**32
-        idx = (index_base.to(tl.uint32, bitcast=True) + row.to(tl.uint32)[:, None, None] * K + col.to(tl.uint32))
+        idx = index_base.to(tl.uint32, bitcast=True) + row.to(tl.uint32)[:, None, None] * K + col.to(tl.uint32)
         key = key.to(tl.uint32, bitcast=True)
     codes = _encode(x, finite, s3, r3, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
     if COUNT:  # the numerics guard's counts, from the registers this pass already holds
@@ -347,8 +409,9 @@ def quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, starts_ptr, offs_ptr, pbyt
             for c0 in range(0, nchunks, PADC):
                 cc = c0 + tl.arange(0, PADC)
                 cm = cc < nchunks
-                nrow = (tl.load(starts_ptr + cc + 1, mask=cm, other=0)
-                        - tl.load(starts_ptr + cc, mask=cm, other=0)).to(tl.int64)
+                nrow = (tl.load(starts_ptr + cc + 1, mask=cm, other=0) - tl.load(starts_ptr + cc, mask=cm, other=0)).to(
+                    tl.int64
+                )
                 o = tl.load(offs_ptr + cc, mask=cm, other=0)
                 o_end = tl.load(offs_ptr + cc + 1, mask=cm, other=0)
                 pb = tl.load(pbytes_ptr + cc, mask=cm, other=0)
@@ -379,12 +442,33 @@ def _load_tile(x_ptr, pid_m, pid_k, M, K, BM: tl.constexpr, BK: tl.constexpr, IN
 
 
 @triton.jit(do_not_specialize=["index_base", "key"])
-def quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K, index_base, key,
-                           BM: tl.constexpr, BK: tl.constexpr, SCALE_GIVEN: tl.constexpr, WRITE_T: tl.constexpr,
-                           FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
-                           STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr,
-                           MARGIN_MUL: tl.constexpr, FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr,
-                           HW: tl.constexpr):
+def quant_tensor_t_kernel(
+    x_ptr,
+    out_ptr,
+    out_t_ptr,
+    scale_ptr,
+    amax_ptr,
+    M,
+    K,
+    index_base,
+    key,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    SCALE_GIVEN: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_SUB: tl.constexpr,
+    HAS_INF: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    POW2: tl.constexpr,
+    MARGIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    FM_FRAC: tl.constexpr,
+    FK: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    HW: tl.constexpr,
+):
     """Per-tensor quantization of one BM x BK tile with the one scale (given, or from the finished tensor amax),
     storing the codes [M, K] and, with WRITE_T, the same codes transposed into out_t [K, M] (what an FP8 GEMM
     contracting over M needs) from the same registers: one read of x for both layouts."""
@@ -404,7 +488,7 @@ def quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K, 
         r2 = _recip_pow2(s2)
     idx = None
     if STOCHASTIC:  # the SR counter is the element's flat index in [M, K] (+ index_base), as in quant_kernel
-        idx = (index_base.to(tl.uint32, bitcast=True) + rows.to(tl.uint32)[:, None] * K + cols.to(tl.uint32)[None, :])
+        idx = index_base.to(tl.uint32, bitcast=True) + rows.to(tl.uint32)[:, None] * K + cols.to(tl.uint32)[None, :]
         key = key.to(tl.uint32, bitcast=True)
     codes = _encode(x, finite, s2, r2, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
     tl.store(out_ptr + (rows64 * K)[:, None] + cols[None, :], codes, mask=mask)
@@ -417,12 +501,33 @@ def quant_tensor_t_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, M, K, 
 
 
 @triton.jit(do_not_specialize=["key"])
-def quant_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr, amax_ptr, amax_t_ptr, M, K, KB, MB,
-                         key, B: tl.constexpr,
-                         FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_SUB: tl.constexpr, HAS_INF: tl.constexpr,
-                         STOCHASTIC: tl.constexpr, POW2: tl.constexpr, MARGIN: tl.constexpr,
-                         MARGIN_MUL: tl.constexpr, FM_FRAC: tl.constexpr, FK: tl.constexpr, IN_BF16: tl.constexpr,
-                         HW: tl.constexpr):
+def quant_rowcol_kernel(
+    x_ptr,
+    out_ptr,
+    out_t_ptr,
+    scale_ptr,
+    scale_t_ptr,
+    amax_ptr,
+    amax_t_ptr,
+    M,
+    K,
+    KB,
+    MB,
+    key,
+    B: tl.constexpr,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_SUB: tl.constexpr,
+    HAS_INF: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    POW2: tl.constexpr,
+    MARGIN: tl.constexpr,
+    MARGIN_MUL: tl.constexpr,
+    FM_FRAC: tl.constexpr,
+    FK: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    HW: tl.constexpr,
+):
     """1xB blocks both ways from one B x B tile of x: x along K (codes [M, K], scales [M, KB]) and x^T along M
     (codes_t [K, M], scales [K, MB]), i.e. quantize(x) and quantize(x.t()) (DeepSeek-V3's wgrad operands) with one
     read of x. Row blocks reduce over the tile's columns, column blocks over its rows."""
@@ -453,8 +558,7 @@ def quant_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr, amax_
     codes = _encode(x, finite, s2, r2, idx, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
     codes_t = _encode(x, finite, c2, rc2, idx_t, key, FMAX, MBITS, MIN_SUB, HAS_INF, STOCHASTIC, POW2, HW)
     tl.store(out_ptr + (rows64 * K)[:, None] + cols[None, :], codes, mask=mask)
-    tl.store(out_t_ptr + (cols64 * M)[:, None] + rows[None, :], tl.trans(codes_t),
-             mask=cmask[:, None] & rmask[None, :])
+    tl.store(out_t_ptr + (cols64 * M)[:, None] + rows[None, :], tl.trans(codes_t), mask=cmask[:, None] & rmask[None, :])
     tl.store(scale_ptr + rows64 * KB + pid_k, s_r, mask=rmask)
     tl.store(amax_ptr + rows64 * KB + pid_k, amax_r, mask=rmask)
     tl.store(scale_t_ptr + cols64 * MB + pid_m, s_c, mask=cmask)
@@ -462,13 +566,38 @@ def quant_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, scale_t_ptr, amax_
 
 
 @triton.jit
-def dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_ptr, nchunks, chunk_stride,
-                    M, K, BR, BC, KB,
-                    RSTEP: tl.constexpr, SEG: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, SEGW: tl.constexpr,
-                    ROWS2D: tl.constexpr, FIT: tl.constexpr, MODE: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                    NCH_STEPS: tl.constexpr, K16: tl.constexpr, OUT_BF16: tl.constexpr,
-                    MBITS: tl.constexpr, BIAS: tl.constexpr, MIN_SUB_MUL: tl.constexpr, HAS_INF: tl.constexpr,
-                    HW: tl.constexpr):
+def dequant_kernel(
+    src_ptr,
+    scale_ptr,
+    out_ptr,
+    starts_ptr,
+    offs_ptr,
+    pbytes_ptr,
+    nchunks,
+    chunk_stride,
+    M,
+    K,
+    BR,
+    BC,
+    KB,
+    RSTEP: tl.constexpr,
+    SEG: tl.constexpr,
+    R: tl.constexpr,
+    NB: tl.constexpr,
+    SEGW: tl.constexpr,
+    ROWS2D: tl.constexpr,
+    FIT: tl.constexpr,
+    MODE: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    NCH_STEPS: tl.constexpr,
+    K16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_SUB_MUL: tl.constexpr,
+    HAS_INF: tl.constexpr,
+    HW: tl.constexpr,
+):
     """code * scale in fp32, stored as out's dtype. MODE 0: codes [M, K] + fp32 scales [MB, KB] (any block shape).
     MODE 1: every chunk of a wire buffer -> out [M, K]. MODE 2: `nchunks` equal chunks (stride chunk_stride bytes,
     M rows each, payload bytes pbytes[0]) summed in chunk order from +0.0 -> fp32 out [M, K]; launch without FMA
@@ -511,8 +640,9 @@ def dequant_kernel(src_ptr, scale_ptr, out_ptr, starts_ptr, offs_ptr, pbytes_ptr
             code = tl.load(src_ptr + pay[:, None, None] + col, mask=mask, other=0)
             sbase = cb + pb + lr * KB * SCALE_BYTES
             if FIT:
-                s = _scale_from_bytes(src_ptr, sbase[:, None] + seg[None, :] * SCALE_BYTES, bmask,
-                                      SCALE_BYTES)[:, :, None]
+                s = _scale_from_bytes(src_ptr, sbase[:, None] + seg[None, :] * SCALE_BYTES, bmask, SCALE_BYTES)[
+                    :, :, None
+                ]
             else:
                 s = _scale_from_bytes(src_ptr, sbase[:, None, None] + (col // BC) * SCALE_BYTES, mask, SCALE_BYTES)
             q = _decode(code, MBITS, BIAS, MIN_SUB_MUL, HAS_INF, HW) * s

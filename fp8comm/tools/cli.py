@@ -1,4 +1,5 @@
 """The `fp8comm` command: `demo` (the README's main job: DeepSpeed ZeRO-3 training, BF16 vs FP8) and `bench ...`."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,15 +12,23 @@ EXTRA_PACKAGES = ("rich", "matplotlib")  # pyproject's [project.optional-depende
 # subcommand -> (module with add_args(parser) and run(args), one-line help, what it imports from the tools extra).
 # Help texts live here so that `fp8comm -h` and `fp8comm bench -h` import nothing: a subcommand's module is imported
 # only when that subcommand is on the command line, and its extra is checked only when it is about to run.
-DEMO = ("fp8comm.tools.demo", "the main job: DeepSpeed ZeRO-3 training, BF16 vs FP8 GEMMs + FP8 communication "
-        "(see README)", ("rich", "matplotlib"))
+DEMO = (
+    "fp8comm.tools.demo",
+    "the main job: DeepSpeed ZeRO-3 training, BF16 vs FP8 GEMMs + FP8 communication (see README)",
+    ("rich", "matplotlib"),
+)
 BENCHES = {
-    "quant": ("fp8comm.tools.bench.quant", "quantization report: SQNR, underflow and overflow per scaling method "
-              "x format x data, and path throughput", ("rich",)),
-    "comm": ("fp8comm.tools.bench.comm", "FP8 collectives vs plain torch.distributed (bf16, fp32), side by side "
-             "in one run", ()),
-    "gemm": ("fp8comm.tools.bench.gemm", "FP8 vs BF16 GEMM and Fp8Linear fwd+bwd throughput per backend and "
-             "shape", ()),
+    "quant": (
+        "fp8comm.tools.bench.quant",
+        "quantization report: SQNR, underflow and overflow per scaling method x format x data, and path throughput",
+        ("rich",),
+    ),
+    "comm": (
+        "fp8comm.tools.bench.comm",
+        "FP8 collectives vs plain torch.distributed (bf16, fp32), side by side in one run",
+        (),
+    ),
+    "gemm": ("fp8comm.tools.bench.gemm", "FP8 vs BF16 GEMM and Fp8Linear fwd+bwd throughput per backend and shape", ()),
 }
 
 
@@ -33,17 +42,20 @@ def missing_extra(command: str, needs: tuple[str, ...]) -> str | None:
             missing.append(f"{name} ({e})")
     if not missing:
         return None
-    return (f"{command} needs the '{EXTRA}' extra ({', '.join(EXTRA_PACKAGES)}): pip install 'fp8comm[{EXTRA}]'"
-            f"; not importable: {'; '.join(missing)}")
+    return (
+        f"{command} needs the '{EXTRA}' extra ({', '.join(EXTRA_PACKAGES)}): pip install 'fp8comm[{EXTRA}]'"
+        f"; not importable: {'; '.join(missing)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="fp8comm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    parsers = {("demo",): sub.add_parser("demo", help=DEMO[1])}
+    parsers: dict[tuple[str, ...], argparse.ArgumentParser] = {("demo",): sub.add_parser("demo", help=DEMO[1])}
     bench = sub.add_parser("bench", help="benchmarks that print side-by-side tables").add_subparsers(
-        dest="bench", required=True)
+        dest="bench", required=True
+    )
     for name, (_, text, _) in BENCHES.items():
         parsers[("bench", name)] = bench.add_parser(name, help=text)
     chosen = tuple(argv[:1]) if argv[:1] == ["demo"] else tuple(argv[:2])

@@ -18,6 +18,7 @@ Needs the 'tools' extra (rich, matplotlib) and DeepSpeed; everything it runs is 
 package (the workers start as `python -m fp8comm.tools.demo --worker ...`), so it works from a wheel as from a
 source checkout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,31 @@ SIZES = {  # n_layer, n_head, n_embd, block, micro-batch per rank
 def add_args(p: argparse.ArgumentParser) -> None:
     p.description = (__doc__ or "").strip().splitlines()[0]
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per run (default 150)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto (default): one rank per GPU on NCCL when CUDA is available, else CPU ranks on gloo")
-    p.add_argument("--ranks", type=int, default=None,
-                   help="torchrun processes (default: 2 on CPU, every GPU on CUDA; NCCL takes at most one per GPU)")
-    p.add_argument("--size", choices=list(SIZES), default="tiny",
-                   help="model size: " + ", ".join(f"{k} ({v[0]} layers x {v[2]})" for k, v in SIZES.items()) +
-                        " (default tiny: both runs finish in ~3 minutes on 2 cores)")
-    p.add_argument("--recipe", default="blockwise", help="FP8 GEMM recipe for the fp8 run, or 'none' for FP8 "
-                                                         "communication only (default blockwise)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto (default): one rank per GPU on NCCL when CUDA is available, else CPU ranks on gloo",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="torchrun processes (default: 2 on CPU, every GPU on CUDA; NCCL takes at most one per GPU)",
+    )
+    p.add_argument(
+        "--size",
+        choices=list(SIZES),
+        default="tiny",
+        help="model size: "
+        + ", ".join(f"{k} ({v[0]} layers x {v[2]})" for k, v in SIZES.items())
+        + " (default tiny: both runs finish in ~3 minutes on 2 cores)",
+    )
+    p.add_argument(
+        "--recipe",
+        default="blockwise",
+        help="FP8 GEMM recipe for the fp8 run, or 'none' for FP8 communication only (default blockwise)",
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/deepspeed_demo", help="parent folder of the run folder")
@@ -72,8 +89,10 @@ def run(args: argparse.Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     cmd, env = launch_command(args, folder)
     where = f"{args.ranks} GPU rank(s) (NCCL)" if args.device == "cuda" else f"{args.ranks} CPU ranks (gloo)"
-    console.print(f"[bold]fp8comm demo[/bold]: DeepSpeed ZeRO-3 on {where}, tiny GPT ({args.size}), "
-                  f"{args.steps} steps x 2 runs; log: {folder / 'log.txt'}")
+    console.print(
+        f"[bold]fp8comm demo[/bold]: DeepSpeed ZeRO-3 on {where}, tiny GPT ({args.size}), "
+        f"{args.steps} steps x 2 runs; log: {folder / 'log.txt'}"
+    )
     log = open(folder / "log.txt", "w")
     progress = folder / "progress.jsonl"
     # Ranks share torchrun's stdout and their lines interleave, so rank 0 reports progress through its own file.
@@ -81,13 +100,19 @@ def run(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     tasks, seen = {}, 0
     try:
-        with Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console) as bar:
+        with Progress(
+            TextColumn("{task.description:<10}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as bar:
             tasks["setup"] = bar.add_task("start-up", total=None, loss="-")
             while True:
                 done = proc.poll() is not None
                 text = progress.read_text() if progress.exists() else ""
-                complete = text[:text.rfind("\n") + 1]
+                complete = text[: text.rfind("\n") + 1]
                 for line in complete[seen:].splitlines():
                     ev = json.loads(line)
                     if "setup" in tasks:
@@ -128,8 +153,17 @@ def launch_command(args: argparse.Namespace, folder: Path) -> tuple[list[str], d
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if args.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", "-m",
-           "fp8comm.tools.demo", "--worker", json.dumps({**vars(args), "folder": str(folder)})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.ranks}",
+        "-m",
+        "fp8comm.tools.demo",
+        "--worker",
+        json.dumps({**vars(args), "folder": str(folder)}),
+    ]
     return cmd, env
 
 
@@ -147,8 +181,10 @@ def _preflight(args) -> str | None:
     try:
         import deepspeed  # noqa: F401
     except ImportError:
-        return ("DeepSpeed is not installed: pip install 'fp8comm[deepspeed]' (deepspeed==0.19.8; keep your torch "
-                "pin, e.g. torch==2.13.0 on CPU)")
+        return (
+            "DeepSpeed is not installed: pip install 'fp8comm[deepspeed]' (deepspeed==0.19.8; keep your torch "
+            "pin, e.g. torch==2.13.0 on CPU)"
+        )
     if args.device == "cuda":
         n = _cuda_count()
         if not n:
@@ -169,8 +205,10 @@ def _table(report: dict):
     from rich.table import Table
 
     b, f = report["baseline"], report["fp8"]
-    t = Table(title=f"DeepSpeed ZeRO-3, {report['ranks']} ranks, {report['steps']} steps: BF16 communication vs "
-                    f"FP8 GEMMs ({report['recipe']}) + FP8 communication")
+    t = Table(
+        title=f"DeepSpeed ZeRO-3, {report['ranks']} ranks, {report['steps']} steps: BF16 communication vs "
+        f"FP8 GEMMs ({report['recipe']}) + FP8 communication"
+    )
     t.add_column("")
     t.add_column("baseline (bf16)", justify="right")
     t.add_column("fp8", justify="right")
@@ -180,11 +218,14 @@ def _table(report: dict):
         t.add_row(label, f"{b[key]:.4f}", f"{f[key]:.4f}", f"{rel * 100:+.2f}%")
     for role in ("weights", "gradients"):
         bb, fb = b["bytes_per_step"].get(role, 0), f["bytes_per_step"].get(role, 0)
-        t.add_row(f"{role} bytes on the wire / step / rank", _mb(bb), _mb(fb),
-                  f"{bb / fb:.2f}x fewer" if fb else "-")
+        t.add_row(f"{role} bytes on the wire / step / rank", _mb(bb), _mb(fb), f"{bb / fb:.2f}x fewer" if fb else "-")
     how = "FP8 GEMMs on the tensor cores" if report.get("device") == "cuda" else "FP8 GEMMs emulated on CPU"
-    t.add_row(f"step time (median; {how})", f"{b['step_s'] * 1e3:.0f} ms",
-              f"{f['step_s'] * 1e3:.0f} ms", f"{f['step_s'] / b['step_s']:.2f}x the time")
+    t.add_row(
+        f"step time (median; {how})",
+        f"{b['step_s'] * 1e3:.0f} ms",
+        f"{f['step_s'] * 1e3:.0f} ms",
+        f"{f['step_s'] / b['step_s']:.2f}x the time",
+    )
     return t
 
 
@@ -202,13 +243,16 @@ def _plots(report: dict, folder: Path) -> None:
     w = max(1, min(10, len(b) // 10))
 
     def smooth(x):
-        return [sum(x[max(0, i - w + 1):i + 1]) / len(x[max(0, i - w + 1):i + 1]) for i in range(len(x))]
+        return [sum(x[max(0, i - w + 1) : i + 1]) / len(x[max(0, i - w + 1) : i + 1]) for i in range(len(x))]
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(range(1, len(b) + 1), smooth(b), label="baseline: bf16 GEMMs + bf16 communication")
     ax.plot(range(1, len(f) + 1), smooth(f), label=f"fp8: {report['recipe']} GEMMs + FP8 communication")
-    ax.set(title=f"DeepSpeed ZeRO-3, {report['ranks']} ranks: training loss ({w}-step moving average)",
-           xlabel="step", ylabel="loss")
+    ax.set(
+        title=f"DeepSpeed ZeRO-3, {report['ranks']} ranks: training loss ({w}-step moving average)",
+        xlabel="step",
+        ylabel="loss",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -232,10 +276,10 @@ def _worker(opts: dict) -> int:
         from fp8comm.integrations.deepspeed import cpu
 
         cpu.prepare()
+    import deepspeed
     import torch
     import torch.distributed as dist
 
-    import deepspeed
     import fp8comm.integrations.deepspeed as fd
     from fp8comm.tools.gpt import GPT, GPTConfig
 
@@ -258,20 +302,41 @@ def _worker(opts: dict) -> int:
     def batch(src, step, r):
         g = torch.Generator().manual_seed(1_000_003 * step + r)
         ix = torch.randint(len(src) - block - 1, (micro,), generator=g)
-        return (torch.stack([src[i:i + block] for i in ix]).to(dev),
-                torch.stack([src[i + 1:i + 1 + block] for i in ix]).to(dev))
+        return (
+            torch.stack([src[i : i + block] for i in ix]).to(dev),
+            torch.stack([src[i + 1 : i + 1 + block] for i in ix]).to(dev),
+        )
 
     steps, lr = opts["steps"], opts["lr"]
-    ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    ds = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     recipe = opts["recipe"]
-    runs = {"baseline": {"mode": "measure", "gemm": False},
-            "fp8": {"gemm": {"recipe": recipe} if recipe != "none" else False}}
-    report = {"ranks": world, "steps": steps, "recipe": recipe, "size": opts["size"], "device": dev.type,
-              "model": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block": block,
-                        "micro_batch": micro, "vocab": len(vocab)},
-              "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__}}
+    runs = {
+        "baseline": {"mode": "measure", "gemm": False},
+        "fp8": {"gemm": {"recipe": recipe} if recipe != "none" else False},
+    }
+    report = {
+        "ranks": world,
+        "steps": steps,
+        "recipe": recipe,
+        "size": opts["size"],
+        "device": dev.type,
+        "model": {
+            "n_layer": n_layer,
+            "n_head": n_head,
+            "n_embd": n_embd,
+            "block": block,
+            "micro_batch": micro,
+            "vocab": len(vocab),
+        },
+        "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
+    }
     for name, section in runs.items():
         torch.manual_seed(opts["seed"])
         model = GPT(GPTConfig(len(vocab), block, n_layer, n_head, n_embd))
@@ -282,8 +347,11 @@ def _worker(opts: dict) -> int:
         losses, times = [], []
         for step in range(steps):
             for g in opt.param_groups:  # linear warmup, cosine decay to 10% (as examples/train_gpt.py)
-                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10)) * \
-                    (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+                g["lr"] = (
+                    lr
+                    * min(1.0, (step + 1) / max(1, steps // 10))
+                    * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+                )
             t0 = time.perf_counter()
             x, y = batch(train, step, rank)
             _, loss = engine(x, y)
@@ -301,12 +369,18 @@ def _worker(opts: dict) -> int:
         stats = fd.hook_stats()
         engine.eval()
         with torch.no_grad():
-            vl = torch.tensor([engine(*batch(val, 10 ** 6 + i, rank))[1].float().item() for i in range(8)]).mean()
+            vl = torch.tensor([engine(*batch(val, 10**6 + i, rank))[1].float().item() for i in range(8)]).mean()
         dist.all_reduce(vl)
-        report[name] = {"losses": losses, "final_train_loss": sum(losses[-10:]) / min(10, len(losses)),
-                        "val_loss": vl.item() / world, "step_s": statistics.median(times[len(times) // 5:]),
-                        "bytes_per_step": {k: v["wire_bytes"] / steps for k, v in stats.items() if k != "hooks"},
-                        "hook_stats": stats, "summary": fd.summary(), "params": params}
+        report[name] = {
+            "losses": losses,
+            "final_train_loss": sum(losses[-10:]) / min(10, len(losses)),
+            "val_loss": vl.item() / world,
+            "step_s": statistics.median(times[len(times) // 5 :]),
+            "bytes_per_step": {k: v["wire_bytes"] / steps for k, v in stats.items() if k != "hooks"},
+            "hook_stats": stats,
+            "summary": fd.summary(),
+            "params": params,
+        }
         if hasattr(engine, "destroy"):
             engine.destroy()
         fd.uninstall()

@@ -3,6 +3,7 @@
 The one model of `fp8comm demo`, examples/train_gpt.py, examples/fsdp2_train.py and the tests that train it:
 `from fp8comm.tools.gpt import GPT, GPTConfig`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,6 +91,5 @@ class GPT(nn.Module):
         for block in self.h:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.float().view(-1, logits.size(-1)),
-                                                             targets.view(-1))
+        loss = None if targets is None else F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss

@@ -11,11 +11,30 @@
 
 See docs/fsdp2.md for the options, what crosses the wire, and the limits.
 """
-from .config import Fp8CommFsdp2Error, Fp8CommFsdp2Config, GradientWire, WeightWire, defaults, parse
+
+from .config import Fp8CommFsdp2Config, Fp8CommFsdp2Error, GradientWire, WeightWire, defaults, parse
 from .enable import Fsdp2Report, ModuleEntry, disable, enable, is_enabled, report
 from .hooks import Fp8AllGather, Fp8ReduceScatter, Fp8Work, hook_stats, reset_hook_stats
 from .layout import FSDP2_INTERNALS, check_fsdp2_internals
 
-__all__ = ["enable", "disable", "is_enabled", "report", "hook_stats", "reset_hook_stats", "Fsdp2Report",
-           "ModuleEntry", "Fp8CommFsdp2Config", "WeightWire", "GradientWire", "Fp8CommFsdp2Error", "parse", "defaults",
-           "Fp8AllGather", "Fp8ReduceScatter", "Fp8Work", "FSDP2_INTERNALS", "check_fsdp2_internals"]
+__all__ = [
+    "enable",
+    "disable",
+    "is_enabled",
+    "report",
+    "hook_stats",
+    "reset_hook_stats",
+    "Fsdp2Report",
+    "ModuleEntry",
+    "Fp8CommFsdp2Config",
+    "WeightWire",
+    "GradientWire",
+    "Fp8CommFsdp2Error",
+    "parse",
+    "defaults",
+    "Fp8AllGather",
+    "Fp8ReduceScatter",
+    "Fp8Work",
+    "FSDP2_INTERNALS",
+    "check_fsdp2_internals",
+]

@@ -7,6 +7,7 @@
 A direction is True/False or a dict of the keys below; an unknown key or bad value is an Fp8CommFsdp2Error that names
 the key and lists what is valid (with a "did you mean" for typos).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -48,14 +49,22 @@ class GradientWire(WeightWire):
 
     def wire(self, check: bool | None) -> WireConfig:
         """The fp8comm.comm WireConfig of the gradient reduce-scatter (check: enable()'s metadata-check setting)."""
-        return WireConfig(fmt=self.fmt, scaling=self.scaling, block_size=self.block_size, rounding=self.rounding,
-                          check=check, error_feedback=self.error_feedback, residual_dtype=self.residual_dtype)
+        return WireConfig(
+            fmt=self.fmt,
+            scaling=self.scaling,
+            block_size=self.block_size,
+            rounding=self.rounding,
+            check=check,
+            error_feedback=self.error_feedback,
+            residual_dtype=self.residual_dtype,
+        )
 
     def describe(self) -> str:
         if not self.enabled:
             return "off (FSDP2's own)"
-        extra = (", stochastic rounding" if self.rounding == "stochastic" else "") + \
-            (", error feedback" if self.error_feedback else "")
+        extra = (", stochastic rounding" if self.rounding == "stochastic" else "") + (
+            ", error feedback" if self.error_feedback else ""
+        )
         return super().describe() + ", fp32 accumulation" + extra
 
 
@@ -78,10 +87,18 @@ def _pow2(v) -> str | None:
 
 
 # key -> (type, allowed values or None, extra check or None)
-_WEIGHT_KEYS = {"enabled": (bool, None, None), "fmt": (str, FORMATS, None), "scaling": (str, SCALE_ENCODINGS, None),
-                "block_size": (int, None, _pow2)}
-_GRAD_KEYS = {**_WEIGHT_KEYS, "rounding": (str, ROUNDINGS, None), "error_feedback": (bool, None, None),
-              "residual_dtype": (str, RESIDUAL_DTYPES, None)}
+_WEIGHT_KEYS = {
+    "enabled": (bool, None, None),
+    "fmt": (str, FORMATS, None),
+    "scaling": (str, SCALE_ENCODINGS, None),
+    "block_size": (int, None, _pow2),
+}
+_GRAD_KEYS = {
+    **_WEIGHT_KEYS,
+    "rounding": (str, ROUNDINGS, None),
+    "error_feedback": (bool, None, None),
+    "residual_dtype": (str, RESIDUAL_DTYPES, None),
+}
 
 
 def _did_you_mean(key: str, valid) -> str:
@@ -125,12 +142,16 @@ def parse(**options) -> Fp8CommFsdp2Config:
     align = options.get("align_blocks", True)
     if not isinstance(align, bool):
         raise Fp8CommFsdp2Error(f"align_blocks must be True or False, got {align!r}")
-    cfg = Fp8CommFsdp2Config(weights=_direction("weights", options.get("weights", True), _WEIGHT_KEYS, WeightWire),
-                      gradients=_direction("gradients", options.get("gradients", True), _GRAD_KEYS, GradientWire),
-                      check=check, align_blocks=align)
+    cfg = Fp8CommFsdp2Config(
+        weights=_direction("weights", options.get("weights", True), _WEIGHT_KEYS, WeightWire),
+        gradients=_direction("gradients", options.get("gradients", True), _GRAD_KEYS, GradientWire),
+        check=check,
+        align_blocks=align,
+    )
     if not (cfg.weights.enabled or cfg.gradients.enabled):
-        raise Fp8CommFsdp2Error("weights and gradients are both off: nothing to enable (call disable() to restore "
-                            "FSDP2's own collectives)")
+        raise Fp8CommFsdp2Error(
+            "weights and gradients are both off: nothing to enable (call disable() to restore FSDP2's own collectives)"
+        )
     return cfg
 
 

@@ -4,14 +4,16 @@ Everything is validated first (options, every module, every param group); only t
 refused model is left exactly as it was. Fp8Linear layers inside the model get weight_cache="gathered": under
 FSDP2 the (version, data_ptr) key of a cached FP8 weight can repeat after an optimizer step (stale weights).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
 from . import hooks, layout
-from .config import Fp8CommFsdp2Error, Fp8CommFsdp2Config, parse
+from .config import Fp8CommFsdp2Config, Fp8CommFsdp2Error, parse
 
 _ATTR = "_fp8comm_fsdp2"  # where an enabled model keeps what disable() needs
 
@@ -47,15 +49,19 @@ class Fsdp2Report:
 
     def __str__(self) -> str:
         c = self.config
-        lines = [f"fp8comm FSDP2: {len(self.installed)} of {len(self.modules)} FSDP2 modules with FP8 hooks; "
-                 f"weights {c.weights.describe()}; gradients {c.gradients.describe()}; metadata check "
-                 f"{ {None: 'library default', True: 'every call', False: 'off'}[c.check] }; parameters "
-                 f"{'start whole blocks' if c.align_blocks else 'packed (blocks may straddle parameters)'}"]
+        lines = [
+            f"fp8comm FSDP2: {len(self.installed)} of {len(self.modules)} FSDP2 modules with FP8 hooks; "
+            f"weights {c.weights.describe()}; gradients {c.gradients.describe()}; metadata check "
+            f"{ {None: 'library default', True: 'every call', False: 'off'}[c.check] }; parameters "
+            f"{'start whole blocks' if c.align_blocks else 'packed (blocks may straddle parameters)'}"
+        ]
         w = max([len(m.name) for m in self.modules] + [8])
         for m in self.modules:
             pad = f", wire padding {m.wire_padding}/{m.shard_numel} el" if m.shard_numel else ""
-            lines.append(f"  {m.name:<{w}}  {m.params} params, {m.numel} el, {m.mesh}: weights {m.weights}, "
-                         f"gradients {m.gradients}{pad}")
+            lines.append(
+                f"  {m.name:<{w}}  {m.params} params, {m.numel} el, {m.mesh}: weights {m.weights}, "
+                f"gradients {m.gradients}{pad}"
+            )
             lines += [f"  {'':<{w}}    note: {n}" for n in m.notes]
         if self.fp8_linears:
             lines.append(f"  Fp8Linear layers: {self.fp8_linears}, weight cache {self.weight_cache}")
@@ -64,32 +70,35 @@ class Fsdp2Report:
         return "\n".join(lines)
 
 
-def _fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _fsdp_modules(model: nn.Module) -> list[tuple[str, Any]]:
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-    except ImportError:  # pragma: no cover - every supported torch has it
-        FSDP1 = ()
-    found = []
+    found: list[tuple[str, Any]] = []
     for name, m in model.named_modules():
-        if FSDP1 and isinstance(m, FSDP1):
-            raise Fp8CommFsdp2Error(f"module {name or '<root>'} is wrapped by FullyShardedDataParallel (FSDP1); "
-                                "fp8comm.integrations.fsdp2 supports FSDP2's fully_shard only")
+        if isinstance(m, FSDP1):
+            raise Fp8CommFsdp2Error(
+                f"module {name or '<root>'} is wrapped by FullyShardedDataParallel (FSDP1); "
+                "fp8comm.integrations.fsdp2 supports FSDP2's fully_shard only"
+            )
         if isinstance(m, FSDPModule):
             found.append((name or "<root>", m))
     if not found:
-        raise Fp8CommFsdp2Error(f"{type(model).__name__} has no module sharded by FSDP2: call "
-                            "torch.distributed.fsdp.fully_shard on its blocks and on the root first, then enable()")
+        raise Fp8CommFsdp2Error(
+            f"{type(model).__name__} has no module sharded by FSDP2: call "
+            "torch.distributed.fsdp.fully_shard on its blocks and on the root first, then enable()"
+        )
     return found
 
 
-def _param_group(name: str, module) -> object | None:
+def _param_group(name: str, module) -> Any:
     groups = module._get_fsdp_state()._fsdp_param_groups
     if len(groups) > 1:
-        raise Fp8CommFsdp2Error(f"FSDP2 module {name} has {len(groups)} param groups (per-parameter meshes from "
-                            "shard_placement_fn); FSDP2's comm hooks take one hook per module, so fp8comm cannot "
-                            "install a hook there. Shard such parameters in a separate fully_shard call")
+        raise Fp8CommFsdp2Error(
+            f"FSDP2 module {name} has {len(groups)} param groups (per-parameter meshes from "
+            "shard_placement_fn); FSDP2's comm hooks take one hook per module, so fp8comm cannot "
+            "install a hook there. Shard such parameters in a separate fully_shard call"
+        )
     return groups[0] if groups else None
 
 
@@ -102,9 +111,11 @@ def _mesh(pg) -> tuple[str, list[str]]:
     if isinstance(mi, HSDPMeshInfo):
         mp = pg.mp_policy
         rdt = str(mp.reduce_dtype or mp.param_dtype or "the parameter dtype").replace("torch.", "")
-        note = (f"HSDP: the FP8 reduce-scatter runs over the shard group ({mi.shard_mesh_size} ranks); FSDP2's "
-                f"all-reduce over the replicate group ({mi.replicate_mesh_size} ranks) stays in {rdt} (FSDP2 has "
-                "no hook for it)")
+        note = (
+            f"HSDP: the FP8 reduce-scatter runs over the shard group ({mi.shard_mesh_size} ranks); FSDP2's "
+            f"all-reduce over the replicate group ({mi.replicate_mesh_size} ranks) stays in {rdt} (FSDP2 has "
+            "no hook for it)"
+        )
         return f"HSDP shard {mi.shard_mesh_size} x replicate {mi.replicate_mesh_size}", [note]
     return f"shard {mi.shard_mesh_size}", []
 
@@ -120,19 +131,31 @@ def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
         return ModuleEntry(name, 0, 0, "-", "none (no parameters of its own)", "none")
     mesh, notes = _mesh(pg)
     if not mesh:
-        raise Fp8CommFsdp2Error(f"FSDP2 module {name} is replicated, not sharded ({type(pg.mesh_info).__name__}): "
-                            "there is no all-gather or reduce-scatter to replace")
+        raise Fp8CommFsdp2Error(
+            f"FSDP2 module {name} is replicated, not sharded ({type(pg.mesh_info).__name__}): "
+            "there is no all-gather or reduce-scatter to replace"
+        )
     fps = pg.fsdp_params
     dtypes = {_gathered_dtype(fp.sharded_param.dtype, pg.mp_policy.param_dtype) for fp in fps}
     if len(dtypes) > 1 and cfg.weights.enabled:
-        notes.append(f"mixed parameter dtypes {sorted(map(str, dtypes))}: FSDP2 all-gathers raw bytes (uint8), "
-                     "which pass through untouched (hook_stats()['weights']['passthrough'])")
+        notes.append(
+            f"mixed parameter dtypes {sorted(map(str, dtypes))}: FSDP2 all-gathers raw bytes (uint8), "
+            "which pass through untouched (hook_stats()['weights']['passthrough'])"
+        )
     sizes = [fp.padded_sharded_param_size.numel() for fp in fps]
     block = (cfg.weights if cfg.weights.enabled else cfg.gradients).block_size
     _, wn = layout.spans(sizes, block, cfg.align_blocks)
-    entry = ModuleEntry(name, len(fps), sum(fp.sharded_param.numel() for fp in fps), mesh,
-                        "fp8" if cfg.weights.enabled else "FSDP2's own",
-                        "fp8" if cfg.gradients.enabled else "FSDP2's own", wn - sum(sizes), sum(sizes), notes)
+    entry = ModuleEntry(
+        name,
+        len(fps),
+        sum(fp.sharded_param.numel() for fp in fps),
+        mesh,
+        "fp8" if cfg.weights.enabled else "FSDP2's own",
+        "fp8" if cfg.gradients.enabled else "FSDP2's own",
+        wn - sum(sizes),
+        sum(sizes),
+        notes,
+    )
     if pg.mesh_info.shard_mesh_size == 1:
         entry.notes.append("shard group of 1 rank: FSDP2 calls no collective, so the hooks never run")
     return entry
@@ -151,13 +174,15 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
     for name, m in mods:
         pg = _param_group(name, m)
         if pg is not None and (hooks.is_ours(pg._all_gather_comm) or hooks.is_ours(pg._reduce_scatter_comm)):
-            raise Fp8CommFsdp2Error(f"FSDP2 module {name} already carries fp8comm hooks (enabled through another "
-                                "model object?); call disable() on that model first")
+            raise Fp8CommFsdp2Error(
+                f"FSDP2 module {name} already carries fp8comm hooks (enabled through another "
+                "model object?); call disable() on that model first"
+            )
         plan.append((name, m, pg, _entry(name, pg, cfg)))
     report = Fsdp2Report(cfg, [e for *_, e in plan])
     report.unmanaged = _unmanaged(model, [pg for _, _, pg, _ in plan if pg is not None])
     installed = []
-    for name, m, pg, _ in plan:
+    for _name, m, pg, _ in plan:
         if pg is None:
             continue
         installed.append((m, pg._all_gather_comm, pg._reduce_scatter_comm))

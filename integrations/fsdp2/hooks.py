@@ -4,6 +4,7 @@ FSDP2 calls them with keywords (output_tensor=, input_tensor=, group=, op=, asyn
 through allocate(). With async_op=True the return is a torch Work whose wait() finishes the FP8 call (decode or
 fp32 accumulation, then unpadding): FSDP2 waits only on dist.Work instances. Counters: hook_stats().
 """
+
 from __future__ import annotations
 
 import threading
@@ -142,10 +143,12 @@ def _finish(handle, after, async_op: bool):
 def _unpad_after(dst: torch.Tensor, wire: torch.Tensor, sp):
     """The copy from the wire layout to FSDP2's, run when the call completes; on CUDA the wire buffer is marked
     used by the stream that copies (FSDP2 may wait on another stream than the one that issued the call)."""
+
     def after():
         layout.unpack_rows(dst, wire, sp)
         if wire.is_cuda:
             wire.record_stream(torch.cuda.current_stream(wire.device))
+
     return after
 
 
@@ -163,8 +166,9 @@ class Fp8AllGather(_Alloc, AllGather):
         self.param_group, self.wire, self.align = param_group, wire, align
         self.config = wire.wire(check)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False):
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ):
         world, n, dt = dist.get_world_size(group), input_tensor.numel(), input_tensor.dtype
         if dt not in FP8_DTYPES_IN or output_tensor.dtype != dt:
             # Mixed parameter dtypes: FSDP2 gathers raw bytes; quantizing them would be meaningless.
@@ -172,8 +176,9 @@ class Fp8AllGather(_Alloc, AllGather):
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             return fn(output_tensor, input_tensor, group=group, async_op=async_op)
         if output_tensor.numel() != world * n:
-            raise Fp8CommFsdp2Error(f"all-gather output has {output_tensor.numel()} elements, expected world ({world})"
-                                f" x input ({n})")
+            raise Fp8CommFsdp2Error(
+                f"all-gather output has {output_tensor.numel()} elements, expected world ({world}) x input ({n})"
+            )
         sizes = layout.ag_sizes(self.param_group, n)
         sp, wn = layout.spans(sizes or [n], self.wire.block_size, self.align and sizes is not None)
         counted = _Counted("weights", (world - 1) * n * input_tensor.element_size(), n, wn - n, sizes is not None)
@@ -199,32 +204,58 @@ class Fp8ReduceScatter(_Alloc, ReduceScatter):
         self.config = wire.wire(check)
         self.error_feedback = fc.ErrorFeedback(self.config.residual_torch_dtype) if wire.error_feedback else None
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ):
         kind, factor = layout.reduce_op(op)  # unsupported ops raise here, before any bytes move
         dt = input_tensor.dtype
         if dt not in FP8_DTYPES_IN:
-            raise Fp8CommFsdp2Error(f"FSDP2 reduce-scatter input is {dt}; the FP8 gradient hook takes float32, bfloat16 "
-                                "or float16 (set MixedPrecisionPolicy.reduce_dtype, or gradients=False)")
+            raise Fp8CommFsdp2Error(
+                f"FSDP2 reduce-scatter input is {dt}; the FP8 gradient hook takes float32, bfloat16 "
+                "or float16 (set MixedPrecisionPolicy.reduce_dtype, or gradients=False)"
+            )
         world, L = dist.get_world_size(group), output_tensor.numel()
         if input_tensor.numel() != world * L:
-            raise Fp8CommFsdp2Error(f"reduce-scatter input has {input_tensor.numel()} elements, expected world ({world})"
-                                f" x output ({L}); FSDP2 always pads to that")
+            raise Fp8CommFsdp2Error(
+                f"reduce-scatter input has {input_tensor.numel()} elements, expected world ({world})"
+                f" x output ({L}); FSDP2 always pads to that"
+            )
         sizes = layout.rs_sizes(self.param_group, L)
         sp, wl = layout.spans(sizes or [L], self.wire.block_size, self.align and sizes is not None)
-        kw = {"config": self.config, "error_feedback": self.error_feedback}
-        counted = _Counted("gradients", (world - 1) * L * input_tensor.element_size(), world * L,
-                           world * (wl - L), sizes is not None)
+        counted = _Counted(
+            "gradients", (world - 1) * L * input_tensor.element_size(), world * L, world * (wl - L), sizes is not None
+        )
         if layout.is_identity(sp, L, wl):
             if factor is not None:
                 input_tensor.mul_(factor)  # FSDP2's own pre-divide works on this buffer in place too
             with counted:
-                h = fc.reduce_scatter_into(output_tensor, input_tensor, group, op=kind, async_op=True, **kw)
+                h = fc.reduce_scatter_into(
+                    output_tensor,
+                    input_tensor,
+                    group,
+                    op=kind,
+                    async_op=True,
+                    config=self.config,
+                    error_feedback=self.error_feedback,
+                )
             return _finish(h, None, async_op)
         win = layout.pack_rows(input_tensor.view(world, L), sp, wl, factor)
         wout = torch.empty(wl, dtype=dt, device=input_tensor.device)
         with counted:
-            h = fc.reduce_scatter_into(wout, win.view(-1), group, op=kind, async_op=True, **kw)
+            h = fc.reduce_scatter_into(
+                wout,
+                win.view(-1),
+                group,
+                op=kind,
+                async_op=True,
+                config=self.config,
+                error_feedback=self.error_feedback,
+            )
         return _finish(h, _unpad_after(output_tensor.view(1, L), wout.view(1, wl), sp), async_op)
 
 

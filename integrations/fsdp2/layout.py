@@ -6,6 +6,7 @@ r's chunk of every parameter that has a gradient (`chunk_cat` of each gradient p
 of world), so the chunks in a row are the padded sharded sizes; output = row `rank` of the reduction.
 `spans` maps these onto a wire layout where every parameter starts a new 1 x block_size block.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,9 +17,18 @@ from .config import Fp8CommFsdp2Error
 # Private FSDP2 names read here and in enable.py; check_fsdp2_internals() fails loudly when torch renames one.
 FSDP2_INTERNALS = {
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup": (
-        "fsdp_params", "mesh_info", "mp_policy", "_all_gather_comm", "_reduce_scatter_comm"),
+        "fsdp_params",
+        "mesh_info",
+        "mp_policy",
+        "_all_gather_comm",
+        "_reduce_scatter_comm",
+    ),
     "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam": (
-        "sharded_state", "padded_sharded_param_size", "_sharded_param_data", "sharded_param"),
+        "sharded_state",
+        "padded_sharded_param_size",
+        "_sharded_param_data",
+        "sharded_param",
+    ),
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState": ("_fsdp_param_groups",),
     "torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo": (),
 }
@@ -92,7 +102,7 @@ def pack_rows(src: torch.Tensor, sp, wire_n: int, factor: float | None = None) -
     """src [rows, n] -> a zero-padded [rows, wire_n] copy in the wire layout (times `factor` when given)."""
     out = torch.zeros(src.shape[0], wire_n, dtype=src.dtype, device=src.device)
     for off, woff, k in sp:
-        out[:, woff:woff + k].copy_(src[:, off:off + k])
+        out[:, woff : woff + k].copy_(src[:, off : off + k])
     if factor is not None:
         out.mul_(factor)
     return out
@@ -101,7 +111,7 @@ def pack_rows(src: torch.Tensor, sp, wire_n: int, factor: float | None = None) -
 def unpack_rows(dst: torch.Tensor, src: torch.Tensor, sp) -> None:
     """dst [rows, n] <- src [rows, wire_n] in the wire layout (padding dropped)."""
     for off, woff, k in sp:
-        dst[:, off:off + k].copy_(src[:, woff:woff + k])
+        dst[:, off : off + k].copy_(src[:, woff : woff + k])
 
 
 def reduce_op(op) -> tuple[str, float | None]:
@@ -111,16 +121,20 @@ def reduce_op(op) -> tuple[str, float | None]:
     set_gradient_divide_factor: NCCL multiplies every input by the factor before summing, so do we."""
     kind, factor = op, None
     if not isinstance(op, ReduceOp.RedOpType) and isinstance(op, ReduceOp):  # a ReduceOp object (PREMUL_SUM)
-        kind = op.op
+        kind = op.op  # type: ignore[attr-defined]  # the stubs omit it
         if kind == ReduceOp.PREMUL_SUM:
             factor = getattr(op, "factor", None)
             if not isinstance(factor, float):
-                raise Fp8CommFsdp2Error(f"PREMUL_SUM with a tensor factor ({type(factor).__name__}) is not supported "
-                                    "by the fp8comm FSDP2 reduce-scatter; pass a float gradient divide factor")
+                raise Fp8CommFsdp2Error(
+                    f"PREMUL_SUM with a tensor factor ({type(factor).__name__}) is not supported "
+                    "by the fp8comm FSDP2 reduce-scatter; pass a float gradient divide factor"
+                )
             return "sum", factor
     if kind == ReduceOp.SUM:
         return "sum", None
     if kind == ReduceOp.AVG:
         return "avg", None
-    raise Fp8CommFsdp2Error(f"the fp8comm FSDP2 reduce-scatter supports SUM, AVG and PREMUL_SUM; FSDP2 passed {op!r} "
-                        "(disable the gradient hook with enable(model, gradients=False) for this setup)")
+    raise Fp8CommFsdp2Error(
+        f"the fp8comm FSDP2 reduce-scatter supports SUM, AVG and PREMUL_SUM; FSDP2 passed {op!r} "
+        "(disable the gradient hook with enable(model, gradients=False) for this setup)"
+    )

@@ -5,6 +5,7 @@ Megatron-LM:  args = parse_args(extra_args_provider=add_args); ...; install(args
 Megatron-Core: install(ddp_config=ddp_config, transformer_config=config, grad_reduce=True, param_gather=True)
 uninstall() restores every patched name. See docs/megatron.md.
 """
+
 from fp8comm.deprecation import renamed
 
 from .args import add_args
@@ -15,13 +16,42 @@ from .error_feedback import state_dict as error_feedback_state_dict
 from .guard import load_state_dict as load_guard_state_dict
 from .guard import state_dict as guard_state_dict
 from .guard import summary as guard_summary
-from .install import (PATCH_POINTS, SUPPORTED_SERIES, active_config, check_patch_points, check_version, install,
-                      megatron_version, uninstall)
+from .install import (
+    PATCH_POINTS,
+    SUPPORTED_SERIES,
+    active_config,
+    check_patch_points,
+    check_version,
+    install,
+    megatron_version,
+    uninstall,
+)
 
-__all__ = ["add_args", "install", "uninstall", "active_config", "hook_stats", "Fp8CommMegatronConfig",
-           "Fp8CommMegatronError", "PATCH_POINTS", "SUPPORTED_SERIES", "check_patch_points", "check_version",
-           "megatron_version", "error_feedback_state_dict", "load_error_feedback_state_dict",
-           "error_feedback_nbytes", "guard_state_dict", "load_guard_state_dict", "guard_summary"]
+__all__ = [
+    "add_args",
+    "install",
+    "uninstall",
+    "active_config",
+    "hook_stats",
+    "Fp8CommMegatronConfig",
+    "Fp8CommMegatronError",
+    "PATCH_POINTS",
+    "SUPPORTED_SERIES",
+    "check_patch_points",
+    "check_version",
+    "megatron_version",
+    "error_feedback_state_dict",
+    "load_error_feedback_state_dict",
+    "error_feedback_nbytes",
+    "guard_state_dict",
+    "load_guard_state_dict",
+    "guard_summary",
+]
 
-__getattr__ = renamed(__name__, {"Fp8commConfig": ("Fp8CommMegatronConfig", Fp8CommMegatronConfig),
-                                 "Fp8commMegatronError": ("Fp8CommMegatronError", Fp8CommMegatronError)})
+__getattr__ = renamed(
+    __name__,
+    {
+        "Fp8commConfig": ("Fp8CommMegatronConfig", Fp8CommMegatronConfig),
+        "Fp8commMegatronError": ("Fp8CommMegatronError", Fp8CommMegatronError),
+    },
+)

@@ -1,4 +1,5 @@
 """What the Megatron plugin turns on and how it quantizes: one frozen config, built from argparse args or keywords."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -44,9 +45,16 @@ class Fp8CommMegatronConfig:
     guard_cooldown: int = 50  # steps in bf16 before FP8 is tried again
 
     def __post_init__(self) -> None:
-        for name, allowed in (("fmt", FORMATS), ("grad_fmt", FORMATS), ("scaling", SCALINGS),
-                              ("rounding", ROUNDINGS), ("check", CHECKS), ("moe_grad_wire", MOE_GRAD_WIRES),
-                              ("error_feedback_dtype", tuple(EF_DTYPES)), ("moe_combine", MOE_COMBINES)):
+        for name, allowed in (
+            ("fmt", FORMATS),
+            ("grad_fmt", FORMATS),
+            ("scaling", SCALINGS),
+            ("rounding", ROUNDINGS),
+            ("check", CHECKS),
+            ("moe_grad_wire", MOE_GRAD_WIRES),
+            ("error_feedback_dtype", tuple(EF_DTYPES)),
+            ("moe_combine", MOE_COMBINES),
+        ):
             if getattr(self, name) not in allowed:
                 raise Fp8CommMegatronError(f"fp8comm: {name}={getattr(self, name)!r} is not one of {allowed}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
@@ -76,41 +84,59 @@ class Fp8CommMegatronConfig:
         """One line: which hooks are on and how they quantize (install() logs it)."""
         if not self.any:
             return "fp8comm: no hook enabled (Megatron communication unchanged)"
-        fp8 = [n for n, f in (("grad reduce-scatter", self.grad_reduce), ("param all-gather", self.param_gather),
-                              ("MoE dispatch", self.moe_dispatch), ("MoE combine", self.moe_combine == "fp8")) if f]
+        fp8 = [
+            n
+            for n, f in (
+                ("grad reduce-scatter", self.grad_reduce),
+                ("param all-gather", self.param_gather),
+                ("MoE dispatch", self.moe_dispatch),
+                ("MoE combine", self.moe_combine == "fp8"),
+            )
+            if f
+        ]
         head = "FP8 " + ", ".join(fp8) if fp8 else ""
         if self.moe_combine == "bf16":
             head += ("; " if head else "") + "bf16 MoE combine through fp8comm"
         extra = []
         if self.guard:
-            extra.append(f"guard (bf16 fallback above {self.guard_threshold:.2%} for {self.guard_patience} steps, "
-                         f"{self.guard_cooldown} steps)")
+            extra.append(
+                f"guard (bf16 fallback above {self.guard_threshold:.2%} for {self.guard_patience} steps, "
+                f"{self.guard_cooldown} steps)"
+            )
         if self.error_feedback:
             extra.append(f"error feedback {self.error_feedback_dtype} residuals")
         if self.moe:
             extra.append(f"MoE backward {self.moe_grad_wire}")
-        return (f"fp8comm: {head} active (params/tokens {self.fmt}, grads {self.grad_fmt}, 1x{self.block_size} "
-                f"{self.scaling} scales, rounding {self.rounding}, hierarchical {'on' if self.hierarchical else 'off'}"
-                f", check {self.check}" + "".join(", " + e for e in extra) + ")")
+        return (
+            f"fp8comm: {head} active (params/tokens {self.fmt}, grads {self.grad_fmt}, 1x{self.block_size} "
+            f"{self.scaling} scales, rounding {self.rounding}, hierarchical {'on' if self.hierarchical else 'off'}"
+            f", check {self.check}" + "".join(", " + e for e in extra) + ")"
+        )
 
     def wire(self, kind: str, check: bool | None = None, block_size: int | None = None) -> WireConfig:
         """The fp8comm.comm WireConfig of one hook kind, 'grad', 'param' or 'moe' (gradients: grad_fmt, rounding
         and error feedback; parameters and tokens: fmt, nearest rounding); check: this call's check decision."""
         grad = kind == "grad"
-        return WireConfig(fmt=self.grad_fmt if grad else self.fmt, scaling=self.scaling,
-                          block_size=block_size or self.block_size, rounding=self.rounding if grad else "nearest",
-                          check=check, error_feedback=grad and self.error_feedback,
-                          residual_dtype=EF_DTYPES[self.error_feedback_dtype])
+        return WireConfig(
+            fmt=self.grad_fmt if grad else self.fmt,
+            scaling=self.scaling,
+            block_size=block_size or self.block_size,
+            rounding=self.rounding if grad else "nearest",
+            check=check,
+            error_feedback=grad and self.error_feedback,
+            residual_dtype=EF_DTYPES[self.error_feedback_dtype],
+        )
 
     @classmethod
-    def from_args(cls, args) -> "Fp8CommMegatronConfig":
+    def from_args(cls, args) -> Fp8CommMegatronConfig:
         """From a Megatron-LM argparse namespace extended by add_args (attribute names fp8comm_<field>)."""
         missing = [f.name for f in fields(cls) if not hasattr(args, "fp8comm_" + f.name)]
         if missing:
             raise Fp8CommMegatronError(
                 "fp8comm: args lack " + ", ".join("fp8comm_" + m for m in missing) + "; pass "
                 "extra_args_provider=fp8comm.integrations.megatron.add_args to parse_args (or call install() "
-                "with keywords instead of args)")
+                "with keywords instead of args)"
+            )
         return cls(**{f.name: getattr(args, "fp8comm_" + f.name) for f in fields(cls)})
 
 

@@ -12,6 +12,7 @@ issued) the batch starts them in call order, and the object Megatron keeps as it
 and then every FP8 handle, whose wait() is where fp8comm dequantizes / accumulates in fp32 and writes the output.
 Synchronous blocks (overlap off) wait before the block returns, exactly like the original.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -142,9 +143,11 @@ def hierarchical_groups(group):
     per_node = {n: nodes.count(n) for n in nodes}
     local = per_node[nodes[0]]
     if len(set(per_node.values())) != 1 or nodes != sorted(nodes):
-        raise Fp8CommMegatronError(f"fp8comm: hierarchical mode needs every node to hold the same number of "
-                                   f"consecutive members of the group; group ranks {ranks} with "
-                                   f"LOCAL_WORLD_SIZE={lws} give per-node counts {per_node}")
+        raise Fp8CommMegatronError(
+            f"fp8comm: hierarchical mode needs every node to hold the same number of "
+            f"consecutive members of the group; group ranks {ranks} with "
+            f"LOCAL_WORLD_SIZE={lws} give per-node counts {per_node}"
+        )
     hg = fcomm.node_groups(group, local_size=local)
     _hier_cache[key] = hg
     return hg
@@ -180,12 +183,20 @@ def make_reduce_scatter(orig, cfg: Fp8CommMegatronConfig):
         def start():
             count("grad_reduce_scatter", "fp8_calls")
             count("grad_reduce_scatter", "elements", input.numel())
-            return fcomm.reduce_scatter_into(output, input, group, op, async_op=True, error_feedback=ef,
-                                             guard=bucket, **_options(cfg, "grad", input, group))
+            return fcomm.reduce_scatter_into(
+                output,
+                input,
+                group,
+                op,
+                async_op=True,
+                error_feedback=ef,
+                guard=bucket,
+                **_options(cfg, "grad", input, group),
+            )
 
         return _issue(start, async_op)
 
-    fp8comm_reduce_scatter.__wrapped__ = orig
+    fp8comm_reduce_scatter.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_reduce_scatter
 
 
@@ -202,7 +213,8 @@ def make_all_gather(orig, cfg: Fp8CommMegatronConfig):
             raise Fp8CommMegatronError(
                 "fp8comm: FP8 param all-gather on an fp32 parameter buffer would overwrite the distributed "
                 "optimizer's fp32 master weights (they share that buffer) with FP8-rounded values; train with "
-                "bf16/fp16 params (--bf16/--fp16, Float16Module) or turn --fp8comm-param-gather off")
+                "bf16/fp16 params (--bf16/--fp16, Float16Module) or turn --fp8comm-param-gather off"
+            )
         if _size(group) == 1:
             count("param_all_gather", "passthrough_calls")
             return orig(output, input, group=group, async_op=async_op)
@@ -213,10 +225,11 @@ def make_all_gather(orig, cfg: Fp8CommMegatronConfig):
         def start():
             count("param_all_gather", "fp8_calls")
             count("param_all_gather", "elements", input.numel())
-            return fcomm.all_gather_into(output, input, group, async_op=True, guard=bucket,
-                                         **_options(cfg, "param", input, group))
+            return fcomm.all_gather_into(
+                output, input, group, async_op=True, guard=bucket, **_options(cfg, "param", input, group)
+            )
 
         return _issue(start, async_op)
 
-    fp8comm_all_gather.__wrapped__ = orig
+    fp8comm_all_gather.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_all_gather

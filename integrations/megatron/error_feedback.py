@@ -5,6 +5,7 @@ reduce-scatter): Megatron's buckets are built once with the DDP wrapper and reus
 identity is a stable key. A step the optimizer skips (inf/NaN found) zeroes every residual; state_dict(model) /
 load_state_dict(model, sd) save and restore the residuals with a checkpoint (per rank: residuals differ by rank).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -85,12 +86,19 @@ def _bucket_buffers(model) -> list[tuple[str, torch.Tensor, int]]:
     for c, chunk in enumerate(chunks):
         for kind in ("bucket_groups", "expert_parallel_bucket_groups"):
             if not hasattr(chunk, kind):
-                raise Fp8CommMegatronError(f"fp8comm: error feedback state needs Megatron's DistributedDataParallel "
-                                           f"model chunks (with .{kind}); got {type(chunk).__name__}")
+                raise Fp8CommMegatronError(
+                    f"fp8comm: error feedback state needs Megatron's DistributedDataParallel "
+                    f"model chunks (with .{kind}); got {type(chunk).__name__}"
+                )
             for g, group in enumerate(getattr(chunk, kind)):
                 for k, bucket in enumerate(group.buckets):
-                    out.append((f"chunk{c}.{kind}{g}.bucket{k}", bucket.grad_data,
-                                int(group.intra_distributed_optimizer_instance_size)))
+                    out.append(
+                        (
+                            f"chunk{c}.{kind}{g}.bucket{k}",
+                            bucket.grad_data,
+                            int(group.intra_distributed_optimizer_instance_size),
+                        )
+                    )
     return out
 
 
@@ -114,8 +122,10 @@ def load_state_dict(model, sd: dict, strict: bool = True) -> None:
     it: that bucket starts from zero). Buckets absent from `sd` start from zero either way.
     """
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
-        raise Fp8CommMegatronError(f"fp8comm: not an error-feedback state dict from state_dict() (format "
-                                   f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
+        raise Fp8CommMegatronError(
+            f"fp8comm: not an error-feedback state dict from state_dict() (format "
+            f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})"
+        )
     buckets = {name: (grad_data, dp) for name, grad_data, dp in _bucket_buffers(model)}
     dtype = str(_DTYPE[0]).removeprefix("torch.")
     problems, ok = [], []
@@ -123,16 +133,20 @@ def load_state_dict(model, sd: dict, strict: bool = True) -> None:
         if name not in buckets:
             problems.append(f"{name}: no such bucket in this model")
         elif (st["bucket_numel"], st["dp_size"]) != (buckets[name][0].numel(), buckets[name][1]):
-            problems.append(f"{name}: saved for a bucket of {st['bucket_numel']} elements over {st['dp_size']} DP "
-                            f"ranks, this one has {buckets[name][0].numel()} over {buckets[name][1]}")
+            problems.append(
+                f"{name}: saved for a bucket of {st['bucket_numel']} elements over {st['dp_size']} DP "
+                f"ranks, this one has {buckets[name][0].numel()} over {buckets[name][1]}"
+            )
         elif st.get("dtype") != dtype:
-            problems.append(f"{name}: residual saved as {st.get('dtype')}, this run keeps {dtype} "
-                            "(--fp8comm-error-feedback-dtype)")
+            problems.append(
+                f"{name}: residual saved as {st.get('dtype')}, this run keeps {dtype} (--fp8comm-error-feedback-dtype)"
+            )
         else:
             ok.append(name)
     if problems and strict:
-        raise Fp8CommMegatronError("fp8comm: error-feedback state does not match this model (same DP size and "
-                                   "bucket layout needed; strict=False starts those buckets from zero):\n  - "
-                                   + "\n  - ".join(problems))
+        raise Fp8CommMegatronError(
+            "fp8comm: error-feedback state does not match this model (same DP size and "
+            "bucket layout needed; strict=False starts those buckets from zero):\n  - " + "\n  - ".join(problems)
+        )
     for name in ok:
         for_bucket(buckets[name][0]).load_state_dict(sd["residuals"][name])

@@ -6,6 +6,7 @@ feedback's skipped-step reset) ends each step with Guard.step(); a bucket the gu
 Megatron's own collective (the bucket's own dtype) until its cooldown ends. guard_state_dict() /
 load_guard_state_dict() carry the guard's state through a checkpoint (the same on every rank).
 """
+
 from __future__ import annotations
 
 import weakref

@@ -5,6 +5,7 @@ name is checked at install: the module attribute must exist, and the Megatron fu
 reference it by that name (its bytecode's co_names); an upgrade that renames or bypasses a name is an error here,
 never a silently disabled hook.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -12,6 +13,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,20 +43,29 @@ class PatchPoint:
 
 
 PATCH_POINTS = (
-    PatchPoint("ddp", PGB, "_coalescing_manager",
-               ("_ParamAndGradBucketGroup.start_grad_sync", "_ParamAndGradBucketGroup.start_param_sync")),
+    PatchPoint(
+        "ddp",
+        PGB,
+        "_coalescing_manager",
+        ("_ParamAndGradBucketGroup.start_grad_sync", "_ParamAndGradBucketGroup.start_param_sync"),
+    ),
     PatchPoint("grad", PGB, "dist_reduce_scatter_func", ("_ParamAndGradBucketGroup.start_grad_sync",)),
     # _ParamAndGradBucketGroup.__init__ rebinds dist_reduce_scatter_func to this name when
     # ddp_config.reduce_scatter_with_fp32_accumulation is on; patching it keeps FP8 in that mode too.
     PatchPoint("grad", PGB, "reduce_scatter_with_fp32_accumulation", ("_ParamAndGradBucketGroup.__init__",)),
     PatchPoint("param", PGB, "dist_all_gather_func", ("_ParamAndGradBucketGroup.start_param_sync",)),
-    PatchPoint("moe", TD, "all_to_all", ("MoEAlltoAllTokenDispatcher.token_dispatch",
-                                         "MoEAlltoAllTokenDispatcher.token_combine")),
+    PatchPoint(
+        "moe",
+        TD,
+        "all_to_all",
+        ("MoEAlltoAllTokenDispatcher.token_dispatch", "MoEAlltoAllTokenDispatcher.token_combine"),
+    ),
     PatchPoint("moe", TD, "MoEAlltoAllTokenDispatcher.token_dispatch", ()),
     PatchPoint("moe", TD, "MoEAlltoAllTokenDispatcher.token_combine", ()),
     PatchPoint("moe_ag", TD, "gather_from_sequence_parallel_region", ("MoEAllGatherTokenDispatcher.token_dispatch",)),
-    PatchPoint("moe_ag", TD, "reduce_scatter_to_sequence_parallel_region",
-               ("MoEAllGatherTokenDispatcher.token_combine",)),
+    PatchPoint(
+        "moe_ag", TD, "reduce_scatter_to_sequence_parallel_region", ("MoEAllGatherTokenDispatcher.token_combine",)
+    ),
     PatchPoint("moe_ag", TD, "MoEAllGatherTokenDispatcher.token_dispatch", ()),
     PatchPoint("moe_ag", TD, "MoEAllGatherTokenDispatcher.token_combine", ()),
     PatchPoint("flex", TD, "MoEFlexTokenDispatcher.token_dispatch", ()),
@@ -67,8 +78,14 @@ PATCH_POINTS = (
 )
 
 # DistributedDataParallelConfig fields the checks read (a rename would make a check silently pass).
-DDP_FIELDS = ("use_distributed_optimizer", "num_distributed_optimizer_instances", "fp8_param_gather",
-              "overlap_grad_reduce", "overlap_param_gather", "reduce_scatter_with_fp32_accumulation")
+DDP_FIELDS = (
+    "use_distributed_optimizer",
+    "num_distributed_optimizer_instances",
+    "fp8_param_gather",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "reduce_scatter_with_fp32_accumulation",
+)
 
 _SAVED: list[tuple[object, str, object]] = []
 _ACTIVE: list[Fp8CommMegatronConfig] = []
@@ -79,7 +96,7 @@ def megatron_version() -> str:
         from importlib.metadata import version
 
         return version("megatron-core")
-    except Exception:  # noqa: BLE001 - a source checkout has no dist metadata; fall back to the package
+    except Exception:
         from megatron.core import package_info
 
         return package_info.__shortversion__
@@ -94,12 +111,17 @@ def check_version(allow_untested: bool = False) -> str:
     if series in SUPPORTED_SERIES:
         return v
     if allow_untested or os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0"):
-        logger.warning("fp8comm: megatron-core %s is untested (supported: %s); every patched name was still "
-                       "checked", v, _series_text())
+        logger.warning(
+            "fp8comm: megatron-core %s is untested (supported: %s); every patched name was still checked",
+            v,
+            _series_text(),
+        )
         return v
-    raise Fp8CommMegatronError(f"fp8comm: megatron-core {v} is not a supported version (supported: "
-                               f"{_series_text()}); set {ALLOW_UNTESTED_ENV}=1 or install(..., "
-                               "allow_untested_version=True) to try it (all patched names are still checked)")
+    raise Fp8CommMegatronError(
+        f"fp8comm: megatron-core {v} is not a supported version (supported: "
+        f"{_series_text()}); set {ALLOW_UNTESTED_ENV}=1 or install(..., "
+        "allow_untested_version=True) to try it (all patched names are still checked)"
+    )
 
 
 def _series_text() -> str:
@@ -134,7 +156,7 @@ def check_patch_points(features=("ddp", "grad", "param", "ef", "moe", "moe_ag", 
             continue
         try:
             mod = importlib.import_module(p.module)
-        except Exception as e:  # noqa: BLE001 - report any import failure by module
+        except Exception as e:
             problems.append(f"cannot import {p.module}: {type(e).__name__}: {e}")
             continue
         try:
@@ -183,19 +205,24 @@ class _Facts:
 
 
 def _facts_from_args(args) -> _Facts:
-    g = lambda n, d=None: getattr(args, n, d)  # noqa: E731
+    g = lambda n, d=None: getattr(args, n, d)
     dtype = g("params_dtype")
     if not isinstance(dtype, torch.dtype):  # set by validate_args; derive it if validation has not run yet
         dtype = torch.bfloat16 if g("bf16") else torch.float16 if g("fp16") else torch.float32
-    return _Facts(dist_opt=bool(g("use_distributed_optimizer", False)),
-                  instances=int(g("num_distributed_optimizer_instances", 1) or 1),
-                  fsdp=next((n for n in ("use_megatron_fsdp", "use_custom_fsdp", "use_torch_fsdp2") if g(n)), None),
-                  te_quantized=next((n for n in ("fp8_param_gather", "fp4_param_gather",
-                                                 "reuse_grad_buf_for_mxfp8_param_ag") if g(n)), None),
-                  params_dtype=dtype, moe_known=True, num_experts=g("num_experts"),
-                  dispatcher=g("moe_token_dispatcher_type"),
-                  ep=int(g("expert_model_parallel_size", 1) or 1),
-                  tp=int(g("tensor_model_parallel_size", 1) or 1))
+    return _Facts(
+        dist_opt=bool(g("use_distributed_optimizer", False)),
+        instances=int(g("num_distributed_optimizer_instances", 1) or 1),
+        fsdp=next((n for n in ("use_megatron_fsdp", "use_custom_fsdp", "use_torch_fsdp2") if g(n)), None),
+        te_quantized=next(
+            (n for n in ("fp8_param_gather", "fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag") if g(n)), None
+        ),
+        params_dtype=dtype,
+        moe_known=True,
+        num_experts=g("num_experts"),
+        dispatcher=g("moe_token_dispatcher_type"),
+        ep=int(g("expert_model_parallel_size", 1) or 1),
+        tp=int(g("tensor_model_parallel_size", 1) or 1),
+    )
 
 
 def _facts_from_configs(ddp_config, transformer_config, params_dtype) -> _Facts:
@@ -204,8 +231,14 @@ def _facts_from_configs(ddp_config, transformer_config, params_dtype) -> _Facts:
         f.dist_opt = bool(ddp_config.use_distributed_optimizer)
         f.instances = int(ddp_config.num_distributed_optimizer_instances)
         f.fsdp = next((n for n in ("use_megatron_fsdp", "use_custom_fsdp") if getattr(ddp_config, n, False)), None)
-        f.te_quantized = next((n for n in ("fp8_param_gather", "fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag")
-                               if getattr(ddp_config, n, False)), None)
+        f.te_quantized = next(
+            (
+                n
+                for n in ("fp8_param_gather", "fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag")
+                if getattr(ddp_config, n, False)
+            ),
+            None,
+        )
     if transformer_config is not None:
         f.params_dtype = transformer_config.params_dtype
         f.moe_known = True
@@ -225,47 +258,72 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
     if ddp and f.fsdp:
         errs.append(f"{f.fsdp}: fp8comm hooks Megatron's DDP bucket groups, not FSDP; the hooks would do nothing")
     if ddp and f.instances is not None and f.instances > 1:
-        errs.append(f"num_distributed_optimizer_instances={f.instances}: several distributed optimizer instances "
-                    "add an inter-instance all-reduce on a separate CUDA stream that fp8comm does not cover; use 1")
+        errs.append(
+            f"num_distributed_optimizer_instances={f.instances}: several distributed optimizer instances "
+            "add an inter-instance all-reduce on a separate CUDA stream that fp8comm does not cover; use 1"
+        )
     if cfg.grad_reduce and f.dist_opt is False:
-        errs.append("--fp8comm-grad-reduce needs --use-distributed-optimizer: plain DDP reduces gradients with a "
-                    "direct all_reduce, so the reduce-scatter hook would silently do nothing")
+        errs.append(
+            "--fp8comm-grad-reduce needs --use-distributed-optimizer: plain DDP reduces gradients with a "
+            "direct all_reduce, so the reduce-scatter hook would silently do nothing"
+        )
     if cfg.param_gather and f.dist_opt is False:
         errs.append("--fp8comm-param-gather needs --use-distributed-optimizer (only it all-gathers parameters)")
     if cfg.param_gather and f.te_quantized:
-        errs.append(f"--fp8comm-param-gather with {f.te_quantized}: Transformer Engine already gathers its "
-                    "quantized parameters (raw FP8 storage in a uint8 buffer); quantizing again would corrupt them")
+        errs.append(
+            f"--fp8comm-param-gather with {f.te_quantized}: Transformer Engine already gathers its "
+            "quantized parameters (raw FP8 storage in a uint8 buffer); quantizing again would corrupt them"
+        )
     if cfg.param_gather and f.params_dtype == torch.float32:
-        errs.append("--fp8comm-param-gather with fp32 parameters: the distributed optimizer's fp32 master weights "
-                    "are a view of the parameter buffer, so the FP8 gather would overwrite them; use --bf16/--fp16")
+        errs.append(
+            "--fp8comm-param-gather with fp32 parameters: the distributed optimizer's fp32 master weights "
+            "are a view of the parameter buffer, so the FP8 gather would overwrite them; use --bf16/--fp16"
+        )
     if cfg.error_feedback and not cfg.grad_reduce:
-        errs.append("--fp8comm-error-feedback needs --fp8comm-grad-reduce: the residuals are the FP8 gradient "
-                    "reduce-scatter's quantization error")
+        errs.append(
+            "--fp8comm-error-feedback needs --fp8comm-grad-reduce: the residuals are the FP8 gradient "
+            "reduce-scatter's quantization error"
+        )
     if cfg.guard and not (cfg.grad_reduce or cfg.param_gather):
-        errs.append("--fp8comm-guard watches the FP8 DDP buckets: it needs --fp8comm-grad-reduce or "
-                    "--fp8comm-param-gather")
+        errs.append(
+            "--fp8comm-guard watches the FP8 DDP buckets: it needs --fp8comm-grad-reduce or --fp8comm-param-gather"
+        )
     if cfg.error_feedback_dtype != "fp32" and not cfg.error_feedback:
-        errs.append(f"--fp8comm-error-feedback-dtype {cfg.error_feedback_dtype} without --fp8comm-error-feedback: "
-                    "it would do nothing")
+        errs.append(
+            f"--fp8comm-error-feedback-dtype {cfg.error_feedback_dtype} without --fp8comm-error-feedback: "
+            "it would do nothing"
+        )
     if cfg.moe and f.moe_known:
-        flags = " / ".join(n for n, on in (("--fp8comm-moe-dispatch", cfg.moe_dispatch),
-                                           (f"--fp8comm-moe-combine {cfg.moe_combine}", cfg.moe_combine != "native"))
-                           if on)
+        flags = " / ".join(
+            n
+            for n, on in (
+                ("--fp8comm-moe-dispatch", cfg.moe_dispatch),
+                (f"--fp8comm-moe-combine {cfg.moe_combine}", cfg.moe_combine != "native"),
+            )
+            if on
+        )
         if not f.num_experts:
             errs.append(f"{flags} without MoE layers (--num-experts): nothing to dispatch")
         elif f.dispatcher == "flex":
-            errs.append(f"{flags} with --moe-token-dispatcher-type flex: the flex dispatcher runs DeepEP/HybridEP "
-                        "fused kernels (CUDA only), which fp8comm does not hook; supported dispatchers: "
-                        f"{', '.join(HOOKED_DISPATCHERS)}")
+            errs.append(
+                f"{flags} with --moe-token-dispatcher-type flex: the flex dispatcher runs DeepEP/HybridEP "
+                "fused kernels (CUDA only), which fp8comm does not hook; supported dispatchers: "
+                f"{', '.join(HOOKED_DISPATCHERS)}"
+            )
         elif f.dispatcher is not None and f.dispatcher not in HOOKED_DISPATCHERS:
-            errs.append(f"{flags}: --moe-token-dispatcher-type {f.dispatcher!r} is not hooked; supported "
-                        f"dispatchers: {', '.join(HOOKED_DISPATCHERS)}")
+            errs.append(
+                f"{flags}: --moe-token-dispatcher-type {f.dispatcher!r} is not hooked; supported "
+                f"dispatchers: {', '.join(HOOKED_DISPATCHERS)}"
+            )
         elif f.dispatcher == "alltoall" and f.ep is not None and f.ep == 1:
-            errs.append(f"{flags} with --expert-model-parallel-size 1 and the alltoall dispatcher: tokens never "
-                        "leave the rank")
+            errs.append(
+                f"{flags} with --expert-model-parallel-size 1 and the alltoall dispatcher: tokens never leave the rank"
+            )
         elif f.dispatcher == "allgather" and f.ep is not None and f.ep * (f.tp or 1) == 1:
-            errs.append(f"{flags} with the allgather dispatcher and tensor x expert parallel size 1: tokens never "
-                        "leave the rank")
+            errs.append(
+                f"{flags} with the allgather dispatcher and tensor x expert parallel size 1: tokens never "
+                "leave the rank"
+            )
     if cfg.hierarchical and ddp and not os.environ.get("LOCAL_WORLD_SIZE"):
         errs.append("--fp8comm-hierarchical needs LOCAL_WORLD_SIZE (ranks per node; torchrun sets it)")
     if cfg.hierarchical and not ddp:
@@ -273,8 +331,18 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
     return errs
 
 
-def install(args=None, *, ddp_config=None, transformer_config=None, params_dtype=None, grad_reduce=False,
-            param_gather=False, moe_dispatch=False, allow_untested_version=False, **options) -> Fp8CommMegatronConfig:
+def install(
+    args=None,
+    *,
+    ddp_config=None,
+    transformer_config=None,
+    params_dtype=None,
+    grad_reduce=False,
+    param_gather=False,
+    moe_dispatch=False,
+    allow_untested_version=False,
+    **options,
+) -> Fp8CommMegatronConfig:
     """Turn the fp8comm hooks on: install(args) after Megatron-LM parses args (add_args) and before the model
     is built, or install(ddp_config=..., transformer_config=..., grad_reduce=True, ...) for Megatron-Core.
 
@@ -286,15 +354,23 @@ def install(args=None, *, ddp_config=None, transformer_config=None, params_dtype
     if _ACTIVE:
         raise Fp8CommMegatronError("fp8comm: already installed; call uninstall() first")
     if args is not None:
-        if grad_reduce or param_gather or moe_dispatch or options or ddp_config is not None or \
-                transformer_config is not None or params_dtype is not None:
+        if (
+            grad_reduce
+            or param_gather
+            or moe_dispatch
+            or options
+            or ddp_config is not None
+            or transformer_config is not None
+            or params_dtype is not None
+        ):
             # The args carry both the fp8comm settings and the Megatron facts the checks read: one source only.
             raise Fp8CommMegatronError("fp8comm: pass either args (from add_args) or keywords, not both")
         cfg = Fp8CommMegatronConfig.from_args(args)
         facts = _facts_from_args(args)
     else:
-        cfg = Fp8CommMegatronConfig(grad_reduce=bool(grad_reduce), param_gather=bool(param_gather),
-                            moe_dispatch=bool(moe_dispatch), **options)
+        cfg = Fp8CommMegatronConfig(
+            grad_reduce=bool(grad_reduce), param_gather=bool(param_gather), moe_dispatch=bool(moe_dispatch), **options
+        )
         facts = _facts_from_configs(ddp_config, transformer_config, params_dtype)
     errs = validate(cfg, facts)  # also when no hook is on: e.g. --fp8comm-error-feedback alone would do nothing
     if not cfg.any and not errs:
@@ -304,8 +380,9 @@ def install(args=None, *, ddp_config=None, transformer_config=None, params_dtype
     features = _features(cfg, facts)
     problems = check_patch_points(features)
     if problems:
-        raise Fp8CommMegatronError(f"fp8comm: megatron-core {version} does not match what fp8comm patches:\n  - "
-                                   + "\n  - ".join(problems))
+        raise Fp8CommMegatronError(
+            f"fp8comm: megatron-core {version} does not match what fp8comm patches:\n  - " + "\n  - ".join(problems)
+        )
     if errs:
         raise Fp8CommMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
     patches = _patches(cfg, features)
@@ -341,24 +418,30 @@ def _features(cfg: Fp8CommMegatronConfig, facts: _Facts) -> set[str]:
     return f
 
 
-def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[object, str, object]]:
+def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[Any, str, object]]:
     """(object, attribute, replacement) for every name to patch; nothing is patched yet."""
-    patches = []
+    patches: list[tuple[Any, str, object]] = []
     if features & {"grad", "param"}:
         pgb = importlib.import_module(PGB)
         patches.append((pgb, "_coalescing_manager", ddp_hooks.make_coalescing_manager(pgb._coalescing_manager)))
         if cfg.grad_reduce:
-            patches.append((pgb, "dist_reduce_scatter_func",
-                            ddp_hooks.make_reduce_scatter(pgb.dist_reduce_scatter_func, cfg)))
-            patches.append((pgb, "reduce_scatter_with_fp32_accumulation",
-                            ddp_hooks.make_reduce_scatter(pgb.reduce_scatter_with_fp32_accumulation, cfg)))
+            patches.append(
+                (pgb, "dist_reduce_scatter_func", ddp_hooks.make_reduce_scatter(pgb.dist_reduce_scatter_func, cfg))
+            )
+            patches.append(
+                (
+                    pgb,
+                    "reduce_scatter_with_fp32_accumulation",
+                    ddp_hooks.make_reduce_scatter(pgb.reduce_scatter_with_fp32_accumulation, cfg),
+                )
+            )
         if cfg.param_gather:
             patches.append((pgb, "dist_all_gather_func", ddp_hooks.make_all_gather(pgb.dist_all_gather_func, cfg)))
     if "ef" in features:  # the optimizer step: error feedback's skipped-step reset, the guard's decision
         opt = importlib.import_module(OPT)
         for cls in (opt.MixedPrecisionOptimizer, opt.FP32Optimizer, opt.ChainedOptimizer):
             patches.append((cls, "step", error_feedback.make_optimizer_step(cls.__dict__["step"], guard.on_step)))
-    td = importlib.import_module(TD) if features & {"moe", "moe_ag", "flex"} else None
+    td: Any = importlib.import_module(TD) if features & {"moe", "moe_ag", "flex"} else None
     combine = cfg.moe_combine != "native"
     if "moe" in features:
         cls = td.MoEAlltoAllTokenDispatcher
@@ -370,14 +453,24 @@ def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[objec
     if "moe_ag" in features:
         cls = td.MoEAllGatherTokenDispatcher
         if cfg.moe_dispatch:
-            patches.append((td, "gather_from_sequence_parallel_region",
-                            moe_hooks.make_gather_from_sequence_parallel_region(
-                                td.gather_from_sequence_parallel_region, cfg)))
+            patches.append(
+                (
+                    td,
+                    "gather_from_sequence_parallel_region",
+                    moe_hooks.make_gather_from_sequence_parallel_region(td.gather_from_sequence_parallel_region, cfg),
+                )
+            )
             patches.append((cls, "token_dispatch", moe_hooks.make_ag_token_dispatch(cls.__dict__["token_dispatch"])))
         if combine:
-            patches.append((td, "reduce_scatter_to_sequence_parallel_region",
-                            moe_hooks.make_reduce_scatter_to_sequence_parallel_region(
-                                td.reduce_scatter_to_sequence_parallel_region, cfg)))
+            patches.append(
+                (
+                    td,
+                    "reduce_scatter_to_sequence_parallel_region",
+                    moe_hooks.make_reduce_scatter_to_sequence_parallel_region(
+                        td.reduce_scatter_to_sequence_parallel_region, cfg
+                    ),
+                )
+            )
             patches.append((cls, "token_combine", moe_hooks.make_ag_token_combine(cls.__dict__["token_combine"])))
     if "flex" in features:
         cls = td.MoEFlexTokenDispatcher

@@ -11,6 +11,7 @@ with moe_combine=fp8 an FP8 reduce-scatter with fp32 accumulation (backward: all
 flex (DeepEP / HybridEP fused CUDA kernels) is not hooked: install refuses it, and its token_dispatch raises if
 the dispatcher type was unknown at install.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,7 +54,7 @@ def _marking(orig, slot: str, pick):
         finally:
             setattr(_tls, slot, prev)
 
-    fp8comm_marked.__wrapped__ = orig
+    fp8comm_marked.__wrapped__ = orig  # type: ignore[attr-defined]
     fp8comm_marked.__name__ = getattr(orig, "__name__", "fp8comm_marked")
     return fp8comm_marked
 
@@ -90,11 +91,17 @@ def make_all_to_all(orig, cfg: Fp8CommMegatronConfig):
             return orig(group, input_, output_split_sizes_, input_split_sizes, **kwargs)
         count(hook, "fp8_calls" if wire == "fp8" else "bf16_calls")
         count(hook, "elements", input_.numel())
-        return fcomm.all_to_all(input_.contiguous(), _host(output_split_sizes_), _host(input_split_sizes), group,
-                                wire=wire, grad_wire=cfg.moe_grad_wire,
-                                config=cfg.wire("moe", _check(cfg, (hook, id(group)))))
+        return fcomm.all_to_all(
+            input_.contiguous(),
+            _host(output_split_sizes_),
+            _host(input_split_sizes),
+            group,
+            wire=wire,
+            grad_wire=cfg.moe_grad_wire,
+            config=cfg.wire("moe", _check(cfg, (hook, id(group)))),
+        )
 
-    fp8comm_all_to_all.__wrapped__ = orig
+    fp8comm_all_to_all.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_all_to_all
 
 
@@ -127,8 +134,9 @@ def _grad_wire_reduce_scatter(g: torch.Tensor, group, cfg: Fp8CommMegatronConfig
     """Sum over `group` of g [W*T, H], this rank's T rows, on cfg.moe_grad_wire (fp8: fp32 accumulation)."""
     if cfg.moe_grad_wire == "fp8":
         wire = cfg.wire("grad", _check(cfg, ("moe_grad_rs", id(group))), _token_block(cfg, g.shape[-1]))
-        return fcomm.reduce_scatter(g.contiguous(), group, "sum", config=wire.replace(rounding="nearest",
-                                                                                        error_feedback=False))
+        return fcomm.reduce_scatter(
+            g.contiguous(), group, "sum", config=wire.replace(rounding="nearest", error_feedback=False)
+        )
     if cfg.moe_grad_wire == "bf16" and g.dtype != torch.bfloat16:
         return orig_rs(g.to(torch.bfloat16), group).to(g.dtype)
     return orig_rs(g, group)
@@ -163,8 +171,9 @@ class _Fp8ReduceScatterTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, cfg, orig_ag, check):
         ctx.group, ctx.cfg, ctx.orig_ag = group, cfg, orig_ag
-        return fcomm.reduce_scatter(x.contiguous(), group, "sum",
-                                    config=cfg.wire("moe", check, _token_block(cfg, x.shape[-1])))
+        return fcomm.reduce_scatter(
+            x.contiguous(), group, "sum", config=cfg.wire("moe", check, _token_block(cfg, x.shape[-1]))
+        )
 
     @staticmethod
     def backward(ctx, g):
@@ -186,8 +195,9 @@ def _megatron_ag(g, group):
 def make_gather_from_sequence_parallel_region(orig, cfg: Fp8CommMegatronConfig):
     """Megatron's gather_from_sequence_parallel_region with the marked dispatch tokens as an FP8 all-gather."""
 
-    def fp8comm_gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None,
-                                                     output_split_sizes=None, use_global_buffer=False):
+    def fp8comm_gather_from_sequence_parallel_region(
+        input_, tensor_parallel_output_grad=True, group=None, output_split_sizes=None, use_global_buffer=False
+    ):
         marked = getattr(_tls, "ag_tokens", None) is input_
         if not marked or not tensor_parallel_output_grad or output_split_sizes is not None or group is None:
             return orig(input_, tensor_parallel_output_grad, group, output_split_sizes, use_global_buffer)
@@ -199,15 +209,16 @@ def make_gather_from_sequence_parallel_region(orig, cfg: Fp8CommMegatronConfig):
         count("moe_dispatch", "elements", input_.numel())
         return _Fp8GatherTokens.apply(input_, group, cfg, _megatron_rs, _check(cfg, ("moe_dispatch", id(group))))
 
-    fp8comm_gather_from_sequence_parallel_region.__wrapped__ = orig
+    fp8comm_gather_from_sequence_parallel_region.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_gather_from_sequence_parallel_region
 
 
 def make_reduce_scatter_to_sequence_parallel_region(orig, cfg: Fp8CommMegatronConfig):
     """Megatron's reduce_scatter_to_sequence_parallel_region with the combine on cfg.moe_combine's wire."""
 
-    def fp8comm_reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
-                                                           use_global_buffer=False):
+    def fp8comm_reduce_scatter_to_sequence_parallel_region(
+        input_, group=None, input_split_sizes=None, use_global_buffer=False
+    ):
         marked = group is not None and getattr(_tls, "ag_combine", None) is group
         if not marked or input_split_sizes is not None:
             return orig(input_, group, input_split_sizes, use_global_buffer)
@@ -222,7 +233,7 @@ def make_reduce_scatter_to_sequence_parallel_region(orig, cfg: Fp8CommMegatronCo
         count("moe_combine", "fp8_calls")
         return _Fp8ReduceScatterTokens.apply(input_, group, cfg, _megatron_ag, _check(cfg, ("moe_combine", id(group))))
 
-    fp8comm_reduce_scatter_to_sequence_parallel_region.__wrapped__ = orig
+    fp8comm_reduce_scatter_to_sequence_parallel_region.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_reduce_scatter_to_sequence_parallel_region
 
 
@@ -234,7 +245,8 @@ def make_flex_refusal(orig):
         raise Fp8CommMegatronError(
             "fp8comm: --fp8comm-moe-dispatch/--fp8comm-moe-combine with --moe-token-dispatcher-type flex: the flex "
             "dispatcher runs DeepEP/HybridEP fused kernels, which fp8comm does not hook (and which need CUDA); "
-            f"supported dispatchers: {', '.join(HOOKED_DISPATCHERS)}. Turn the fp8comm MoE flags off for flex.")
+            f"supported dispatchers: {', '.join(HOOKED_DISPATCHERS)}. Turn the fp8comm MoE flags off for flex."
+        )
 
     fp8comm_flex_token_dispatch.__wrapped__ = orig
     return fp8comm_flex_token_dispatch

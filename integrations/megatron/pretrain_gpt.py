@@ -15,6 +15,7 @@ Rank 0 ends with one `pretrain_gpt summary: {json}` line: median step time (warm
 network interface sent per step (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / FP8COMM_LINK_IFNAME counters, when
 set), first/last loss and fp8comm's per-collective wire bytes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,20 +73,28 @@ def _sync() -> None:
 
 def model_provider(args, config):
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     if args.transformer_impl == "local":
         spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm)
     else:
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts,
-                                                          moe_grouped_gemm=args.moe_grouped_gemm)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings,
-                    position_embedding_type=args.position_embedding_type,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm
+        )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
 
 
 def _fields_from_args(cls, args) -> dict:
@@ -141,9 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
         sys.argv = saved_argv
     if args.virtual_pipeline_model_parallel_size:
         raise SystemExit("this example builds one model chunk per stage; drop --num-layers-per-virtual-pipeline-stage")
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                 expert_model_parallel_size=args.expert_model_parallel_size)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
     model_parallel_cuda_manual_seed(args.seed)
 
     install(args)  # 2. after argument parsing, before the model (and its DDP buckets) are built
@@ -168,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         data = _batches(args, ps.get_data_parallel_rank())
         fb = get_forward_backward_func()
-        history = {"loss": [], "grad_norm": [], "step_s": [], "link_tx_bytes": []}
+        history: dict[str, Any] = {"loss": [], "grad_norm": [], "step_s": [], "link_tx_bytes": []}
         ifname = _link_ifname()
         reset_comm_stats()
         for it in range(args.train_iters):
@@ -176,23 +188,32 @@ def main(argv: list[str] | None = None) -> dict:
             tx0, t0 = _link_tx_bytes(ifname), time.perf_counter()
             model.zero_grad_buffer()
             optimizer.zero_grad()
-            out = fb(forward_step_func=forward_step, data_iterator=data, model=[model],
-                     num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
-                     micro_batch_size=args.micro_batch_size, forward_only=False)
+            out = fb(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                model=[model],
+                num_microbatches=get_num_microbatches(),
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=False,
+            )
             ok, grad_norm, _ = optimizer.step()  # with overlap_param_gather, the next forward gathers (steady state)
             _sync()
             history["step_s"].append(time.perf_counter() - t0)
             tx1 = _link_tx_bytes(ifname)
-            history["link_tx_bytes"].append(None if tx0 is None else tx1 - tx0)
+            history["link_tx_bytes"].append(None if tx0 is None or tx1 is None else tx1 - tx0)
             # Only the last pipeline stage has losses: the others add zeros to one world-wide sum.
             s = torch.stack([o["lm loss"] for o in out]).sum(0) if out else torch.zeros(2, device=_device())
             dist.all_reduce(s)
             history["loss"].append(float(s[0] / s[1]))
             history["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
             if dist.get_rank() == 0 and (it + 1) % args.log_interval == 0:
-                print(f"iteration {it + 1}/{args.train_iters} | lm loss {history['loss'][-1]:.4f} | grad norm "
-                      f"{history['grad_norm'][-1]:.4f} | step {history['step_s'][-1] * 1e3:.0f} ms | "
-                      f"update {'ok' if ok else 'skipped'}", flush=True)
+                print(
+                    f"iteration {it + 1}/{args.train_iters} | lm loss {history['loss'][-1]:.4f} | grad norm "
+                    f"{history['grad_norm'][-1]:.4f} | step {history['step_s'][-1] * 1e3:.0f} ms | "
+                    f"update {'ok' if ok else 'skipped'}",
+                    flush=True,
+                )
         if ddp_config.overlap_param_gather:
             model.start_param_sync(force_sync=True)  # the last step's gather, dispatched lazily otherwise
         history["comm_stats"] = comm_stats()
@@ -212,15 +233,23 @@ def _summary(h: dict, args, ifname: str | None) -> dict:
     n = len(h["step_s"])
     later = slice(2 if n >= 5 else 1 if n > 1 else 0, None)
     link = [b for b in h["link_tx_bytes"][later] if b is not None]
-    return {"fp8comm": {k: getattr(args, "fp8comm_" + k) for k in ("grad_reduce", "param_gather", "moe_dispatch",
-                                                                   "moe_combine", "error_feedback")},
-            "world": dist.get_world_size(), "steps": len(h["loss"]),
-            "step_time_s_median": round(statistics.median(h["step_s"][later]), 4),
-            "link": ifname, "link_tx_bytes_per_step_median": statistics.median(link) if link else None,
-            "loss_first": round(h["loss"][0], 5), "loss_last": round(h["loss"][-1], 5),
-            "error_feedback_bytes": h["error_feedback_bytes"],
-            "fp8comm_wire_bytes_per_step": {k: v["wire_bytes"] // max(1, len(h["loss"]))
-                                            for k, v in h["comm_stats"].items()}}
+    return {
+        "fp8comm": {
+            k: getattr(args, "fp8comm_" + k)
+            for k in ("grad_reduce", "param_gather", "moe_dispatch", "moe_combine", "error_feedback")
+        },
+        "world": dist.get_world_size(),
+        "steps": len(h["loss"]),
+        "step_time_s_median": round(statistics.median(h["step_s"][later]), 4),
+        "link": ifname,
+        "link_tx_bytes_per_step_median": statistics.median(link) if link else None,
+        "loss_first": round(h["loss"][0], 5),
+        "loss_last": round(h["loss"][-1], 5),
+        "error_feedback_bytes": h["error_feedback_bytes"],
+        "fp8comm_wire_bytes_per_step": {
+            k: v["wire_bytes"] // max(1, len(h["loss"])) for k, v in h["comm_stats"].items()
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ comes from fp8comm.distributed.init_distributed() (torchrun's environment) inste
 the ranks really sit on different nodes and the cross-node bytes cross a rate-limited veth link.
 Usage (by tests/cluster/test_cluster.py): cluster_checks.py OUTDIR [CHECK ...]
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from fp8comm.tools.bench.scaling import link_bytes
     from fp8comm.distributed import init_distributed
+    from fp8comm.tools.bench.scaling import link_bytes
 
     torch.set_num_threads(1)
     outdir, names = Path(sys.argv[1]), sys.argv[2:] or None
@@ -33,8 +34,18 @@ def main() -> int:
     tx0, rx0 = link_bytes()
     dist_harness.run_checks(dist_checks, rank, world, out, names)
     tx1, rx1 = link_bytes()
-    out.write(json.dumps({"check": "*", "state": "link", "local_world": info.local_world_size,
-                          "tx_bytes": tx1 - tx0, "rx_bytes": rx1 - rx0}) + "\n")
+    out.write(
+        json.dumps(
+            {
+                "check": "*",
+                "state": "link",
+                "local_world": info.local_world_size,
+                "tx_bytes": tx1 - tx0,
+                "rx_bytes": rx1 - rx0,
+            }
+        )
+        + "\n"
+    )
     dist.destroy_process_group()
     out.close()
     return 0

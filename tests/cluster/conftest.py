@@ -1,4 +1,5 @@
 """Fixtures for tests/cluster: the simulated cluster tool (launch/cluster.py) and a 2-node cluster per module."""
+
 from __future__ import annotations
 
 import importlib.util

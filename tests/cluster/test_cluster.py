@@ -3,6 +3,7 @@ the sbatch template, torchrun's elastic restart, and cleanup after the tool itse
 
 Skips (with the reason) where namespaces cannot be created, e.g. without root. Every launch has a timeout.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, cluster_name, tool
 
 pytestmark = pytest.mark.dist
@@ -34,8 +34,13 @@ def test_fp8_collectives_across_two_nodes(cluster2, tmp_path):
     assert "tbf" in qdisc and "rate 1Gbit" in qdisc, qdisc  # the link really is rate-limited
     out = tmp_path / "checks"
     out.mkdir()
-    rc = cluster2.run([str(ROOT / "tests" / "cluster" / "cluster_checks.py"), str(out)], nproc=2, timeout=240,
-                      log_dir=tmp_path / "logs", echo=False)
+    rc = cluster2.run(
+        [str(ROOT / "tests" / "cluster" / "cluster_checks.py"), str(out)],
+        nproc=2,
+        timeout=240,
+        log_dir=tmp_path / "logs",
+        echo=False,
+    )
     recs = _records(out)
     run = {"results": recs, "timed_out": rc == 124, "exitcodes": [rc]}
     fails = dist_harness.failures(run)
@@ -58,8 +63,9 @@ def test_sbatch_torchrun_template_on_local_slurm(cluster2):
     reason = tool.slurm_missing()
     if reason:
         pytest.skip(reason)
-    rc, out = cluster2.sbatch(str(ROOT / "launch" / "slurm" / "torchrun.sbatch"), ["-m", "fp8comm.distributed"],
-                              timeout=240)
+    rc, out = cluster2.sbatch(
+        str(ROOT / "launch" / "slurm" / "torchrun.sbatch"), ["-m", "fp8comm.distributed"], timeout=240
+    )
     assert rc == 0, out[-4000:]
     lines = out.split("fp8comm-smoke")[1:]  # ranks share the job's output file: split on the marker
     assert len(lines) == 4, out[-4000:]
@@ -67,8 +73,9 @@ def test_sbatch_torchrun_template_on_local_slurm(cluster2):
     assert {x.split("rank=")[1].split()[0] for x in lines} == {"0/4", "1/4", "2/4", "3/4"}
     assert all(f"master={tool.Cluster.addr(0)}:" in x for x in lines)  # rendezvous found via Slurm's NodeAddr
     # Slurm saw a 2-node job that completed.
-    acct = tool.sh(*cluster2.in_node(0, ["scontrol", "show", "job", "-o"]), env=cluster2.slurm_env(),
-                   check=False).stdout
+    acct = tool.sh(
+        *cluster2.in_node(0, ["scontrol", "show", "job", "-o"]), env=cluster2.slurm_env(), check=False
+    ).stdout
     assert "NumNodes=2" in acct and "JobState=COMPLETED" in acct, acct[-2000:]
 
 
@@ -77,8 +84,7 @@ def test_sbatch_torchrun_template_on_local_slurm(cluster2):
 def test_elastic_restart_resumes_from_checkpoint(cluster2, tmp_path):
     """SIGKILL one rank on node 1 mid-run: torchrun restarts every worker, training resumes from the last
     checkpoint and finishes; replicas end bit-identical (train_demo checks that before exiting 0)."""
-    rc, facts = tool.elastic_demo(cluster2, steps=12, kill_at=4, timeout=360, log_dir=tmp_path,
-                                  extra=("--dim", "256"))
+    rc, facts = tool.elastic_demo(cluster2, steps=12, kill_at=4, timeout=360, log_dir=tmp_path, extra=("--dim", "256"))
     log = (tmp_path / "node0.log").read_text(errors="replace")
     assert facts["killed_pid"], f"no worker was killed: {facts}\n{log[-3000:]}"
     assert rc == 0 and facts["finished"], f"{facts}\n{log[-3000:]}"
@@ -99,9 +105,27 @@ def test_down_cleans_up_after_the_tool_is_killed(tmp_path):
     c.up(1, "1gbit")
     try:
         env = {**os.environ, "FP8COMM_CLUSTER_DIR": str(tool.STATE_ROOT)}
-        p = subprocess.Popen([sys.executable, str(ROOT / "launch" / "cluster.py"), "--name", name, "run",
-                              "--timeout", "100", "--nproc-per-node", "1", "--", "--no-python", "sleep", "90"],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "launch" / "cluster.py"),
+                "--name",
+                name,
+                "run",
+                "--timeout",
+                "100",
+                "--nproc-per-node",
+                "1",
+                "--",
+                "--no-python",
+                "sleep",
+                "90",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 60
         pids = []
         while time.monotonic() < deadline and not any(_cmd(x) == "sleep" for x in pids):

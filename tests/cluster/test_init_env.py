@@ -1,4 +1,5 @@
 """fp8comm.distributed: launcher detection and the errors for incomplete environments (single process, fast)."""
+
 from __future__ import annotations
 
 import os
@@ -7,8 +8,16 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from fp8comm.distributed import (DistEnvError, mpi_env, slurm_env, torchrun_env, detect_launcher,
-                                 expand_nodelist, init_distributed, tasks_on_node)
+from fp8comm.distributed import (
+    DistEnvError,
+    detect_launcher,
+    expand_nodelist,
+    init_distributed,
+    mpi_env,
+    slurm_env,
+    tasks_on_node,
+    torchrun_env,
+)
 
 
 def test_detect_each_launcher():
@@ -48,9 +57,16 @@ def test_incomplete_slurm_and_mpi():
 
 
 def test_slurm_layout():
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-           "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_ID": "123",
-           "MASTER_ADDR": "10.0.0.7"}
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_TASKS_PER_NODE": "2(x2),1",
+        "SLURM_JOB_NODELIST": "gpu[07-09]",
+        "SLURM_JOB_ID": "123",
+        "MASTER_ADDR": "10.0.0.7",
+    }
     i = slurm_env(env)
     assert (i["rank"], i["world"], i["local"], i["lws"], i["addr"]) == (3, 5, 1, 2, "10.0.0.7")
     assert i["port"] == 20123  # every rank derives the same port from the job id
@@ -61,8 +77,14 @@ def test_slurm_layout():
 
 
 def test_mpi_layout_from_env():
-    i = mpi_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-                  "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    i = mpi_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "2",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        }
+    )
     assert (i["rank"], i["world"], i["local"], i["lws"]) == (2, 4, 0, 2)
 
 

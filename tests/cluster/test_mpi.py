@@ -1,4 +1,5 @@
 """The MPI launch path: launch/mpirun.sh -> init_distributed() from PMI_* (rank 0's port via mpi4py) -> FP8."""
+
 from __future__ import annotations
 
 import os
@@ -7,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.dist
@@ -25,8 +25,14 @@ def test_mpirun_initialises_and_runs_fp8_collectives():
     env = {**os.environ, "PYTHON": sys.executable, "FP8COMM_TIMEOUT": "120"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # nothing but MPI may tell the ranks who they are
-    r = subprocess.run([str(ROOT / "launch" / "mpirun.sh"), "-n", "2", "-m", "fp8comm.distributed"], env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=140)
+    r = subprocess.run(
+        [str(ROOT / "launch" / "mpirun.sh"), "-n", "2", "-m", "fp8comm.distributed"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
     # Two processes share one stdout: lines may interleave, so split on the marker rather than on newlines.
     lines = r.stdout.split("fp8comm-smoke")[1:]
     assert r.returncode == 0 and len(lines) == 2, r.stdout[-3000:] + r.stderr[-3000:]

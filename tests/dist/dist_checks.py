@@ -4,6 +4,7 @@ Each check compares against (a) the exact reference (fp8comm.quantize of each se
 in rank order in fp32: must match bit for bit) and (b) the fp32 reference within the documented error bound.
 Assertions use values every rank agrees on, or per-rank facts, so a failure is reported on the rank it happens.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,12 +12,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from on_device import comm_under_test
 
 import fp8comm.comm as _fc
-from on_device import comm_under_test
 from fp8comm.quant import Scaling, get_format, quantize, scale_from_amax
 from fp8comm.quant.reference import block_amax
-
 
 fc = comm_under_test(_fc)  # the module, or FP8COMM_TEST_DEVICE's proxy (device copies in, host results out)
 
@@ -50,7 +50,7 @@ def bound(x2: torch.Tensor, fmt: str, enc: str, rounding: str = "nearest") -> to
     """Per-element error bound of qdq: max(|x| 2^-(m+1), s 2^(emin-m-1)) (their sum), 0 where x == 0; x2 for SR."""
     f, sc = get_format(fmt), Scaling(1, 128, enc)
     x = x2.float()
-    s = scale_from_amax(block_amax(x, sc), f, sc).repeat_interleave(128, 1)[:, :x.shape[1]]
+    s = scale_from_amax(block_amax(x, sc), f, sc).repeat_interleave(128, 1)[:, : x.shape[1]]
     a = x.abs()
     b = a * 2.0 ** -(f.mantissa_bits + 1) + s * 2.0 ** (f.min_normal_exp - f.mantissa_bits - 1)
     b = torch.where(a == 0, torch.zeros_like(b), b)
@@ -64,7 +64,7 @@ def padded(x: torch.Tensor, world: int) -> tuple[torch.Tensor, int, int]:
     c = -(-n0 // world)
     L = c * row
     p = torch.zeros(world * L)
-    p[:x.numel()] = x.reshape(-1).float()
+    p[: x.numel()] = x.reshape(-1).float()
     return p.view(world, L), L, c
 
 
@@ -79,9 +79,9 @@ def rs_reference(inputs, world, rank, fmt, enc, avg=False):
         b = bound(p, fmt, enc)[rank]
         bnd = b if bnd is None else bnd + b
         tot = p[rank].abs() if tot is None else tot + p[rank].abs()
-    bnd = bnd + tot * (len(inputs) * 2.0 ** -23)  # fp32 accumulation
+    bnd = bnd + tot * (len(inputs) * 2.0**-23)  # fp32 accumulation
     if avg:
-        acc, true, bnd = acc / world, true / world, bnd / world + acc.abs() * 2.0 ** -24
+        acc, true, bnd = acc / world, true / world, bnd / world + acc.abs() * 2.0**-24
     return acc, true, bnd
 
 
@@ -92,8 +92,10 @@ def assert_within(out: torch.Tensor, true: torch.Tensor, bnd: torch.Tensor, what
     excess = err - bnd.double()
     if excess.max() > 0:
         i = int(excess.argmax())
-        raise AssertionError(f"{what}: error {err.view(-1)[i]:.3g} > bound {bnd.view(-1)[i]:.3g} at {i} "
-                             f"(out {out.reshape(-1)[i]}, true {true.reshape(-1)[i]})")
+        raise AssertionError(
+            f"{what}: error {err.view(-1)[i]:.3g} > bound {bnd.view(-1)[i]:.3g} at {i} "
+            f"(out {out.reshape(-1)[i]}, true {true.reshape(-1)[i]})"
+        )
     return float(err.max()) if err.numel() else 0.0
 
 
@@ -109,30 +111,39 @@ def global_sqnr(sig: float, noise: float) -> float:
 
 def out_cast_slack(v: torch.Tensor, dtype) -> torch.Tensor:
     """Half an ulp of the output dtype (the final cast from fp32)."""
-    return v.float().abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24)
+    return v.float().abs() * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-24)
 
 
 # ---------------------------------------------------------------------------------------------- all_gather
 def check_all_gather(ctx: Ctx) -> None:
     r, W = ctx.rank, ctx.world
-    cases = [((5, 37), torch.float32, "e4m3", "fp32", "nearest"), ((3, 256), torch.bfloat16, "e4m3", "e8m0", "nearest"),
-             ((4, 33), torch.bfloat16, "e5m2", "pow2", "nearest"), ((1,), torch.float32, "e4m3", "fp32", "nearest"),
-             ((2, 300), torch.float32, "e4m3", "fp32", "stochastic")]
+    cases = [
+        ((5, 37), torch.float32, "e4m3", "fp32", "nearest"),
+        ((3, 256), torch.bfloat16, "e4m3", "e8m0", "nearest"),
+        ((4, 33), torch.bfloat16, "e5m2", "pow2", "nearest"),
+        ((1,), torch.float32, "e4m3", "fp32", "nearest"),
+        ((2, 300), torch.float32, "e4m3", "fp32", "stochastic"),
+    ]
     for i, (shape, dtype, fmt, enc, rnd) in enumerate(cases):
-        x = randn(shape, 100 * i + r, dtype, scale=10.0 ** r)
+        x = randn(shape, 100 * i + r, dtype, scale=10.0**r)
         out = fc.all_gather(x, fmt=fmt, scaling=enc, rounding=rnd)
         assert out.shape == (W * shape[0],) + shape[1:] and out.dtype == dtype, (out.shape, out.dtype)
         outs = gather(out)
         for j in range(W):  # replicas must compute with identical weights: compare bytes
-            assert torch.equal(outs[j].view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)), \
+            assert torch.equal(outs[j].view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)), (
                 f"case {i}: rank {j}'s all_gather output differs from rank {r}'s"
+            )
         for j, xj in enumerate(gather(x)):
-            chunk = out[j * shape[0]:(j + 1) * shape[0]]
+            chunk = out[j * shape[0] : (j + 1) * shape[0]]
             flat = xj.reshape(1, -1)
             if rnd == "nearest":
                 assert torch.equal(chunk.reshape(1, -1), qdq(flat, fmt, enc, dtype)), f"case {i}: shard {j} != ref"
-            assert_within(chunk.reshape(1, -1), flat, bound(flat, fmt, enc, rnd) + out_cast_slack(flat, dtype),
-                          f"case {i} shard {j}")
+            assert_within(
+                chunk.reshape(1, -1),
+                flat,
+                bound(flat, fmt, enc, rnd) + out_cast_slack(flat, dtype),
+                f"case {i} shard {j}",
+            )
     # Flat-buffer variant, sync and async, into a caller-owned buffer of another dtype.
     x = randn((1000,), 7 + r)
     o1 = torch.empty(W * 1000, dtype=torch.float32)
@@ -145,9 +156,13 @@ def check_all_gather(ctx: Ctx) -> None:
 
 # ------------------------------------------------------------------------------------------ reduce_scatter
 def rs_cases(W):
-    return [((7, 45), torch.float32, "e4m3", "fp32", "sum"), ((W * 256,), torch.bfloat16, "e4m3", "e8m0", "avg"),
-            ((2, 300), torch.float32, "e5m2", "pow2", "sum"), ((W * 3 + 1, 130), torch.float32, "e4m3", "fp32", "avg"),
-            ((W * 128,), torch.float32, "e5m2", "fp32", "avg")]
+    return [
+        ((7, 45), torch.float32, "e4m3", "fp32", "sum"),
+        ((W * 256,), torch.bfloat16, "e4m3", "e8m0", "avg"),
+        ((2, 300), torch.float32, "e5m2", "pow2", "sum"),
+        ((W * 3 + 1, 130), torch.float32, "e4m3", "fp32", "avg"),
+        ((W * 128,), torch.float32, "e5m2", "fp32", "avg"),
+    ]
 
 
 def check_reduce_scatter(ctx: Ctx) -> None:
@@ -246,8 +261,12 @@ def check_all_reduce(ctx: Ctx) -> None:
         n = x.numel()
         exp = torch.cat(parts)[:n]
         assert torch.equal(out.reshape(-1), exp.to(dtype)), f"case {i}: not the exact two-stage reference"
-        assert_within(out.reshape(-1), torch.cat(trues)[:n], torch.cat(bnds)[:n] + out_cast_slack(exp, dtype),
-                      f"all_reduce case {i}")
+        assert_within(
+            out.reshape(-1),
+            torch.cat(trues)[:n],
+            torch.cat(bnds)[:n] + out_cast_slack(exp, dtype),
+            f"all_reduce case {i}",
+        )
     # In place: output may be the input buffer.
     x = randn((W * 100,), 550 + r)
     ref = fc.all_reduce(x)
@@ -260,8 +279,11 @@ def check_async(ctx: Ctx) -> None:
     r, W = ctx.rank, ctx.world
     a, b, c = randn((3, 70), 600 + r), randn((W * 90,), 610 + r), randn((5, 40), 620 + r)
     want = [fc.all_gather(a), fc.reduce_scatter(b, op="avg"), fc.all_reduce(c)]
-    hs = [fc.all_gather(a, async_op=True), fc.reduce_scatter(b, op="avg", async_op=True),
-          fc.all_reduce(c, async_op=True)]
+    hs = [
+        fc.all_gather(a, async_op=True),
+        fc.reduce_scatter(b, op="avg", async_op=True),
+        fc.all_reduce(c, async_op=True),
+    ]
     for t in (a, b, c):
         t.add_(1000.0)  # packed at call time: later writes to the input must not change the result
     got = [h.wait() for h in reversed(hs)][::-1]
@@ -278,8 +300,11 @@ def check_error_feedback(ctx: Ctx) -> None:
     g = randn((W * 2048,), 700 + r)
     _, true, _ = rs_reference(gather(g), W, r, "e4m3", "fp32")
     res = {}
-    for name, kw in (("nearest", {}), ("error_feedback", {"error_feedback": fc.ErrorFeedback()}),
-                     ("stochastic", {"rounding": "stochastic"})):
+    for name, kw in (
+        ("nearest", {}),
+        ("error_feedback", {"error_feedback": fc.ErrorFeedback()}),
+        ("stochastic", {"rounding": "stochastic"}),
+    ):
         mean = torch.zeros(true.numel(), dtype=torch.float64)
         first = None
         for _ in range(T):
@@ -313,8 +338,9 @@ def check_error_feedback(ctx: Ctx) -> None:
         out[name] = global_sqnr(*sqnr_db(mean, want))
     ctx.info.update({f"a2a_{k}_sqnr_mean{T}_dB": round(v, 2) for k, v in out.items()})
     assert out["error_feedback"] - out["nearest"] > 12, out
-    expect_error(lambda: fc.all_to_all(tok, wire="bf16", error_feedback=fc.ErrorFeedback()), fc.Fp8CommError,
-                 "error_feedback")
+    expect_error(
+        lambda: fc.all_to_all(tok, wire="bf16", error_feedback=fc.ErrorFeedback()), fc.Fp8CommError, "error_feedback"
+    )
 
 
 # ------------------------------------------------------------------------------------------------- SQNR
@@ -376,8 +402,15 @@ class _Checked:
 
     def __getattr__(self, name):
         f = getattr(_fc_under_test, name)
-        if name in ("all_gather", "all_gather_into", "reduce_scatter", "reduce_scatter_into", "all_reduce",
-                    "all_reduce_into", "all_to_all"):
+        if name in (
+            "all_gather",
+            "all_gather_into",
+            "reduce_scatter",
+            "reduce_scatter_into",
+            "all_reduce",
+            "all_reduce_into",
+            "all_to_all",
+        ):
             return lambda *a, **k: f(*a, **{"check": True, **k})
         return f
 
@@ -391,56 +424,77 @@ def check_mismatch(ctx: Ctx) -> None:
     r, W = ctx.rank, ctx.world
     fc = _Checked()
     times = {}
-    _, times["numel"] = expect_error(lambda: fc.all_gather(torch.randn(64 + r)), fc.CommMismatchError,
-                                     "numel per rank", str([64 + i for i in range(W)]))
-    _, times["shape"] = expect_error(lambda: fc.reduce_scatter(torch.randn(W * 8 if r else 8, 8 if r else W * 8)),
-                                     fc.CommMismatchError, "different shapes")
+    _, times["numel"] = expect_error(
+        lambda: fc.all_gather(torch.randn(64 + r)),
+        fc.CommMismatchError,
+        "numel per rank",
+        str([64 + i for i in range(W)]),
+    )
+    _, times["shape"] = expect_error(
+        lambda: fc.reduce_scatter(torch.randn(W * 8 if r else 8, 8 if r else W * 8)),
+        fc.CommMismatchError,
+        "different shapes",
+    )
     dt = torch.bfloat16 if r == 0 else torch.float32
-    _, times["dtype"] = expect_error(lambda: fc.reduce_scatter(torch.randn(W * 8).to(dt)), fc.CommMismatchError,
-                                     "input dtype")
-    _, times["option"] = expect_error(lambda: fc.all_reduce(torch.randn(W * 8), fmt="e5m2" if r == 0 else "e4m3"),
-                                      fc.CommMismatchError, "FP8 format")
+    _, times["dtype"] = expect_error(
+        lambda: fc.reduce_scatter(torch.randn(W * 8).to(dt)), fc.CommMismatchError, "input dtype"
+    )
+    _, times["option"] = expect_error(
+        lambda: fc.all_reduce(torch.randn(W * 8), fmt="e5m2" if r == 0 else "e4m3"), fc.CommMismatchError, "FP8 format"
+    )
     outs = [1] * W
     if r == 0:
         outs[W - 1] = 2  # rank 0 expects 2 rows from the last rank, which sends 1
-    _, times["splits"] = expect_error(lambda: fc.all_to_all(torch.randn(W, 16), outs, [1] * W), fc.CommMismatchError,
-                                      "sends 1 rows to rank 0, which expects 2")
+    _, times["splits"] = expect_error(
+        lambda: fc.all_to_all(torch.randn(W, 16), outs, [1] * W),
+        fc.CommMismatchError,
+        "sends 1 rows to rank 0, which expects 2",
+    )
     # Deferred checks (they travel while the first piece is quantized) raise the same way, before any payload:
     # even splits of different token counts, one rank with an empty input, a bf16 wire.
-    _, times["even_splits"] = expect_error(lambda: fc.all_to_all(torch.randn(W * (1 + r), 16)),
-                                           fc.CommMismatchError, "which expects")
-    expect_error(lambda: fc.all_to_all(torch.randn(W * (1 + r), 16), wire="bf16"), fc.CommMismatchError,
-                 "which expects")
-    _, times["empty"] = expect_error(lambda: fc.all_gather(torch.randn(0 if r == 0 else 128)), fc.CommMismatchError,
-                                     "numel per rank")
-    expect_error(lambda: fc.reduce_scatter_into(torch.empty(0 if r == 0 else 8), torch.randn(0 if r == 0 else W * 8)),
-                 fc.CommMismatchError, "numel per rank")
+    _, times["even_splits"] = expect_error(
+        lambda: fc.all_to_all(torch.randn(W * (1 + r), 16)), fc.CommMismatchError, "which expects"
+    )
+    expect_error(
+        lambda: fc.all_to_all(torch.randn(W * (1 + r), 16), wire="bf16"), fc.CommMismatchError, "which expects"
+    )
+    _, times["empty"] = expect_error(
+        lambda: fc.all_gather(torch.randn(0 if r == 0 else 128)), fc.CommMismatchError, "numel per rank"
+    )
+    expect_error(
+        lambda: fc.reduce_scatter_into(torch.empty(0 if r == 0 else 8), torch.randn(0 if r == 0 else W * 8)),
+        fc.CommMismatchError,
+        "numel per rank",
+    )
     ins = [1] * W
     if r == 1:
         ins[0] = 2  # split sizes that do not add up to the tokens: a local error on rank 1 only
     frag = "sums to" if r == 1 else "rejected their input"
-    _, times["split_sum"] = expect_error(lambda: fc.all_to_all(torch.randn(W, 16), [1] * W, ins), fc.Fp8CommError,
-                                         frag)
+    _, times["split_sum"] = expect_error(lambda: fc.all_to_all(torch.randn(W, 16), [1] * W, ins), fc.Fp8CommError, frag)
     nc = torch.randn(16, W * 4).t() if r == 1 else torch.randn(W * 4, 16)
     frag = "not contiguous" if r == 1 else "rejected their input"
     _, times["contiguity"] = expect_error(lambda: fc.reduce_scatter(nc), fc.Fp8CommError, frag)
-    _, times["float8"] = expect_error(lambda: fc.all_gather(torch.randn(8).to(torch.float8_e4m3fn)),
-                                      fc.Fp8CommError, "gloo rejects float8")
+    _, times["float8"] = expect_error(
+        lambda: fc.all_gather(torch.randn(8).to(torch.float8_e4m3fn)), fc.Fp8CommError, "gloo rejects float8"
+    )
     # With the check off, local errors still raise before any collective (every rank passes the same bad input).
     expect_error(lambda: fc.all_gather(torch.arange(8), check=False), fc.Fp8CommError, "float32, bfloat16")
     bad_out = torch.empty(W * 8 + 1)
-    _, times["into_size"] = expect_error(lambda: fc.all_gather_into(bad_out, torch.randn(8)), fc.Fp8CommError,
-                                         "output has")
-    _, times["typo"] = expect_error(lambda: fc.reduce_scatter(torch.randn(W * 8), scalling="e8m0"), fc.Fp8CommError,
-                                    "unknown option")
+    _, times["into_size"] = expect_error(
+        lambda: fc.all_gather_into(bad_out, torch.randn(8)), fc.Fp8CommError, "output has"
+    )
+    _, times["typo"] = expect_error(
+        lambda: fc.reduce_scatter(torch.randn(W * 8), scalling="e8m0"), fc.Fp8CommError, "unknown option"
+    )
     # One rank asks for hierarchical mode: no node group is created before the check, so no rank can hang.
-    _, times["hierarchical"] = expect_error(lambda: fc.all_reduce(torch.randn(W * 8), hierarchical=r == 0),
-                                            fc.Fp8CommError)
+    _, times["hierarchical"] = expect_error(
+        lambda: fc.all_reduce(torch.randn(W * 8), hierarchical=r == 0), fc.Fp8CommError
+    )
     ctx.info["seconds_to_error"] = {k: round(v, 3) for k, v in times.items()}
     # The group is still usable afterwards.
     x = randn((40,), 950 + r)
     out = fc.all_gather(x)
-    assert torch.equal(out[r * 40:(r + 1) * 40], qdq(x.view(1, -1), "e4m3", "fp32").view(-1))
+    assert torch.equal(out[r * 40 : (r + 1) * 40], qdq(x.view(1, -1), "e4m3", "fp32").view(-1))
 
 
 def check_check_policy(ctx: Ctx) -> None:
@@ -462,17 +516,21 @@ def check_check_policy(ctx: Ctx) -> None:
     outs = [1 + r] * W
     tt = randn((sum(ins), 256), 1520 + r, torch.bfloat16)
     calls = {
-        "all_gather": [lambda: fc.all_gather(x, group=g), lambda: fc.all_gather_into(torch.empty(W * x.numel()), x,
-                                                                                      group=g, async_op=True).wait()],
-        "reduce_scatter": [lambda: fc.reduce_scatter(x, group=g),
-                           lambda: fc.reduce_scatter(x, group=g, async_op=True).wait()],
+        "all_gather": [
+            lambda: fc.all_gather(x, group=g),
+            lambda: fc.all_gather_into(torch.empty(W * x.numel()), x, group=g, async_op=True).wait(),
+        ],
+        "reduce_scatter": [
+            lambda: fc.reduce_scatter(x, group=g),
+            lambda: fc.reduce_scatter(x, group=g, async_op=True).wait(),
+        ],
         "all_reduce": [lambda: fc.all_reduce(x, group=g), lambda: fc.all_reduce_into(x.clone(), x, group=g)],
         "all_to_all": [lambda: fc.all_to_all(t, group=g), lambda: fc.all_to_all(tt, outs, ins, group=g)],
     }
     growth = {}
     for op, fns in calls.items():
         seen = []
-        for i in range(6):
+        for _ in range(6):
             for fn in fns:
                 fn()
                 seen.append(fc.comm_stats().get(op, {}).get("check_bytes", 0))
@@ -480,7 +538,7 @@ def check_check_policy(ctx: Ctx) -> None:
         first = FIRST_CALLS - (1 if op == "all_gather" else 0)
         growth[op] = seen
         assert all(seen[i] > seen[i - 1] for i in range(1, first)) and seen[0] > 0, (op, seen)
-        assert len(set(seen[first - 1:])) == 1, f"{op}: check bytes still growing after {first} calls: {seen}"
+        assert len(set(seen[first - 1 :])) == 1, f"{op}: check bytes still growing after {first} calls: {seen}"
     ctx.info["check_bytes_per_call"] = growth
     # explicit modes: check=True checks every call, check=False none
     before = fc.comm_stats()["reduce_scatter"]["check_bytes"]
@@ -495,11 +553,12 @@ def check_check_policy(ctx: Ctx) -> None:
 
 def check_is_completed(ctx: Ctx) -> None:
     """An async handle says is_completed() only once its output is valid (decoded), without wait() being called."""
-    r, W = ctx.rank, ctx.world
+    r = ctx.rank
     x = randn((4000,), 1600 + r)
     for name, start, want in (
-            ("all_gather_into", lambda o: fc.all_gather_into(o, x, async_op=True), fc.all_gather(x)),
-            ("reduce_scatter_into", lambda o: fc.reduce_scatter_into(o, x, async_op=True), fc.reduce_scatter(x))):
+        ("all_gather_into", lambda o: fc.all_gather_into(o, x, async_op=True), fc.all_gather(x)),
+        ("reduce_scatter_into", lambda o: fc.reduce_scatter_into(o, x, async_op=True), fc.reduce_scatter(x)),
+    ):
         out = torch.full_like(want, float("nan"))
         h = start(out)
         deadline = time.monotonic() + 30
@@ -546,9 +605,21 @@ def check_guard(ctx: Ctx) -> None:
     expect_error(lambda: fc.reduce_scatter(randn((W * 128,), 1), guard="outliers"), fc.Fp8CommError, "GuardBucket")
 
 
-CHECKS_GRAD = [check_all_gather, check_reduce_scatter, check_rs_magnitudes, check_nonfinite, check_all_reduce,
-               check_async, check_error_feedback, check_sqnr, check_stats, check_mismatch, check_check_policy,
-               check_is_completed, check_guard]
+CHECKS_GRAD = [
+    check_all_gather,
+    check_reduce_scatter,
+    check_rs_magnitudes,
+    check_nonfinite,
+    check_all_reduce,
+    check_async,
+    check_error_feedback,
+    check_sqnr,
+    check_stats,
+    check_mismatch,
+    check_check_policy,
+    check_is_completed,
+    check_guard,
+]
 
 from dist_checks_more import CHECKS_MORE  # noqa: E402  (MoE, subgroups, hierarchical)
 

@@ -1,12 +1,13 @@
 """Checks for the MoE all-to-all, subgroups of the world and hierarchical (nodes x local ranks) mode."""
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from dist_checks import Ctx, assert_within, bound, gather, out_cast_slack, padded, qdq, randn, rs_reference
+from on_device import comm_under_test
 
 import fp8comm.comm as _fc
-from on_device import comm_under_test
-from dist_checks import Ctx, assert_within, bound, gather, out_cast_slack, padded, qdq, randn, rs_reference
 
 fc = comm_under_test(_fc)  # the module, or FP8COMM_TEST_DEVICE's proxy (device copies in, host results out)
 H = 160  # not a multiple of 128: every token has a partial block
@@ -99,11 +100,11 @@ def check_subgroup(ctx: Ctx) -> None:
     for o in gather(out, g):
         assert torch.equal(o, out), "subgroup all_gather replicas differ"
     for j, xj in enumerate(gather(x, g)):
-        assert torch.equal(out[3 * j:3 * j + 3].reshape(1, -1), qdq(xj.reshape(1, -1), "e4m3", "fp32"))
+        assert torch.equal(out[3 * j : 3 * j + 3].reshape(1, -1), qdq(xj.reshape(1, -1), "e4m3", "fp32"))
     y = randn((gw * 64 + 3,), 1310 + r)
     rs = fc.reduce_scatter(y, group=g, op="avg")
     acc, _, _ = rs_reference(gather(y, g), gw, gr, "e4m3", "fp32", avg=True)
-    assert torch.equal(rs, acc[:rs.numel()]), "subgroup reduce_scatter"
+    assert torch.equal(rs, acc[: rs.numel()]), "subgroup reduce_scatter"
     ar = fc.all_reduce(y, group=g)
     for o in gather(ar, g):
         assert torch.equal(o, ar)
@@ -133,7 +134,7 @@ def check_hierarchical(ctx: Ctx) -> None:
     for n in range(nodes):
         part = pads[n * local] + pads[n * local + 1]
         acc += qdq(part, "e4m3", "fp32")[r]
-        bnd += bound(part, "e4m3", "fp32")[r] + part[r].abs() * 2.0 ** -23
+        bnd += bound(part, "e4m3", "fp32")[r] + part[r].abs() * 2.0**-23
         true += pads[n * local][r].double() + pads[n * local + 1][r].double()
     n_out = out.numel()
     assert torch.equal(out.reshape(-1), acc[:n_out]), "hierarchical reduce_scatter != node-partial reference"
@@ -160,10 +161,10 @@ def bits16(t: torch.Tensor) -> torch.Tensor:
 def check_pipeline_and_fp8_out(ctx: Ctx) -> None:
     """Pipelined calls (pieces) are bit-identical to one piece; FP8 outputs carry exactly the codes and scales the
     dequantizing calls decode and feed fp8comm.gemm; bad FP8-out inputs fail before any bytes move."""
+    from dist_checks import expect_error
+
     from fp8comm.gemm.backends import gemm
     from fp8comm.quant import Fp8Tensor, quantize
-
-    from dist_checks import expect_error
 
     r, W = ctx.rank, ctx.world
     # all-gather of a weight shard [rows, 384] (3 blocks per row): pieces, async, FP8 out
@@ -192,8 +193,9 @@ def check_pipeline_and_fp8_out(ctx: Ctx) -> None:
     got = fc.all_gather(w, fp8_out=True, out=keep, async_op=True).wait()
     assert got is keep and torch.equal(keep.data.view(torch.uint8), q.data.view(torch.uint8))
     assert torch.equal(keep.scale, q.scale), "all_gather fp8_out out="
-    expect_error(lambda: fc.all_gather(w, out=torch.empty(3 * W, 383, dtype=torch.bfloat16)), fc.Fp8CommError,
-                 "expected")
+    expect_error(
+        lambda: fc.all_gather(w, out=torch.empty(3 * W, 383, dtype=torch.bfloat16)), fc.Fp8CommError, "expected"
+    )
     expect_error(lambda: fc.all_gather(w, fp8_out=True, out=keep, fmt="e5m2"), fc.Fp8CommError, "produces")
     # reduce-scatter: sizes that do not divide (padding), bf16 and fp32, sum and avg
     for n, dt, op in ((W * 384 + 200, torch.float32, "sum"), (W * 1024, torch.bfloat16, "avg")):
@@ -201,8 +203,7 @@ def check_pipeline_and_fp8_out(ctx: Ctx) -> None:
         a = fc.reduce_scatter(x, op=op, pipeline=False)
         for p in (2, 5):
             assert torch.equal(bits16(fc.reduce_scatter(x, op=op, pipeline=p)), bits16(a)), f"rs {n} {dt} p={p}"
-        assert torch.equal(bits16(fc.all_reduce(x, op=op, pipeline=3)), bits16(fc.all_reduce(x, op=op,
-                                                                                          pipeline=False)))
+        assert torch.equal(bits16(fc.all_reduce(x, op=op, pipeline=3)), bits16(fc.all_reduce(x, op=op, pipeline=False)))
     # all-to-all: uneven splits, H = 320 (a partial block), pieces and FP8 out
     S = split_matrices(W)[0]
     ins, outs = S[r], [S[j][r] for j in range(W)]
@@ -216,24 +217,28 @@ def check_pipeline_and_fp8_out(ctx: Ctx) -> None:
         q = fc.all_to_all(x, outs, ins, fp8_out=True, pipeline=p)
         assert q.shape == (sum(outs), 320) and q.scale.shape == (sum(outs), 3)
         assert torch.equal(bits16(q.dequantize(torch.bfloat16, backend="reference")), bits16(y1)), "a2a fp8_out"
-    assert torch.equal(fc.all_to_all(x, outs, ins, fp8_out=True, async_op=True).wait().data.view(torch.uint8),
-                       q.data.view(torch.uint8))
+    assert torch.equal(
+        fc.all_to_all(x, outs, ins, fp8_out=True, async_op=True).wait().data.view(torch.uint8), q.data.view(torch.uint8)
+    )
     ya = torch.empty(sum(outs), 320, dtype=torch.bfloat16)
     assert fc.all_to_all(x, outs, ins, out=ya) is ya and torch.equal(bits16(ya), bits16(y1)), "a2a out="
     qk = fc.all_to_all(x * 0, outs, ins, fp8_out=True)
     assert fc.all_to_all(x, outs, ins, fp8_out=True, out=qk, pipeline=2) is qk
     assert torch.equal(qk.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(qk.scale, q.scale)
-    expect_error(lambda: fc.all_to_all(x.clone().requires_grad_(True), outs, ins, out=ya), fc.Fp8CommError,
-                 "detach")
+    expect_error(lambda: fc.all_to_all(x.clone().requires_grad_(True), outs, ins, out=ya), fc.Fp8CommError, "detach")
     expect_error(lambda: fc.all_to_all(x, outs, ins, out=ya.float()), fc.Fp8CommError, "expected")
     # Errors, raised on every rank before any payload moves.
     expect_error(lambda: fc.all_gather(randn((2, 200), 1), fp8_out=True), fc.Fp8CommError, "multiple of the block")
     expect_error(lambda: fc.all_to_all(x, outs, ins, wire="bf16", fp8_out=True), fc.Fp8CommError, "wire='fp8'")
-    expect_error(lambda: fc.all_to_all(x.clone().requires_grad_(True), outs, ins, fp8_out=True), fc.Fp8CommError,
-                 "detach")
+    expect_error(
+        lambda: fc.all_to_all(x.clone().requires_grad_(True), outs, ins, fp8_out=True), fc.Fp8CommError, "detach"
+    )
     expect_error(lambda: fc.reduce_scatter(randn((W * 256,), 1), pipeline="many"), fc.Fp8CommError, "pipeline")
-    expect_error(lambda: fc.reduce_scatter(randn((W * 256,), 1), pipeline=2 if r == 0 else 1, check=True),
-                 fc.CommMismatchError, "pipeline")
+    expect_error(
+        lambda: fc.reduce_scatter(randn((W * 256,), 1), pipeline=2 if r == 0 else 1, check=True),
+        fc.CommMismatchError,
+        "pipeline",
+    )
 
 
 CHECKS_MORE = [check_all_to_all, check_subgroup, check_hierarchical, check_pipeline_and_fp8_out]

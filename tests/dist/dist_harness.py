@@ -3,6 +3,7 @@
 The parent owns the TCPStore (port 0: no port races). Every rank appends one JSON line per check to its own file
 as it goes, so a hang or crash still tells which check it was in. Every launch has a hard timeout.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -32,7 +33,7 @@ def run_checks(dist_checks, rank: int, world: int, out, names: list[str] | None)
         try:
             fn(ctx)
             rec = {"ok": True}
-        except BaseException as e:  # noqa: BLE001 - every failure is reported by name
+        except BaseException as e:
             rec = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
         rec.update(check=fn.__name__, state="done", seconds=round(time.perf_counter() - t0, 3), info=ctx.info)
         out.write(json.dumps(rec, default=str) + "\n")
@@ -60,8 +61,9 @@ def join(rank: int, world: int, port: int, outdir: str, store_timeout_s: float, 
         import staged_pg  # noqa: F401 - registers the backend
     out = open(Path(outdir) / f"rank{rank}.jsonl", "w", buffering=1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=store_timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
+    )
     return out
 
 
@@ -69,17 +71,23 @@ def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list
     os.environ.update(env)
     sys.path.insert(0, str(Path(__file__).parent))
     out = join(rank, world, port, outdir, 60.0, PG_TIMEOUT_S)
-    import torch.distributed as dist
-
     import dist_checks
+    import torch.distributed as dist
 
     run_checks(dist_checks, rank, world, out, names)
     dist.destroy_process_group()
     out.close()
 
 
-def launch(world: int, outdir: Path, env: dict | None = None, names: list[str] | None = None,
-           timeout: float = 300.0, target=None, store_timeout_s: float = 60.0) -> dict:
+def launch(
+    world: int,
+    outdir: Path,
+    env: dict | None = None,
+    names: list[str] | None = None,
+    timeout: float = 300.0,
+    target=None,
+    store_timeout_s: float = 60.0,
+) -> dict:
     """Run `target(rank, world, port, outdir, env, names)` (default: this module's checks) on `world` ranks.
 
     Returns {"exitcodes", "timed_out", "seconds", "results": {rank: [JSON-line records]}}.
@@ -87,13 +95,16 @@ def launch(world: int, outdir: Path, env: dict | None = None, names: list[str] |
     import torch.distributed as dist
 
     outdir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=store_timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=store_timeout_s)
+    )
     env = dict(env or {})
     ctx = mp.get_context("spawn")
     t0 = time.monotonic()
-    procs = [ctx.Process(target=target or worker, args=(r, world, store.port, str(outdir), env, names), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=target or worker, args=(r, world, store.port, str(outdir), env, names), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -109,12 +120,17 @@ def launch(world: int, outdir: Path, env: dict | None = None, names: list[str] |
         f = outdir / f"rank{r}.jsonl"
         results[r] = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
     del store
-    return {"exitcodes": [p.exitcode for p in procs], "timed_out": timed_out, "results": results,
-            "seconds": round(time.monotonic() - t0, 1)}
+    return {
+        "exitcodes": [p.exitcode for p in procs],
+        "timed_out": timed_out,
+        "results": results,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
 
 
-def failures(run: dict) -> list[str]:
-    """Human-readable failures: failed checks (by rank), checks that never finished, bad exit codes."""
+def failures(run: dict, names: list[str] | None = None) -> list[str]:
+    """Human-readable failures: failed checks (by rank), checks that never finished (or, of `names`, never
+    started), bad exit codes, a timeout."""
     msgs = []
     for r, recs in run["results"].items():
         started = [x["check"] for x in recs if x.get("state") == "started"]
@@ -122,7 +138,7 @@ def failures(run: dict) -> list[str]:
         for x in recs:
             if x.get("state") == "done" and not x["ok"]:
                 msgs.append(f"rank {r}: {x['check']}: {x['error']}\n{x.get('trace', '')}")
-        for c in started:
+        for c in started + [n for n in names or () if n not in started]:
             if c not in done:
                 msgs.append(f"rank {r}: {c} never finished ({'timeout' if run['timed_out'] else 'crash'})")
     if run["timed_out"]:

@@ -6,6 +6,7 @@
 2. The gloo multi-process checks (world 2, 3, 4) on this machine's torch/Python.
 3. `fp8comm bench comm` loopback (gloo, CPU) with more cores than the dev VM.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -48,20 +49,31 @@ def cuda_part(out: Path, device: str = "cuda") -> dict:
         # One failing check must not hide the others: record the error and go on.
         try:
             checks[name] = bool(fn())
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             import traceback
 
             checks[name] = f"{type(e).__name__}: {e} | {traceback.format_exc()[-1500:]}"
 
     for enc in ("fp32", "e8m0"):
         x = torch.randn(37, 301, generator=g).to(torch.bfloat16)
-        run(f"all_gather_{enc}", lambda: torch.equal(fc.all_gather(x.to(dev), scaling=enc).cpu().view(1, -1),
-                                                     qdq(x.view(1, -1), torch.bfloat16, enc)))
-        run(f"reduce_scatter_{enc}", lambda: torch.equal(fc.reduce_scatter(x.float().to(dev), scaling=enc).cpu(),
-                                                         qdq(x.float().view(1, -1), enc=enc).view(37, 301)))
+        run(
+            f"all_gather_{enc}",
+            lambda: torch.equal(
+                fc.all_gather(x.to(dev), scaling=enc).cpu().view(1, -1), qdq(x.view(1, -1), torch.bfloat16, enc)
+            ),
+        )
+        run(
+            f"reduce_scatter_{enc}",
+            lambda: torch.equal(
+                fc.reduce_scatter(x.float().to(dev), scaling=enc).cpu(),
+                qdq(x.float().view(1, -1), enc=enc).view(37, 301),
+            ),
+        )
         exp = qdq(qdq(x.float().view(1, -1), enc=enc), enc=enc).view(37, 301)
-        run(f"all_reduce_async_{enc}", lambda: torch.equal(
-            fc.all_reduce(x.float().to(dev), scaling=enc, async_op=True).wait().cpu(), exp))
+        run(
+            f"all_reduce_async_{enc}",
+            lambda: torch.equal(fc.all_reduce(x.float().to(dev), scaling=enc, async_op=True).wait().cpu(), exp),
+        )
 
         def a2a():
             t = x[:, :256].contiguous().to(dev).requires_grad_(True)
@@ -91,15 +103,17 @@ def cuda_part(out: Path, device: str = "cuda") -> dict:
     timing = []
     if not all(v is True for v in checks.values()):
         print(json.dumps(checks, indent=1), flush=True)
-    for n in ((1 << 20, 16 << 20, 64 << 20) if dev.type == "cuda" else (1 << 16,)):
+    for n in (1 << 20, 16 << 20, 64 << 20) if dev.type == "cuda" else (1 << 16,):
         x = torch.randn(n, device=dev).to(torch.bfloat16)
         outp = torch.empty(n, dtype=torch.bfloat16, device=dev)
         row = {"elements": n}
-        for name, fn in (("nccl_bf16_all_gather", lambda: dist.all_gather_into_tensor(outp, x)),
-                         ("fp8_all_gather", lambda: fc.all_gather(x)),
-                         ("fp8_all_gather_nocheck", lambda: fc.all_gather(x, check=False)),
-                         ("fp8_reduce_scatter", lambda: fc.reduce_scatter(x)),
-                         ("fp8_all_to_all", lambda: fc.all_to_all(x.view(-1, 4096), None, None, check=False))):
+        for name, fn in (
+            ("nccl_bf16_all_gather", lambda: dist.all_gather_into_tensor(outp, x)),
+            ("fp8_all_gather", lambda: fc.all_gather(x)),
+            ("fp8_all_gather_nocheck", lambda: fc.all_gather(x, check=False)),
+            ("fp8_reduce_scatter", lambda: fc.reduce_scatter(x)),
+            ("fp8_all_to_all", lambda: fc.all_to_all(x.view(-1, 4096), None, None, check=False)),
+        ):
             try:
                 fn()
                 sync()
@@ -108,7 +122,7 @@ def cuda_part(out: Path, device: str = "cuda") -> dict:
                     fn()
                 sync()
                 row[name + "_us"] = round((time.perf_counter() - t0) / 10 * 1e6, 1)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 row[name + "_us"] = f"{type(e).__name__}: {str(e)[:300]}"
         timing.append(row)
     res["timing_world1"] = timing
@@ -137,24 +151,40 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["cuda", "dist", "bench"]
     print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M} cpus={os.cpu_count()}", flush=True)
-    import torch
 
     if "cuda" in parts or "cpu" in parts:
         try:
             cuda_part(out, "cuda" if "cuda" in parts else "cpu")
-        except Exception as e:  # noqa: BLE001 - report and continue with the CPU parts
+        except Exception as e:
             import traceback
 
             print("CUDA PART FAILED:", e, traceback.format_exc(), flush=True)
     if "dist" in parts:
         dist_part(out)
     if "bench" in parts:
-        cmd = [sys.executable, "-m", "fp8comm.tools.cli", "bench", "comm", "--nproc", os.environ.get("BENCH_NPROC", "4"),
-               "--max-size", os.environ.get("BENCH_MAX", "256M"), "--json", str(out / "bench.jsonl"),
-               "--timeout", os.environ.get("BENCH_TIMEOUT", "240"), "--target-s", "0.5", "--iters", "10"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fp8comm.tools.cli",
+            "bench",
+            "comm",
+            "--nproc",
+            os.environ.get("BENCH_NPROC", "4"),
+            "--max-size",
+            os.environ.get("BENCH_MAX", "256M"),
+            "--json",
+            str(out / "bench.jsonl"),
+            "--timeout",
+            os.environ.get("BENCH_TIMEOUT", "240"),
+            "--target-s",
+            "0.5",
+            "--iters",
+            "10",
+        ]
         with open(out / "bench.txt", "w") as f:
-            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=float(os.environ.get("BENCH_TIMEOUT",
-                                                                                                   "240")) + 30)
+            subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=float(os.environ.get("BENCH_TIMEOUT", "240")) + 30
+            )
         print((out / "bench.txt").read_text(), flush=True)
 
 

@@ -6,14 +6,22 @@ The checks build inputs and exact references on the host; through the proxy the 
 check passes in (out=, the *_into outputs, in-place all_reduce) get the device result copied back, so identity
 checks (`all_gather_into(o, x) is o`) and in-place semantics hold; autograd flows through the host<->device copies.
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
 
-COLLECTIVES = ("all_gather", "all_gather_into", "reduce_scatter", "reduce_scatter_into", "all_reduce",
-               "all_reduce_into", "all_to_all")
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into",
+    "reduce_scatter",
+    "reduce_scatter_into",
+    "all_reduce",
+    "all_reduce_into",
+    "all_to_all",
+)
 
 
 def test_device() -> torch.device:
@@ -64,8 +72,9 @@ def _call(f, name, dev, args, kwargs):
                 moved[id(v)] = (v, v.to(dev, copy=True) if v.requires_grad else v.detach().to(dev, copy=True))
             return moved[id(v)][1]
         if _is_fp8(v):
-            return type(v)(to_dev(v.data), to_dev(v.scale), v.fmt, v.scaling, v.dtype,
-                           None if v.amax is None else to_dev(v.amax))
+            return type(v)(
+                to_dev(v.data), to_dev(v.scale), v.fmt, v.scaling, v.dtype, None if v.amax is None else to_dev(v.amax)
+            )
         return v
 
     a = [to_dev(v) for v in args]
@@ -90,8 +99,14 @@ def _back(res, moved: dict, outs: set, kwargs: dict):
         out = kwargs.get("out")
         if _is_fp8(out):  # a caller-provided FP8 output: its host tensors were updated above
             return out
-        return type(res)(res.data.cpu(), res.scale.cpu(), res.fmt, res.scaling, res.dtype,
-                         None if res.amax is None else res.amax.cpu())
+        return type(res)(
+            res.data.cpu(),
+            res.scale.cpu(),
+            res.fmt,
+            res.scaling,
+            res.dtype,
+            None if res.amax is None else res.amax.cpu(),
+        )
     if isinstance(res, torch.Tensor):
         for host, d in moved.values():
             if res is d:

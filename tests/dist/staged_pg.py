@@ -7,6 +7,7 @@ unpack, unpack_sum) see real multi-sender buffers. What it cannot show: NCCL's o
 collective is synchronous w.r.t. the calling stream) and NCCL's speed. Works on CPU tensors too (the CPU suite
 runs through it, which is how this file itself is tested without a GPU).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -51,7 +52,7 @@ class StagedGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._gloo = ProcessGroupGloo(store, rank, size, timeout)
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return NAME
 
     # --------------------------------------------------------------------------------------------- collectives
@@ -77,8 +78,10 @@ class StagedGroup(dist.ProcessGroup):
         return _Done()
 
     def allgather(self, output_lists, inputs, opts=None):
-        outs = [[_host(o) if o.device.type == "cpu" else torch.empty_like(o, device="cpu") for o in ol]
-                for ol in output_lists]
+        outs = [
+            [_host(o) if o.device.type == "cpu" else torch.empty_like(o, device="cpu") for o in ol]
+            for ol in output_lists
+        ]
         self._gloo.allgather(outs, [_host(t) for t in inputs], opts or dist.AllgatherOptions()).wait()
         for ol, hl in zip(output_lists, outs):
             for o, h in zip(ol, hl):
@@ -93,8 +96,13 @@ class StagedGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
         out_h = output if output.device.type == "cpu" else torch.empty_like(output, device="cpu")
-        self._gloo.alltoall_base(out_h, _host(input), list(output_split_sizes or []),
-                                 list(input_split_sizes or []), opts or dist.AllToAllOptions()).wait()
+        self._gloo.alltoall_base(
+            out_h,
+            _host(input),
+            list(output_split_sizes or []),
+            list(input_split_sizes or []),
+            opts or dist.AllToAllOptions(),
+        ).wait()
         _back(output, out_h)
         return _Done([output])
 

@@ -5,14 +5,14 @@ Each run (a world size, or the staged backend) launches its ranks once and runs 
 one check (and launches only it). "staged": the same checks through the staged backend and the device proxy (on
 CPU copies here; on a GPU, launch/gpu_ready_check.py runs them with CUDA tensors, several ranks on one GPU).
 """
+
 from __future__ import annotations
 
 import json
 
-import pytest
-
 import dist_checks
 import dist_harness
+import pytest
 
 pytestmark = pytest.mark.dist
 
@@ -33,9 +33,11 @@ def launched(request, tmp_path_factory):
 
     def get(run: str) -> dict:
         if run not in runs:
-            selected = [i.callspec.params["check"] for i in request.session.items
-                        if i.module is request.module and getattr(i, "callspec", None)
-                        and i.callspec.params.get("run") == run]
+            selected = [
+                i.callspec.params["check"]
+                for i in request.session.items
+                if i.module is request.module and getattr(i, "callspec", None) and i.callspec.params.get("run") == run
+            ]
             world, env = RUNS[run]
             names = [c for c in CHECKS if c in selected]  # the harness order, which the checks assume
             runs[run] = dist_harness.launch(world, tmp_path_factory.mktemp(run), env=env, names=names, timeout=240)
@@ -54,8 +56,13 @@ def test_collective(check, run, launched):
         if not done:
             stopped = [x["after"] for x in recs if x.get("state") == "stopped"]
             started = any(x.get("check") == check and x.get("state") == "started" for x in recs)
-            why = ("never finished (timeout or crash)" if started else
-                   f"not run: the ranks stopped after {stopped[0]} failed" if stopped else "not run")
+            why = (
+                "never finished (timeout or crash)"
+                if started
+                else f"not run: the ranks stopped after {stopped[0]} failed"
+                if stopped
+                else "not run"
+            )
             problems.append(f"rank {rank}: {why}")
             continue
         x = done[0]

@@ -1,4 +1,5 @@
 """Single-process pieces of the pipelined / FP8-out collectives: the piece plan and the FP8-out receive side."""
+
 import pytest
 import torch
 
@@ -11,8 +12,16 @@ from fp8comm.quant.wire import unpack_codes
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("k,block,numel,pipe", [(16 << 20, 128, 16 << 20, 0), (1000, 128, 1000, 3), (4096, 128, None, 0),
-                                                (384, 128, 384, 7), (4 << 20, 32, 16 << 20, 5)])
+@pytest.mark.parametrize(
+    "k,block,numel,pipe",
+    [
+        (16 << 20, 128, 16 << 20, 0),
+        (1000, 128, 1000, 3),
+        (4096, 128, None, 0),
+        (384, 128, 384, 7),
+        (4 << 20, 32, 16 << 20, 5),
+    ],
+)
 def test_plan_pieces_whole_blocks_cover_k(k, block, numel, pipe):
     ps = plan_pieces(k, block, numel, CPU, "nearest", pipe)
     assert ps[0][0] == 0 and ps[-1][1] == k
@@ -61,13 +70,13 @@ def test_unpack_codes_is_the_quantizer_output():
     buf = pack_chunks(x, lay, f, backend="reference")
     codes = torch.full((5, k + 4), 7, dtype=torch.uint8)
     scales = torch.empty(5, 3)
-    unpack_codes(buf, lay, codes[:, 2:2 + k], scales)  # a strided destination, like one pipeline piece
+    unpack_codes(buf, lay, codes[:, 2 : 2 + k], scales)  # a strided destination, like one pipeline piece
     q = fp8comm.quantize(x, "e4m3", 128, backend="reference")
-    assert torch.equal(codes[:, 2:2 + k], q.data.view(torch.uint8)) and torch.equal(scales, q.scale)
-    assert (codes[:, :2] == 7).all() and (codes[:, 2 + k:] == 7).all()
+    assert torch.equal(codes[:, 2 : 2 + k], q.data.view(torch.uint8)) and torch.equal(scales, q.scale)
+    assert (codes[:, :2] == 7).all() and (codes[:, 2 + k :] == 7).all()
     with pytest.raises(ValueError, match="codes must be uint8"):
         unpack_codes(buf, lay, torch.empty(5, k), scales)
     with pytest.raises(ValueError, match="scales must be fp32"):
-        unpack_codes(buf, lay, codes[:, 2:2 + k], torch.empty(5, 2))
+        unpack_codes(buf, lay, codes[:, 2 : 2 + k], torch.empty(5, 2))
     with pytest.raises(ValueError, match="wire buffer"):
-        unpack_codes(buf[:10], lay, codes[:, 2:2 + k], scales)
+        unpack_codes(buf[:10], lay, codes[:, 2 : 2 + k], scales)

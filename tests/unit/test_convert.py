@@ -1,4 +1,5 @@
 """convert_to_fp8: what is converted and why the rest is skipped; checkpoints both ways; delayed-scaling state."""
+
 import pytest
 import torch
 from torch import nn
@@ -15,8 +16,9 @@ def _gpt(seed=0, n_layer=4):
 def test_report_converts_block_linears_and_explains_the_rest():
     m = _gpt()
     rep = convert_to_fp8(m, "blockwise", skip_first_blocks=1, skip_last_blocks=1)
-    assert rep.converted == [f"h.{i}.{s}" for i in (1, 2) for s in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
-                                                                    "mlp.c_proj")]
+    assert rep.converted == [
+        f"h.{i}.{s}" for i in (1, 2) for s in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
     assert all(isinstance(m.get_submodule(n), Fp8Linear) for n in rep.converted)
     assert rep.skipped["lm_head"].startswith("output head")
     assert rep.skipped["wte"] == rep.skipped["wpe"] == "embedding"
@@ -107,6 +109,7 @@ def test_delayed_scaling_state_survives_save_load_and_resume_is_identical(tmp_pa
 
 def test_telemetry_records_roles_and_plots(tmp_path):
     from fp8comm.gemm import Telemetry
+
     m = _gpt(n_layer=2)
     convert_to_fp8(m, "fp8_amax")
     tel = Telemetry(interval=2).attach(m)

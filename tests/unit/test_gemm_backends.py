@@ -1,4 +1,5 @@
 """Scaled FP8 GEMM backends: each matches a float64 product of the dequantized operands; backends agree."""
+
 import logging
 import os
 import subprocess
@@ -8,8 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from fp8comm.gemm.routing import ROUTING
 from fp8comm.gemm import backends, telemetry
+from fp8comm.gemm.routing import ROUTING
 from fp8comm.quant import Scaling, quantize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,8 +33,7 @@ def _operands(m, n, k, layout, fmts=("e4m3", "e4m3"), seed=0):
     x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k).roll(3)
     w = torch.randn(n, k, generator=g) * 0.05
     sa, sb = LAYOUTS[layout]
-    return quantize(x, fmts[0], scaling=sa, backend="reference"), quantize(w, fmts[1], scaling=sb,
-                                                                            backend="reference")
+    return quantize(x, fmts[0], scaling=sa, backend="reference"), quantize(w, fmts[1], scaling=sb, backend="reference")
 
 
 def _rel(got, want):
@@ -53,7 +53,7 @@ def test_emulation_mixed_formats_and_bf16_output():
     a, b = _operands(33, 40, 160, "tensor", fmts=("e5m2", "e4m3"))
     out = backends.emulate(a, b, torch.bfloat16)
     assert out.dtype == torch.bfloat16
-    assert _rel(out.float(), backends.emulate_f64(a, b)) < 2 ** -7  # one bf16 rounding
+    assert _rel(out.float(), backends.emulate_f64(a, b)) < 2**-7  # one bf16 rounding
 
 
 @pytest.mark.parametrize("layout", ["tensor", "tensor_pow2", "row"])
@@ -66,9 +66,11 @@ def test_scaled_mm_on_cpu_agrees_with_emulation(layout, shape):
     ref = backends.emulate_f64(a, b)
     assert _rel(out, ref) < 1e-5
     assert _rel(out, backends.emulate(a, b)) < 1e-5
-    assert telemetry.counters("gemm.scaled_mm") == ({"gemm.scaled_mm.forced": 1, "gemm.scaled_mm.pad": 1}
-                                                    if shape[2] % 16 or shape[1] % 16 else
-                                                    {"gemm.scaled_mm.forced": 1})
+    assert telemetry.counters("gemm.scaled_mm") == (
+        {"gemm.scaled_mm.forced": 1, "gemm.scaled_mm.pad": 1}
+        if shape[2] % 16 or shape[1] % 16
+        else {"gemm.scaled_mm.forced": 1}
+    )
 
 
 def test_scaled_mm_rejects_block_scales_it_cannot_take():
@@ -146,16 +148,37 @@ TRITON_SCRIPT = textwrap.dedent("""
 def test_triton_block_scaled_gemm_under_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ok 6" in r.stdout
 
 
 def test_bench_gemm_command_prints_ratios(capsys):
     from fp8comm.tools.cli import main
-    assert main(["bench", "gemm", "--shapes", "32x48x64", "--linear-shapes", "32x16x64", "--reps", "1",
-                 "--warmup", "0", "--backends", "emulation,scaled_mm", "--recipes", "blockwise"]) == 0
+
+    assert (
+        main(
+            [
+                "bench",
+                "gemm",
+                "--shapes",
+                "32x48x64",
+                "--linear-shapes",
+                "32x16x64",
+                "--reps",
+                "1",
+                "--warmup",
+                "0",
+                "--backends",
+                "emulation,scaled_mm",
+                "--recipes",
+                "blockwise",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "SLOWER than bf16" in out  # the CPU caveat is part of the output
     assert "| gemm | 32x48x64 | blockwise | emulation |" in out
@@ -172,8 +195,11 @@ def test_failing_backend_is_routed_around_visibly(monkeypatch, caplog):
         out1 = backends.gemm(a, b)
         out2 = backends.gemm(a, b)
     assert torch.equal(out1, backends.emulate(a, b)) and torch.equal(out2, out1)
-    assert telemetry.counters("gemm.") == {"gemm.scaled_mm": 1, "gemm.scaled_mm.failed": 1,
-                                           "gemm.emulation.fallback": 2}
+    assert telemetry.counters("gemm.") == {
+        "gemm.scaled_mm": 1,
+        "gemm.scaled_mm.failed": 1,
+        "gemm.emulation.fallback": 2,
+    }
     assert sum("routing to emulation" in r.getMessage() for r in caplog.records) == 1
     assert list(ROUTING.failures()) == [("scaled_mm", ("cpu", "mx32", "mx32", "e4m3", "e4m3", "torch.float32"))]
     ROUTING.reset()

@@ -1,4 +1,5 @@
 """The numerics guard's policy on one process: counts in, per-step wire decisions out (one step of lag)."""
+
 import pytest
 import torch
 

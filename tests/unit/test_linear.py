@@ -1,4 +1,7 @@
 """Fp8Linear: forward, dgrad and wgrad of every recipe against float64 references; inf/NaN; zero-size; caching."""
+
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -58,7 +61,7 @@ def test_forward_and_gradients_match_float64(recipe, dtype, case):
     xq, wq, dyq = q[("input", True)], q[("weight", True)], q[("grad", True)]
     r = get_recipe(recipe)
     # 1) exactness: each GEMM equals float64 on the dequantized FP8 operands it was given
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
     y64 = _deq64(xq).reshape(-1, k) @ _deq64(wq).t() + layer.bias.double()
     assert _nrel(y.reshape(-1, n), y64) < tol
     w_t = backends.transpose(wq) if r.weight.transpose_invariant else q[("weight", False)]
@@ -68,8 +71,7 @@ def test_forward_and_gradients_match_float64(recipe, dtype, case):
     dy_t = backends.transpose(dyq) if r.grad.transpose_invariant else q[("grad", False)]
     dw64 = _deq64(dy_t) @ _deq64(x_t).t()
     assert _nrel(layer.weight.grad, dw64) < 1e-5
-    torch.testing.assert_close(layer.bias.grad.double(), dy.double().reshape(-1, n).sum(0), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad.double(), dy.double().reshape(-1, n).sum(0), rtol=1e-5, atol=1e-6)
 
     # 2) accuracy: within the recipe's FP8 error of the unquantized float64 computation
     x64, w64, dy64 = x.double().reshape(-1, k), w.double(), dy.double().reshape(-1, n)
@@ -170,6 +172,7 @@ def test_autocast_output_dtype_like_nn_linear():
 
 def test_recipe_validation():
     from fp8comm.gemm import RoleConfig
+
     with pytest.raises(ValueError, match="granularity must be 'tensor'"):
         RoleConfig("e4m3", "block", source="delayed")
     with pytest.raises(ValueError, match="unknown FP8 format"):
@@ -177,7 +180,7 @@ def test_recipe_validation():
     with pytest.raises(ValueError, match="unknown recipe"):
         get_recipe("nope")
     assert get_recipe("cscale", constant_bias=3).constant_bias == 3
-    with pytest.raises(Exception):  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
         get_recipe("blockwise").name = "x"
     assert "128x128" in get_recipe("blockwise").describe()
 
@@ -247,6 +250,7 @@ def test_gemm_operands_are_contiguous(recipe, monkeypatch):
     def spy(a, b, out_dtype=torch.float32, backend="auto"):
         seen.append((a.data.stride(-1) == 1, b.data.stride(-1) == 1))  # row-major (rows may be block-padded)
         return orig(a, b, out_dtype, backend)
+
     monkeypatch.setattr(backends, "gemm", spy)
     layer = Fp8Linear(64, 32, recipe=recipe)
     for _ in range(2):  # the second step reuses the cached weight (and its transpose)

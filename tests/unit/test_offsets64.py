@@ -6,6 +6,7 @@ launches the production kernel on them: the same offset arithmetic as the full-s
 Each runs in a subprocess because a wrapped offset is an out-of-bounds load, which can crash the interpreter.
 launch/gpu_ready_check.py runs the full-size versions on a GPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ STRIDE = (1 << 30) + 16  # chunk stride in bytes: 16-aligned, int32 itself, but 
 
 def _run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_unpack_sum_chunk_offsets_past_2gib():

@@ -1,16 +1,37 @@
 """Fast paths vs the reference (bit-exact), error-bound properties, stochastic rounding, the chunked wire format."""
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8comm
-from fp8comm.quant import (BlockScaling, ChunkLayout, MXScaling, RowScaling, Scaling, TensorScaling, dequantize,
-                           get_format, pack_chunks, quantize, quantize_with_transpose, unpack_chunks, unpack_sum)
+from fp8comm.quant import (
+    BlockScaling,
+    ChunkLayout,
+    MXScaling,
+    RowScaling,
+    Scaling,
+    TensorScaling,
+    dequantize,
+    get_format,
+    pack_chunks,
+    quantize,
+    quantize_with_transpose,
+    unpack_chunks,
+    unpack_sum,
+)
 from fp8comm.quant import reference as ref
 
-SCALINGS = [TensorScaling(), TensorScaling("pow2", 3), RowScaling(), BlockScaling(128), MXScaling(),
-            BlockScaling(128, 128), BlockScaling(128, encoding="e8m0")]
+SCALINGS = [
+    TensorScaling(),
+    TensorScaling("pow2", 3),
+    RowScaling(),
+    BlockScaling(128),
+    MXScaling(),
+    BlockScaling(128, 128),
+    BlockScaling(128, encoding="e8m0"),
+]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -43,9 +64,15 @@ def half_ulp_bound(x: torch.Tensor, q) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(m=st.integers(1, 40), k=st.integers(1, 300), log_scale=st.floats(-30, 30), dist=st.sampled_from(
-    ["normal", "heavy", "uniform", "outliers"]), sc=st.sampled_from(SCALINGS), fmt=st.sampled_from(["e4m3", "e5m2"]),
-    seed=st.integers(0, 2**31))
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 300),
+    log_scale=st.floats(-30, 30),
+    dist=st.sampled_from(["normal", "heavy", "uniform", "outliers"]),
+    sc=st.sampled_from(SCALINGS),
+    fmt=st.sampled_from(["e4m3", "e5m2"]),
+    seed=st.integers(0, 2**31),
+)
 def test_error_within_half_ulp(m, k, log_scale, dist, sc, fmt, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
@@ -83,8 +110,8 @@ def test_stochastic_rounding_seeded():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def make_layout(rows, k, sc=BlockScaling(128)):
-    return ChunkLayout(tuple(rows), k, sc)
+def make_layout(rows, k, sc=None):
+    return ChunkLayout(tuple(rows), k, sc if sc is not None else BlockScaling(128))
 
 
 @pytest.mark.parametrize("backend", ["reference", "compiled"])
@@ -102,8 +129,8 @@ def test_pack_chunks_matches_per_chunk_quantize(backend, sc):
     out = unpack_chunks(buf, lay, get_format("e4m3"), torch.float32, backend=backend)
     for c, r in enumerate(rows):
         r0 = lay.row_starts[c]
-        want = fp8comm.quantize(x[r0:r0 + r], "e4m3", scaling=sc).dequantize()
-        assert torch.equal(bits(out[r0:r0 + r]), bits(want))
+        want = fp8comm.quantize(x[r0 : r0 + r], "e4m3", scaling=sc).dequantize()
+        assert torch.equal(bits(out[r0 : r0 + r]), bits(want))
     assert torch.isnan(out[2, 17]) and torch.isfinite(out).sum() == out.numel() - 1
 
 
@@ -119,7 +146,7 @@ def test_unpack_sum_is_fp32_sum_in_chunk_order():
     parts = unpack_chunks(buf, lay, f)
     want = torch.zeros(1, L)
     for i in range(w):
-        want = want + parts[i:i + 1]
+        want = want + parts[i : i + 1]
     assert torch.equal(bits(s), bits(want))
     assert not torch.isfinite(s[0, 5]) and torch.isfinite(s).sum() == L - 1
     with pytest.raises(ValueError, match="equal chunks"):
@@ -163,8 +190,10 @@ def test_quantize_with_transpose_requantizes_other_blocks(sc):
     """Rows and 1xB blocks are not transpose-invariant: q_t is x^T quantized along M, its own scales."""
     x = torch.randn(96, 160, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 160)
     q, qt = quantize_with_transpose(x, "e4m3", scaling=sc, backend="reference")
-    want, want_t = quantize(x, "e4m3", scaling=sc, backend="reference"), quantize(x.t(), "e4m3", scaling=sc,
-                                                                                   backend="reference")
+    want, want_t = (
+        quantize(x, "e4m3", scaling=sc, backend="reference"),
+        quantize(x.t(), "e4m3", scaling=sc, backend="reference"),
+    )
     for got, w in ((q, want), (qt, want_t)):
         assert got.data.is_contiguous() and got.shape == w.shape
         assert torch.equal(got.data.view(torch.uint8), w.data.view(torch.uint8)) and torch.equal(got.scale, w.scale)

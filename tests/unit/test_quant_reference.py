@@ -1,4 +1,5 @@
 """The reference quantizer's bits, checked against torch's own fp32->fp8 cast and hand-picked special values."""
+
 import math
 
 import pytest
@@ -34,8 +35,17 @@ def test_all_bf16_patterns_match_torch_cast(all_bf16, fmt, s):
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("scaling", [TensorScaling(), TensorScaling("pow2", 2), RowScaling(), BlockScaling(128),
-                                     BlockScaling(32, encoding="e8m0"), BlockScaling(128, 128)])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        TensorScaling(),
+        TensorScaling("pow2", 2),
+        RowScaling(),
+        BlockScaling(128),
+        BlockScaling(32, encoding="e8m0"),
+        BlockScaling(128, 128),
+    ],
+)
 def test_all_bf16_patterns_current_scaling(all_bf16, fmt, scaling):
     f = get_format(fmt)
     q = fp8comm.quantize(all_bf16, fmt, scaling=scaling, backend="reference")
@@ -52,12 +62,21 @@ def test_all_bf16_patterns_current_scaling(all_bf16, fmt, scaling):
     assert torch.isfinite(q.scale).all() and (q.scale > 0).all()
 
 
-@pytest.mark.parametrize("fmt,vals,codes", [
-    ("e4m3", [0.0, -0.0, 448.0, -448.0, 500.0, 1e30, 2.0**-9, -(2.0**-9), 2.0**-10, 1.5 * 2.0**-10, 2.0**-6],
-     [0x00, 0x80, 0x7E, 0xFE, 0x7E, 0x7E, 0x01, 0x81, 0x00, 0x01, 0x08]),
-    ("e5m2", [0.0, -0.0, 57344.0, 60000.0, 1e30, -1e30, 2.0**-16, 2.0**-17, 2.0**-14],
-     [0x00, 0x80, 0x7B, 0x7B, 0x7B, 0xFB, 0x01, 0x00, 0x04]),
-])
+@pytest.mark.parametrize(
+    "fmt,vals,codes",
+    [
+        (
+            "e4m3",
+            [0.0, -0.0, 448.0, -448.0, 500.0, 1e30, 2.0**-9, -(2.0**-9), 2.0**-10, 1.5 * 2.0**-10, 2.0**-6],
+            [0x00, 0x80, 0x7E, 0xFE, 0x7E, 0x7E, 0x01, 0x81, 0x00, 0x01, 0x08],
+        ),
+        (
+            "e5m2",
+            [0.0, -0.0, 57344.0, 60000.0, 1e30, -1e30, 2.0**-16, 2.0**-17, 2.0**-14],
+            [0x00, 0x80, 0x7B, 0x7B, 0x7B, 0xFB, 0x01, 0x00, 0x04],
+        ),
+    ],
+)
 def test_special_values(fmt, vals, codes):
     q = fp8comm.quantize(torch.tensor(vals), fmt, None, scale=1.0)
     assert q.data.view(torch.uint8).tolist() == codes
@@ -125,11 +144,14 @@ def test_non_contiguous_input():
     assert torch.equal(q.data.view(torch.uint8), q2.data.view(torch.uint8)) and torch.equal(q.scale, q2.scale)
 
 
-@pytest.mark.parametrize("bad,err", [
-    (torch.arange(4), "floating-point"),
-    (torch.zeros(4, dtype=torch.complex64), "floating-point"),
-    (torch.zeros(4).to(torch.float8_e4m3fn), "already"),
-])
+@pytest.mark.parametrize(
+    "bad,err",
+    [
+        (torch.arange(4), "floating-point"),
+        (torch.zeros(4, dtype=torch.complex64), "floating-point"),
+        (torch.zeros(4).to(torch.float8_e4m3fn), "already"),
+    ],
+)
 def test_bad_input_dtype(bad, err):
     with pytest.raises(TypeError, match=err):
         fp8comm.quantize(bad)

@@ -4,6 +4,7 @@ missing 'tools' extra instead of a traceback; and the demo works from an install
 
 Each check runs in a fresh interpreter (subprocess), because this pytest process has long imported everything.
 """
+
 from __future__ import annotations
 
 import ast
@@ -37,8 +38,9 @@ BLOCK_TOOLS_EXTRA = textwrap.dedent("""
 
 
 def _py(code: str, *, cwd=None, env=None, args=(), timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )
 
 
 def _modules_after(code: str) -> set[str]:
@@ -53,10 +55,12 @@ def _heavy(mods: set[str]) -> list[str]:
 
 def test_import_fp8comm_loads_no_framework_plotting_or_console_library():
     # `import fp8comm`, then the whole core API (every layer below the integrations): none of them, no tools.
-    r = _py("import json, sys\nimport fp8comm\nfirst = sorted(sys.modules)\n"
-            "import fp8comm.quant, fp8comm.gemm, fp8comm.comm\nfrom fp8comm import *\n"
-            "assert callable(quantize) and fp8comm.comm.all_gather is fp8comm.all_gather is all_gather\n"
-            "print(json.dumps([first, sorted(sys.modules)]))")
+    r = _py(
+        "import json, sys\nimport fp8comm\nfirst = sorted(sys.modules)\n"
+        "import fp8comm.quant, fp8comm.gemm, fp8comm.comm\nfrom fp8comm import *\n"
+        "assert callable(quantize) and fp8comm.comm.all_gather is fp8comm.all_gather is all_gather\n"
+        "print(json.dumps([first, sorted(sys.modules)]))"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for mods in map(set, json.loads(r.stdout.splitlines()[-1])):
         assert not _heavy(mods), _heavy(mods)
@@ -67,8 +71,10 @@ def test_import_fp8comm_loads_no_framework_plotting_or_console_library():
 def test_cli_help_imports_nothing_heavy():
     """`fp8comm --help` and `fp8comm bench --help` build their parser without importing torch or any extra."""
     for argv in (["--help"], ["bench", "--help"]):
-        mods = _modules_after("import sys\nfrom fp8comm.tools.cli import main\n"
-                              f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0\n")
+        mods = _modules_after(
+            "import sys\nfrom fp8comm.tools.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        )
         assert not _heavy(mods) and "torch" not in mods, (argv, _heavy(mods))
 
 
@@ -89,7 +95,7 @@ def test_layers_never_import_the_tools():
                     base = node.module or ""
                     if node.level:  # relative: resolve against the file's package
                         parts = pkg.split(".")
-                        base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                        base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                     names = [base] + [f"{base}.{a.name}" for a in node.names]
                 elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                     names = [node.value]
@@ -100,18 +106,21 @@ def test_layers_never_import_the_tools():
     assert not bad, bad
 
 
-@pytest.mark.parametrize("argv, needs", [(["demo", "--steps", "1"], "fp8comm demo"),
-                                         (["bench", "quant", "--reps", "1"], "fp8comm bench quant")])
+@pytest.mark.parametrize(
+    "argv, needs",
+    [(["demo", "--steps", "1"], "fp8comm demo"), (["bench", "quant", "--reps", "1"], "fp8comm bench quant")],
+)
 def test_command_without_tools_extra_names_the_extra(argv, needs):
-    r = _py(BLOCK_TOOLS_EXTRA + "from fp8comm.tools.cli import main\nraise SystemExit(main(sys.argv[1:]))",
-            args=argv)
+    r = _py(BLOCK_TOOLS_EXTRA + "from fp8comm.tools.cli import main\nraise SystemExit(main(sys.argv[1:]))", args=argv)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert f"{needs} needs the 'tools' extra (rich, matplotlib): pip install 'fp8comm[tools]'" in r.stderr
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
     # `python -m fp8comm.tools.demo` (the module the workers run) answers the same way
     if argv[0] == "demo":
-        r = _py(BLOCK_TOOLS_EXTRA + "import runpy\nrunpy.run_module('fp8comm.tools.demo', run_name='__main__')",
-                args=["--steps", "1"])
+        r = _py(
+            BLOCK_TOOLS_EXTRA + "import runpy\nrunpy.run_module('fp8comm.tools.demo', run_name='__main__')",
+            args=["--steps", "1"],
+        )
         assert r.returncode == 2 and "pip install 'fp8comm[tools]'" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
 
@@ -119,8 +128,9 @@ def test_command_without_tools_extra_names_the_extra(argv, needs):
 def test_help_and_extra_free_benches_work_without_tools_extra():
     """Help texts need no extra; `bench comm` / `bench gemm` print plain text and need none either."""
     for argv in (["--help"], ["demo", "--help"], ["bench", "comm", "--help"]):
-        r = _py(BLOCK_TOOLS_EXTRA + "from fp8comm.tools.cli import main\nraise SystemExit(main(sys.argv[1:]))",
-                args=argv)
+        r = _py(
+            BLOCK_TOOLS_EXTRA + "from fp8comm.tools.cli import main\nraise SystemExit(main(sys.argv[1:]))", args=argv
+        )
         assert r.returncode == 0 and "usage: fp8comm" in r.stdout, (argv, r.stderr[-2000:])
 
 
@@ -142,12 +152,20 @@ def wheel_site(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     _copy_source(tmp / "src")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    r = subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
-                              str(tmp / "src")], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(tmp / "src")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (whl,) = (tmp / "dist").glob("fp8comm-*.whl")
-    r = subprocess.run(pip + ["install", "--no-deps", "--no-compile", "--target", str(tmp / "site"), str(whl)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        pip + ["install", "--no-deps", "--no-compile", "--target", str(tmp / "site"), str(whl)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return tmp / "site"
 
@@ -191,14 +209,20 @@ def test_demo_runs_from_an_installed_wheel(wheel_site, tmp_path):
     """From outside the checkout, with fp8comm only from the wheel: the demo's launcher and worker modules, the
     model, the command; no module comes from the checkout and the worker command names a module, not a path."""
     env = _installed_env(wheel_site)
-    r = subprocess.run([sys.executable, "-S", "-c", WHEEL_CHECKS], capture_output=True, text=True, cwd=tmp_path,
-                       env=env, timeout=180)
+    r = subprocess.run(
+        [sys.executable, "-S", "-c", WHEEL_CHECKS], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=180
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
     venv = Path(sys.prefix).resolve()
-    from_checkout = {n: f for n, f in out["files"].items()
-                     if f and os.path.isabs(f) and Path(f).resolve().is_relative_to(REPO)
-                     and not Path(f).resolve().is_relative_to(venv)}
+    from_checkout = {
+        n: f
+        for n, f in out["files"].items()
+        if f
+        and os.path.isabs(f)
+        and Path(f).resolve().is_relative_to(REPO)
+        and not Path(f).resolve().is_relative_to(venv)
+    }
     assert not from_checkout, from_checkout
     ours = {n: f for n, f in out["files"].items() if n == "fp8comm" or n.startswith("fp8comm.")}
     assert "fp8comm.tools.demo" in ours and "fp8comm.tools.gpt" in ours
@@ -206,11 +230,12 @@ def test_demo_runs_from_an_installed_wheel(wheel_site, tmp_path):
     has_ds = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True).returncode == 0
     assert out["problem"] is None or not has_ds, out["problem"]
     cmd = out["cmd"]
-    assert cmd[cmd.index("--worker") - 2:cmd.index("--worker")] == ["-m", "fp8comm.tools.demo"], cmd
+    assert cmd[cmd.index("--worker") - 2 : cmd.index("--worker")] == ["-m", "fp8comm.tools.demo"], cmd
     assert out["pythonpath"] == out["my_pythonpath"], "the launcher must not add paths for its workers"
     for argv in (["fp8comm.tools.cli", "demo", "--help"], ["fp8comm.tools.demo", "--help"]):
-        r = subprocess.run([sys.executable, "-S", "-m", *argv], capture_output=True, text=True, cwd=tmp_path,
-                           env=env, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-S", "-m", *argv], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60
+        )
         assert r.returncode == 0 and "usage: fp8comm demo" in r.stdout, (argv, r.stderr[-2000:])
 
 
@@ -220,10 +245,12 @@ def test_renamed_names_still_work_with_a_deprecation_warning():
     import fp8comm.integrations.megatron as fm
     from fp8comm.errors import Fp8CommError, Fp8CommUnsupportedError
 
-    for module, old, new in ((fd, "UnsupportedError", Fp8CommUnsupportedError),
-                             (fd, "Fp8CommConfig", fd.Fp8CommDeepSpeedConfig),
-                             (fm, "Fp8commConfig", fm.Fp8CommMegatronConfig),
-                             (fm, "Fp8commMegatronError", fm.Fp8CommMegatronError)):
+    for module, old, new in (
+        (fd, "UnsupportedError", Fp8CommUnsupportedError),
+        (fd, "Fp8CommConfig", fd.Fp8CommDeepSpeedConfig),
+        (fm, "Fp8commConfig", fm.Fp8CommMegatronConfig),
+        (fm, "Fp8commMegatronError", fm.Fp8CommMegatronError),
+    ):
         with pytest.warns(FutureWarning, match=f"{old} is deprecated"):
             assert getattr(module, old) is new
     # one base class for everything fp8comm raises (and the built-in each one stands for)

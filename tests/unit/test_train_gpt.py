@@ -2,6 +2,7 @@
 
 The full 3-seed table (bigger model, more steps) is produced by the example and recorded in docs/benchmarks.md.
 """
+
 import os
 import sys
 
@@ -9,10 +10,22 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-import train_gpt  # noqa: E402
+import train_gpt
 
-CFG = train_gpt.TrainConfig(steps=80, batch_size=16, block_size=32, n_layer=2, n_head=2, n_embd=64, lr=3e-3,
-                            warmup=10, eval_every=80, eval_batches=4, threads=1, quant_backend="reference")
+CFG = train_gpt.TrainConfig(
+    steps=80,
+    batch_size=16,
+    block_size=32,
+    n_layer=2,
+    n_head=2,
+    n_embd=64,
+    lr=3e-3,
+    warmup=10,
+    eval_every=80,
+    eval_batches=4,
+    threads=1,
+    quant_backend="reference",
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +33,10 @@ def losses():
     threads = torch.get_num_threads()
     corpus = train_gpt.load_corpus()
     try:
-        return {r: train_gpt.train_one(r, 0, CFG, corpus, log=lambda *a: None)["val_loss"]
-                for r in ("bf16", "blockwise", "fp8_noscale")}  # fp8_amax: in the example's table
+        return {
+            r: train_gpt.train_one(r, 0, CFG, corpus, log=lambda *a: None)["val_loss"]
+            for r in ("bf16", "blockwise", "fp8_noscale")
+        }  # fp8_amax: in the example's table
     finally:
         torch.set_num_threads(threads)
 

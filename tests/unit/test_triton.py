@@ -4,6 +4,7 @@ Codes, wire buffers and fp32 values compare as integers (NaN bits included); bf1
 canonicalised, since torch's own CPU fp32->bf16 NaN pattern is implementation-specific. Interpreter cost grows
 with the number of programs, so tensors stay small (the largest is the 65536 bf16 bit patterns as [512, 128]).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,10 +16,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e .[triton])")
 
-from fp8comm.quant import backend_reference as br  # noqa: E402
-from fp8comm.quant.formats import E4M3, E5M2  # noqa: E402
-from fp8comm.quant.scaling import Scaling  # noqa: E402
-from fp8comm.quant.wire import ChunkLayout  # noqa: E402
+from fp8comm.quant import backend_reference as br
+from fp8comm.quant.formats import E4M3, E5M2
+from fp8comm.quant.scaling import Scaling
+from fp8comm.quant.wire import ChunkLayout
 
 pytestmark = [
     # the interpreter runs numpy, which warns where the kernels deliberately overflow to inf or make NaN
@@ -66,8 +67,10 @@ def same(a: torch.Tensor, b: torch.Tensor, what: str, canon_nan: bool = False) -
     if not torch.equal(x, y):
         bad = (x != y).nonzero()
         i = tuple(bad[0].tolist())
-        raise AssertionError(f"{what}: {bad.shape[0]} of {x.numel()} differ; first at {i}: "
-                             f"{x[i].item():#x} (triton) vs {y[i].item():#x} (reference)")
+        raise AssertionError(
+            f"{what}: {bad.shape[0]} of {x.numel()} differ; first at {i}: "
+            f"{x[i].item():#x} (triton) vs {y[i].item():#x} (reference)"
+        )
 
 
 def same_quant(got, want, what: str) -> None:
@@ -92,15 +95,15 @@ def mixed(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 
 def given_scales(mb: int, kb: int, pow2: bool) -> torch.Tensor:
     """Several caller scales cycled over the blocks: tiny, huge, ~1, non-power-of-two (fp32 only)."""
-    vals = [1.0, 2.0 ** -126, 2.0 ** 100, 2.0 ** -20, 0.0625] + ([] if pow2 else [3.7e-3, 1.2345e20, 0.7, 1e-37])
-    return torch.tensor(vals, dtype=torch.float32).repeat(mb * kb // len(vals) + 1)[:mb * kb].reshape(mb, kb)
+    vals = [1.0, 2.0**-126, 2.0**100, 2.0**-20, 0.0625] + ([] if pow2 else [3.7e-3, 1.2345e20, 0.7, 1e-37])
+    return torch.tensor(vals, dtype=torch.float32).repeat(mb * kb // len(vals) + 1)[: mb * kb].reshape(mb, kb)
 
 
 # --- quantize_2d on all 65536 bf16 patterns -----------------------------------------------------------------------
 EXHAUSTIVE = [  # (scaling, rounding, seed, caller scales?)
     (Scaling(1, 32), "nearest", 0, False),
     (Scaling(1, 128, "e8m0"), "stochastic", 1, False),
-    (Scaling(1, 128, "pow2", margin=2), "stochastic", 2 ** 40 + 5, False),
+    (Scaling(1, 128, "pow2", margin=2), "stochastic", 2**40 + 5, False),
     (Scaling(None, None), "nearest", 0, False),
     (Scaling(128, 128), "nearest", 0, False),
     (Scaling(1, None, "e8m0", margin=-3), "nearest", 0, False),
@@ -118,15 +121,22 @@ def test_quantize_all_bf16_patterns(bt, fmt, case):
     same_quant(bt.quantize_2d(x, fmt, sc, rnd, seed, scale), br.quantize_2d(x, fmt, sc, rnd, seed, scale), "bf16")
 
 
-ODD_SCALINGS = [(Scaling(1, 32), "nearest"), (Scaling(1, 100, "e8m0"), "stochastic"), (Scaling(128, 128), "nearest"),
-                (Scaling(None, None, "pow2", margin=4), "stochastic"), (Scaling(1, None), "nearest"),
-                (Scaling(16, 24, "e8m0", margin=-1), "nearest")]
+ODD_SCALINGS = [
+    (Scaling(1, 32), "nearest"),
+    (Scaling(1, 100, "e8m0"), "stochastic"),
+    (Scaling(128, 128), "nearest"),
+    (Scaling(None, None, "pow2", margin=4), "stochastic"),
+    (Scaling(1, None), "nearest"),
+    (Scaling(16, 24, "e8m0", margin=-1), "nearest"),
+]
 TINY_2D = (Scaling(2, 3, "pow2"), "stochastic")  # 2-D blocks run one block-row per program: tiny shapes only
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("shape,dtype", [((1, 1), torch.float32), ((3, 200), torch.float16),
-                                         ((130, 257), torch.float32), ((7, 33), torch.float64)])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((1, 1), torch.float32), ((3, 200), torch.float16), ((130, 257), torch.float32), ((7, 33), torch.float64)],
+)
 def test_quantize_odd_shapes(bt, fmt, shape, dtype):
     x = mixed(*shape, seed=shape[1], dtype=dtype)
     for sc, rnd in ODD_SCALINGS + ([TINY_2D] if shape[0] < 8 else []):
@@ -136,15 +146,18 @@ def test_quantize_odd_shapes(bt, fmt, shape, dtype):
 def test_stochastic_index_base_wraps(bt):
     """The SR counter is (index_base + flat index) mod 2**32, as in the reference."""
     x = mixed(3, 200, seed=4)
-    for base in (12345, 2 ** 32 - 300, 2 ** 33 + 7):
+    for base in (12345, 2**32 - 300, 2**33 + 7):
         want = br.quantize_2d(x, E4M3, Scaling(1, 32), "stochastic", 3, index_base=base)
         same_quant(bt.quantize_2d(x, E4M3, Scaling(1, 32), "stochastic", 3, index_base=base), want, f"base {base}")
     other = br.quantize_2d(x, E4M3, Scaling(1, 32), "stochastic", 3, index_base=0)[0]
     assert not torch.equal(other, want[0]), "index_base had no effect on the reference: the test would prove nothing"
 
 
-PER_TENSOR = [(Scaling(None, None), "nearest"), (Scaling(None, None, "pow2", margin=4), "stochastic"),
-              (Scaling(None, None, "e8m0", margin=-3), "nearest")]
+PER_TENSOR = [
+    (Scaling(None, None), "nearest"),
+    (Scaling(None, None, "pow2", margin=4), "stochastic"),
+    (Scaling(None, None, "e8m0", margin=-3), "nearest"),
+]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -152,8 +165,12 @@ def test_quantize_with_transpose_per_tensor(bt, fmt, monkeypatch):
     """One pass gives codes, the same codes transposed, scale and amax equal to the reference, with caller
     scales too; a smaller interpreter tile forces several programs and ragged tile edges."""
     monkeypatch.setattr(bt, "INTERP_TILE", 4096)
-    for shape, dtype in [((1, 1), torch.float32), ((70, 33), torch.bfloat16), ((3, 200), torch.float16),
-                         ((130, 257), torch.float32)]:
+    for shape, dtype in [
+        ((1, 1), torch.float32),
+        ((70, 33), torch.bfloat16),
+        ((3, 200), torch.float16),
+        ((130, 257), torch.float32),
+    ]:
         x = mixed(*shape, seed=shape[0], dtype=dtype)
         for sc, rnd in PER_TENSOR:
             for scale in (None, torch.tensor([[3.7e-3 if sc.encoding == "fp32" else 0.0625]])):
@@ -169,10 +186,12 @@ def test_quantize_with_transpose_per_tensor(bt, fmt, monkeypatch):
 def test_quantize_rows_and_cols_in_one_pass(bt, fmt):
     """1xB blocks of x and of x^T from one read equal quantize(x) and quantize(x.t()), stochastic rounding (each
     layout's own flat index) included; ragged tiles on both dims."""
-    for (m, k), dtype, sc, rnd in [((130, 257), torch.float32, Scaling(1, 128), "nearest"),
-                                   ((70, 33), torch.bfloat16, Scaling(1, 32, "e8m0"), "stochastic"),
-                                   ((40, 96), torch.float16, Scaling(1, 16, "pow2", margin=2), "nearest"),
-                                   ((512, 128), torch.bfloat16, Scaling(1, 128), "stochastic")]:
+    for (m, k), dtype, sc, rnd in [
+        ((130, 257), torch.float32, Scaling(1, 128), "nearest"),
+        ((70, 33), torch.bfloat16, Scaling(1, 32, "e8m0"), "stochastic"),
+        ((40, 96), torch.float16, Scaling(1, 16, "pow2", margin=2), "nearest"),
+        ((512, 128), torch.bfloat16, Scaling(1, 128), "stochastic"),
+    ]:
         x = bf16_patterns() if (m, k) == (512, 128) else mixed(m, k, seed=m, dtype=dtype)
         got, got_t = bt.quantize_2d_rowcol(x, fmt, sc, rnd, 7)
         same_quant(got, br.quantize_2d(x, fmt, sc, rnd, 7), f"{(m, k)} {sc.describe()} x")
@@ -187,30 +206,47 @@ def test_two_pass_path(bt, monkeypatch):
     monkeypatch.setattr(bt, "INTERP_TILE", 1024)
     monkeypatch.setattr(bt, "INTERP_FIT", 64)
     x = mixed(12, 300, seed=5)
-    for sc, rnd, given in [(Scaling(None, None), "nearest", False), (Scaling(1, None, "pow2", 5), "stochastic", False),
-                           (Scaling(128, 128, "e8m0"), "nearest", False), (Scaling(1, 128), "stochastic", True),
-                           (Scaling(None, None), "nearest", True)]:
+    for sc, rnd, given in [
+        (Scaling(None, None), "nearest", False),
+        (Scaling(1, None, "pow2", 5), "stochastic", False),
+        (Scaling(128, 128, "e8m0"), "nearest", False),
+        (Scaling(1, 128), "stochastic", True),
+        (Scaling(None, None), "nearest", True),
+    ]:
         br_, bc_ = sc.block_shape(*x.shape)
         assert not bt.plan(*x.shape, br_, bc_).fit, "the small tile limits did not force the two-pass path"
         scale = given_scales(*sc.scale_shape(*x.shape), sc.encoding != "fp32") if given else None
         for fmt in FORMATS:
-            same_quant(bt.quantize_2d(x, fmt, sc, rnd, 1, scale), br.quantize_2d(x, fmt, sc, rnd, 1, scale),
-                       f"two-pass {sc.describe()} {fmt.name}")
+            same_quant(
+                bt.quantize_2d(x, fmt, sc, rnd, 1, scale),
+                br.quantize_2d(x, fmt, sc, rnd, 1, scale),
+                f"two-pass {sc.describe()} {fmt.name}",
+            )
             q = br.quantize_2d(x, fmt, sc, "nearest")
-            same(bt.dequantize_2d(q[0], q[1], fmt, sc, torch.float32),
-                 br.dequantize_2d(q[0], q[1], fmt, sc, torch.float32), f"two-pass dequant {sc.describe()}")
+            same(
+                bt.dequantize_2d(q[0], q[1], fmt, sc, torch.float32),
+                br.dequantize_2d(q[0], q[1], fmt, sc, torch.float32),
+                f"two-pass dequant {sc.describe()}",
+            )
     layout = ChunkLayout((5, 0, 7), 300, Scaling(1, None, "e8m0"))
     _check_pack(bt, x, layout, E4M3, "stochastic", 2)
 
 
 def test_empty(bt):
-    for shape, sc in [((0, 64), Scaling(1, 32)), ((4, 0), Scaling(1, 32)), ((0, 0), Scaling(None, None)),
-                      ((0, 5), Scaling(None, None, "e8m0"))]:
+    for shape, sc in [
+        ((0, 64), Scaling(1, 32)),
+        ((4, 0), Scaling(1, 32)),
+        ((0, 0), Scaling(None, None)),
+        ((0, 5), Scaling(None, None, "e8m0")),
+    ]:
         x = torch.empty(shape)
         got, want = bt.quantize_2d(x, E4M3, sc), br.quantize_2d(x, E4M3, sc)
         same_quant(got, want, f"empty {shape}")
-        same(bt.dequantize_2d(got[0], got[1], E4M3, sc, torch.bfloat16),
-             br.dequantize_2d(want[0], want[1], E4M3, sc, torch.bfloat16), f"empty dequant {shape}")
+        same(
+            bt.dequantize_2d(got[0], got[1], E4M3, sc, torch.bfloat16),
+            br.dequantize_2d(want[0], want[1], E4M3, sc, torch.bfloat16),
+            f"empty dequant {shape}",
+        )
     layout = ChunkLayout((0, 0), 64, Scaling(1, 32))
     buf = torch.full((16,), 0xAB, dtype=torch.uint8)
     assert torch.equal(bt.pack_chunks(torch.empty(0, 64), layout, E4M3, "nearest", 0, buf.clone()), buf)
@@ -220,11 +256,14 @@ def test_empty(bt):
 
 
 # --- dequantize_2d ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sc", [Scaling(1, 32), Scaling(128, 128), Scaling(None, None), Scaling(1, None),
-                                Scaling(16, 50, "e8m0")], ids=lambda s: s.describe())
+@pytest.mark.parametrize(
+    "sc",
+    [Scaling(1, 32), Scaling(128, 128), Scaling(None, None), Scaling(1, None), Scaling(16, 50, "e8m0")],
+    ids=lambda s: s.describe(),
+)
 def test_dequantize_every_code(bt, sc):
     m, k = 64, 260
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(m * k // 256 + 1)[:m * k].reshape(m, k)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(m * k // 256 + 1)[: m * k].reshape(m, k)
     mb, kb = sc.scale_shape(m, k)
     g = torch.Generator().manual_seed(mb * 1000 + kb)
     scale = torch.exp2(torch.randint(-126, 128, (mb, kb), generator=g).float())  # tiny (subnormal products) to inf
@@ -232,8 +271,12 @@ def test_dequantize_every_code(bt, sc):
         scale = scale * (1 + torch.rand(mb, kb, generator=g))
     for fmt in FORMATS:
         for dt in (torch.float32, torch.bfloat16, torch.float16):
-            same(bt.dequantize_2d(codes, scale, fmt, sc, dt), br.dequantize_2d(codes, scale, fmt, sc, dt),
-                 f"dequant {fmt.name} {dt}", canon_nan=dt != torch.float32)
+            same(
+                bt.dequantize_2d(codes, scale, fmt, sc, dt),
+                br.dequantize_2d(codes, scale, fmt, sc, dt),
+                f"dequant {fmt.name} {dt}",
+                canon_nan=dt != torch.float32,
+            )
 
 
 # --- wire: pack / unpack / unpack_sum ---------------------------------------------------------------------------------
@@ -247,8 +290,12 @@ def _check_pack(bt, x, layout, fmt, rnd, seed):
     for dt in (torch.float32, torch.bfloat16):
         shape = (layout.total_rows, layout.k)
         o1, o2 = torch.empty(shape, dtype=dt), torch.empty(shape, dtype=dt)
-        same(bt.unpack_chunks(want, layout, fmt, o1), br.unpack_chunks(want, layout, fmt, o2), f"unpack {dt}",
-             canon_nan=dt != torch.float32)
+        same(
+            bt.unpack_chunks(want, layout, fmt, o1),
+            br.unpack_chunks(want, layout, fmt, o2),
+            f"unpack {dt}",
+            canon_nan=dt != torch.float32,
+        )
 
 
 PACK_CASES = [  # (rows per chunk, k, scaling, fmt, rounding)
@@ -298,8 +345,8 @@ def test_pack_counts_for_the_guard(bt, fmt, margin):
     want = torch.zeros(3, dtype=torch.int64)
     for c, rows in enumerate(layout.rows):
         r0 = layout.row_starts[c]
-        codes, scale, _ = br.quantize_2d(x[r0:r0 + rows], fmt, sc)
-        want += fit_counts(x[r0:r0 + rows], scale, codes, sc, fmt)
+        codes, scale, _ = br.quantize_2d(x[r0 : r0 + rows], fmt, sc)
+        want += fit_counts(x[r0 : r0 + rows], scale, codes, sc, fmt)
     got = torch.zeros(3, dtype=torch.int64)
     buf = bt.pack_chunks(x, layout, fmt, "nearest", 0, torch.empty(layout.total_bytes, dtype=torch.uint8), got)
     ref_buf = br.pack_chunks(x, layout, fmt, "nearest", 0, torch.empty(layout.total_bytes, dtype=torch.uint8))

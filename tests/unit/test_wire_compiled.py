@@ -1,10 +1,19 @@
 """The fused torch.compile wire graphs (quantize straight into the send buffer, dequantize into strided outputs,
 one-pass unpack_sum) are bit-exact against the reference backend, specials and signed zeros included."""
+
 import pytest
 import torch
 
-from fp8comm.quant import BlockScaling, ChunkLayout, MXScaling, Scaling, get_format
-from fp8comm.quant import pack_chunks, unpack_chunks, unpack_sum
+from fp8comm.quant import (
+    BlockScaling,
+    ChunkLayout,
+    MXScaling,
+    Scaling,
+    get_format,
+    pack_chunks,
+    unpack_chunks,
+    unpack_sum,
+)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -25,15 +34,18 @@ def nasty(m: int, k: int, dtype, seed: int) -> torch.Tensor:
 
 
 # Each config compiles its own graphs (seconds each): the three scale encodings, a 1x32 and a whole-row block.
-CONFIGS = [("e4m3", BlockScaling(128), torch.bfloat16), ("e5m2", MXScaling(), torch.float32),
-           ("e4m3", Scaling(1, None, "pow2", 2), torch.bfloat16)]
+CONFIGS = [
+    ("e4m3", BlockScaling(128), torch.bfloat16),
+    ("e5m2", MXScaling(), torch.float32),
+    ("e4m3", Scaling(1, None, "pow2", 2), torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("fmt,sc,dtype", CONFIGS, ids=lambda v: getattr(v, "describe", lambda: str(v))())
 def test_fused_wire_graphs_bit_exact(fmt, sc, dtype):
     f = get_format(fmt)
     rows, k = (3, 0, 4, 1), 320  # 320: a partial last 128-block
-    x = nasty(sum(rows), 2 * k, dtype, 1)[:, k // 2:k // 2 + k]  # a strided column piece, like a pipeline piece
+    x = nasty(sum(rows), 2 * k, dtype, 1)[:, k // 2 : k // 2 + k]  # a strided column piece, like a pipeline piece
     lay = ChunkLayout(rows, k, sc)
     got = torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8)  # garbage: padding must be zeroed
     pack_chunks(x, lay, f, out=got, backend="compiled")
@@ -42,10 +54,10 @@ def test_fused_wire_graphs_bit_exact(fmt, sc, dtype):
     # dequantize into a strided slice of a wider output (the rest must stay untouched)
     for odt in (torch.bfloat16, torch.float32):
         wide = torch.full((lay.total_rows, k + 7), 5.0, dtype=odt)
-        unpack_chunks(want, lay, f, odt, out=wide[:, 3:3 + k], backend="compiled")
+        unpack_chunks(want, lay, f, odt, out=wide[:, 3 : 3 + k], backend="compiled")
         ref_out = unpack_chunks(want, lay, f, odt, backend="reference")
-        assert torch.equal(bits(wide[:, 3:3 + k]), bits(ref_out))
-        assert (wide[:, :3] == 5).all() and (wide[:, 3 + k:] == 5).all()
+        assert torch.equal(bits(wide[:, 3 : 3 + k]), bits(ref_out))
+        assert (wide[:, :3] == 5).all() and (wide[:, 3 + k :] == 5).all()
     # unpack_sum over equal chunks (reduce-scatter receive side), signed zeros and non-finite included
     eq = ChunkLayout((2,) * 4, k, sc)
     xs = nasty(8, k, dtype, 2)
@@ -81,6 +93,7 @@ def _grid_edges(fmt) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_nearest_cast_matches_round_to_grid(fmt):
     from fp8comm.quant import backend_compiled, reference
+
     f, sc = get_format(fmt), BlockScaling(128)
     y = _grid_edges(f)
     y = torch.cat([y, torch.zeros((-y.numel()) % 128)]).view(-1, 128)
@@ -88,7 +101,6 @@ def test_nearest_cast_matches_round_to_grid(fmt):
     want = reference.encode(y, ones, sc, f, "nearest", 0)
     for enc in (backend_compiled.encode_nearest, backend_compiled.encode_nearest_compiled):  # eager, then compiled
         assert torch.equal(enc(y, ones, sc, f).view(torch.uint8), want)
-
 
 
 @pytest.mark.parametrize("margin", [0, -3, 24], ids=["fit", "saturate", "underflow"])

@@ -4,6 +4,7 @@ Starts --nproc ranks itself (gloo on 127.0.0.1), or runs as one rank under torch
 buffer in bf16 (all_gather: the output; reduce_scatter, all_reduce, all_to_all: the input); fp32 rows move the
 same elements. "wire" = bytes one rank sends to other ranks (FP8 rows: payload + scales + alignment).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,12 @@ import platform
 import time
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-BUSBW = {"all_gather": lambda w: (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
-         "all_reduce": lambda w: 2 * (w - 1) / w, "all_to_all": lambda w: (w - 1) / w}
+BUSBW = {
+    "all_gather": lambda w: (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w,
+    "all_reduce": lambda w: 2 * (w - 1) / w,
+    "all_to_all": lambda w: (w - 1) / w,
+}
 
 
 def _size(s: str) -> int:
@@ -38,8 +43,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-s", type=float, default=1.0, help="aim for this much timed work per row")
     p.add_argument("--local-size", type=int, default=0, help="hierarchical FP8 rows with this many ranks per node")
     p.add_argument("--backend", default="auto", help="quant kernel backend for FP8 rows")
-    p.add_argument("--sqnr-ranks", default="", help="instead of timing: reduce_scatter SQNR table for these "
-                                                     "world sizes, e.g. 2,3,4")
+    p.add_argument(
+        "--sqnr-ranks",
+        default="",
+        help="instead of timing: reduce_scatter SQNR table for these world sizes, e.g. 2,3,4",
+    )
     p.add_argument("--ef-steps", type=int, default=16, help="steps for the error-feedback table (0: skip)")
     p.add_argument("--json", default="", help="also write every row as JSON lines here")
     p.add_argument("--timeout", type=float, default=3600.0, help="kill the ranks after this many seconds")
@@ -67,8 +75,9 @@ def _spawn(args, world: int, mode: str) -> int:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120)
+    )
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, world, store.port, vars(args), mode)) for r in range(world)]
     for p in procs:
@@ -93,8 +102,7 @@ def _worker(rank: int, world: int, port: int, argd: dict, mode: str) -> None:
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // world))
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         _worker_body(argparse.Namespace(**argd), mode)
     finally:
@@ -173,36 +181,41 @@ def _problem(op: str, count: int, world: int, hidden: int, rank: int):
         n = count // world
         x = torch.randn(n, generator=g).to(torch.bfloat16)
 
-        def plain(t):
+        def plain_ag(t):
             out = torch.empty(n * world, dtype=t.dtype)
             return lambda: (_ag_single(out, t), out)[1]
 
-        return x, lambda t, **kw: fc.all_gather(t, **kw), plain, lambda isz: (world - 1) * n * isz
+        return x, lambda t, **kw: fc.all_gather(t, **kw), plain_ag, lambda isz: (world - 1) * n * isz
     if op in ("reduce_scatter", "all_reduce"):
         n = count // world * world
         x = torch.randn(n, generator=g).to(torch.bfloat16)
         if op == "reduce_scatter":
-            def plain(t):
+
+            def plain_rs(t):
                 out = torch.empty(n // world, dtype=t.dtype)
                 return lambda: (_rs_single(out, t), out)[1]
 
-            return x, lambda t, **kw: fc.reduce_scatter(t, **kw), plain, lambda isz: (world - 1) * n // world * isz
+            return x, lambda t, **kw: fc.reduce_scatter(t, **kw), plain_rs, lambda isz: (world - 1) * n // world * isz
 
-        def plain(t):
+        def plain_ar(t):
             buf = t.clone()  # in place, as torch's all_reduce is; the first call's result is the one compared
             return lambda: (buf.copy_(t), dist.all_reduce(buf), buf)[2]
 
-        return x, lambda t, **kw: fc.all_reduce(t, **kw), plain, lambda isz: 2 * (world - 1) * n // world * isz
+        return x, lambda t, **kw: fc.all_reduce(t, **kw), plain_ar, lambda isz: 2 * (world - 1) * n // world * isz
     per = max(1, count // hidden // world)
     x = torch.randn(per * world, hidden, generator=g).to(torch.bfloat16)
     splits = [per] * world
 
-    def plain(t):
+    def plain_a2a(t):
         out = torch.empty_like(t)
         return lambda: (dist.all_to_all_single(out, t, splits, splits), out)[1]
 
-    return (x, lambda t, **kw: fc.all_to_all(t, splits, splits, **kw), plain,
-            lambda isz: (world - 1) * per * hidden * isz)
+    return (
+        x,
+        lambda t, **kw: fc.all_to_all(t, splits, splits, **kw),
+        plain_a2a,
+        lambda isz: (world - 1) * per * hidden * isz,
+    )
 
 
 # -------------------------------------------------------------------------------------------- main table
@@ -221,16 +234,26 @@ def _table(args) -> None:
     while s <= args.max_size:
         sizes.append(s)
         s *= args.factor
-    _say(f"# fp8comm bench comm  {datetime.datetime.now():%Y-%m-%d %H:%M}  {platform.node()}  "
-         f"{platform.machine()}  cpus={os.cpu_count()}  torch {torch.__version__}")
-    _say(f"# world {world} (gloo, {'hierarchical ' + str(args.local_size) + '/node' if hg else 'flat'}), "
-         f"{args.fmt}, 1x128 blocks; size = bytes of the bf16 buffer; FP8 rows start from bf16 input")
-    _say("# algbw = buffer bytes in the row's input dtype / time; busbw = algbw * nccl-tests factor; "
-         "SQNR vs the fp32 result")
-    hdr = (f"{'op':<15}{'size':>11}{'count':>11}  {'variant':<10}{'time(us)':>12}{'algbw':>8}{'busbw':>8}"
-           f"{'wire B/rank':>13}{'vs bf16':>9}{'vs fp32':>9}{'SQNR dB':>9}")
+    _say(
+        f"# fp8comm bench comm  {datetime.datetime.now():%Y-%m-%d %H:%M}  {platform.node()}  "
+        f"{platform.machine()}  cpus={os.cpu_count()}  torch {torch.__version__}"
+    )
+    _say(
+        f"# world {world} (gloo, {'hierarchical ' + str(args.local_size) + '/node' if hg else 'flat'}), "
+        f"{args.fmt}, 1x128 blocks; size = bytes of the bf16 buffer; FP8 rows start from bf16 input"
+    )
+    _say(
+        "# algbw = buffer bytes in the row's input dtype / time; busbw = algbw * nccl-tests factor; "
+        "SQNR vs the fp32 result"
+    )
+    hdr = (
+        f"{'op':<15}{'size':>11}{'count':>11}  {'variant':<10}{'time(us)':>12}{'algbw':>8}{'busbw':>8}"
+        f"{'wire B/rank':>13}{'vs bf16':>9}{'vs fp32':>9}{'SQNR dB':>9}"
+    )
     _say(hdr)
-    rows, ratios, jf = [], {}, open(args.json, "a") if (args.json and rank == 0) else None
+    rows: list = []
+    ratios: dict = {}
+    jf = open(args.json, "a") if (args.json and rank == 0) else None
     for op in ops:
         for size in sizes:
             count = size // 2
@@ -243,8 +266,13 @@ def _table(args) -> None:
                 fn = plain(x.to(dt))
                 first = fn().clone()
                 t, it = _timeit(fn, args)
-                res[name] = dict(time=t, iters=it, wire=wire_of(2 if dt == torch.bfloat16 else 4),
-                                 sqnr=_sqnr(first.float(), ref), nbytes=nbytes_bf16 * (1 if name == "bf16" else 2))
+                res[name] = dict(
+                    time=t,
+                    iters=it,
+                    wire=wire_of(2 if dt == torch.bfloat16 else 4),
+                    sqnr=_sqnr(first.float(), ref),
+                    nbytes=nbytes_bf16 * (1 if name == "bf16" else 2),
+                )
             for enc in encs:
                 kw = dict(fmt=args.fmt, scaling=enc, backend=args.backend)
                 if hg is not None and op != "all_to_all":
@@ -254,20 +282,28 @@ def _table(args) -> None:
                 st = fc.comm_stats(reset=True)
                 wire = sum(v["wire_bytes"] for k, v in st.items() if k.startswith(op))
                 base = sum(v["dtype_bytes"] for k, v in st.items() if k.startswith(op))
-                t, it = _timeit(lambda: fp8(x, **kw), args)
+                t, it = _timeit(lambda fp8=fp8, x=x, kw=kw: fp8(x, **kw), args)
                 name = "fp8" if enc == "fp32" else f"fp8-{enc}"
-                res[name] = dict(time=t, iters=it, wire=wire, sqnr=_sqnr(first.float(), ref), nbytes=nbytes_bf16,
-                                 stats_dtype_bytes=base)
+                res[name] = dict(
+                    time=t,
+                    iters=it,
+                    wire=wire,
+                    sqnr=_sqnr(first.float(), ref),
+                    nbytes=nbytes_bf16,
+                    stats_dtype_bytes=base,
+                )
             for name, v in res.items():
                 algbw = v["nbytes"] / v["time"] / 1e9
                 vb = res["bf16"]["wire"] / v["wire"] if name.startswith("fp8") else float("nan")
                 vf = res["fp32"]["wire"] / v["wire"] if name.startswith("fp8") else float("nan")
                 if name.startswith("fp8"):
                     ratios.setdefault(name, []).append((vb, vf))
-                line = (f"{op:<15}{size:>11}{count:>11}  {name:<10}{v['time'] * 1e6:>12.1f}{algbw:>8.3f}"
-                        f"{algbw * BUSBW[op](world):>8.3f}{v['wire']:>13}"
-                        + (f"{vb:>8.3f}x{vf:>8.3f}x" if name.startswith("fp8") else f"{'-':>9}{'-':>9}")
-                        + f"{v['sqnr']:>9.1f}")
+                line = (
+                    f"{op:<15}{size:>11}{count:>11}  {name:<10}{v['time'] * 1e6:>12.1f}{algbw:>8.3f}"
+                    f"{algbw * BUSBW[op](world):>8.3f}{v['wire']:>13}"
+                    + (f"{vb:>8.3f}x{vf:>8.3f}x" if name.startswith("fp8") else f"{'-':>9}{'-':>9}")
+                    + f"{v['sqnr']:>9.1f}"
+                )
                 _say(line)
                 row = dict(op=op, size=size, count=count, variant=name, world=world, **v)
                 rows.append(row)
@@ -275,8 +311,10 @@ def _table(args) -> None:
                     jf.write(json.dumps(row) + "\n")
             del x, ref, res
     for name, rs in ratios.items():
-        _say(f"# {name}: wire bytes vs bf16 {min(r[0] for r in rs):.3f}x..{max(r[0] for r in rs):.3f}x, "
-             f"vs fp32 {min(r[1] for r in rs):.3f}x..{max(r[1] for r in rs):.3f}x (min..max over sizes)")
+        _say(
+            f"# {name}: wire bytes vs bf16 {min(r[0] for r in rs):.3f}x..{max(r[0] for r in rs):.3f}x, "
+            f"vs fp32 {min(r[1] for r in rs):.3f}x..{max(r[1] for r in rs):.3f}x (min..max over sizes)"
+        )
     _check_cost(args, ops)
     if args.ef_steps:
         _ef_table(args)
@@ -294,7 +332,7 @@ def _check_cost(args, ops) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     for op in ops:
         x, fp8, _, _ = _problem(op, args.min_size // 2, world, args.hidden, rank)
-        times = {True: [], False: []}
+        times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(max(7, args.iters)):
             for chk in (True, False):
                 dist.barrier()
@@ -304,8 +342,10 @@ def _check_cost(args, ops) -> None:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 times[chk].append(float(t))
         on, off = statistics.median(times[True]), statistics.median(times[False])
-        _say(f"# metadata check, {op} at {args.min_size} B: median {on * 1e6:.0f} us with, {off * 1e6:.0f} us "
-             f"without ({(on - off) * 1e6:+.0f} us; one all_gather of {16 + 2 * world} int64 + host read)")
+        _say(
+            f"# metadata check, {op} at {args.min_size} B: median {on * 1e6:.0f} us with, {off * 1e6:.0f} us "
+            f"without ({(on - off) * 1e6:+.0f} us; one all_gather of {16 + 2 * world} int64 + host read)"
+        )
 
 
 def _ef_table(args) -> None:
@@ -319,13 +359,15 @@ def _ef_table(args) -> None:
     g = torch.randn(world * 65536, generator=torch.Generator().manual_seed(77 + rank))
     ref = torch.empty(65536)
     _rs_single(ref, g.clone())
-    _say(f"# error feedback / stochastic rounding: reduce_scatter of a constant fp32 gradient, {T} steps, "
-         f"{args.fmt}")
+    _say(f"# error feedback / stochastic rounding: reduce_scatter of a constant fp32 gradient, {T} steps, {args.fmt}")
     _say(f"{'option':<28}{'SQNR step 1':>12}{'SQNR mean':>12}")
-    for name, kw in (("nearest", {}), ("stochastic", {"rounding": "stochastic"}),
-                     ("error_feedback", {"error_feedback": fc.ErrorFeedback()}),
-                     ("e5m2 nearest", {"fmt": "e5m2"}),
-                     ("e5m2 error_feedback", {"fmt": "e5m2", "error_feedback": fc.ErrorFeedback()})):
+    for name, kw in (
+        ("nearest", {}),
+        ("stochastic", {"rounding": "stochastic"}),
+        ("error_feedback", {"error_feedback": fc.ErrorFeedback()}),
+        ("e5m2 nearest", {"fmt": "e5m2"}),
+        ("e5m2 error_feedback", {"fmt": "e5m2", "error_feedback": fc.ErrorFeedback()}),
+    ):
         kw.setdefault("fmt", args.fmt)
         mean, first = torch.zeros(65536, dtype=torch.float64), None
         for _ in range(T):
@@ -349,10 +391,11 @@ def _sqnr_table(args) -> None:
     _rs_single(ref, x.clone())
     cols = [(f, e, r) for f in ("e4m3", "e5m2") for e in ("fp32", "e8m0") for r in ("nearest", "stochastic")]
     if world == int(args.sqnr_ranks.split(",")[0]):
-        _say("# reduce_scatter SQNR (dB) vs the fp32 sum, 1M-element Gaussian per rank; SUM (AVG is the same "
-             "up to the exact /world)")
-        _say(f"{'ranks':<7}" + "".join(f"{f + '/' + e + ('/sr' if r == 'stochastic' else ''):>16}"
-                                      for f, e, r in cols))
+        _say(
+            "# reduce_scatter SQNR (dB) vs the fp32 sum, 1M-element Gaussian per rank; SUM (AVG is the same "
+            "up to the exact /world)"
+        )
+        _say(f"{'ranks':<7}" + "".join(f"{f + '/' + e + ('/sr' if r == 'stochastic' else ''):>16}" for f, e, r in cols))
     vals = []
     for f, e, r in cols:
         vals.append(_sqnr(fc.reduce_scatter(x, fmt=f, scaling=e, rounding=r, backend=args.backend), ref))

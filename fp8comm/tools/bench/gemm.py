@@ -4,6 +4,7 @@ On CPU the FP8 paths are an exact emulation (FP8 codes upcast, fp32 matmul per K
 kernel: both are SLOWER than a BF16 matmul there. They exist for exactness, not speed; the CPU table says so.
 The speedups that matter come from a GPU run (see launch/device_check_gemm.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ def parse_shapes(s: str) -> list[tuple[int, int, int]]:
             dims *= 3
         if len(dims) != 3 or min(dims) <= 0:
             raise ValueError(f"bad shape {part!r}: expected MxNxK with positive ints")
-        out.append(tuple(dims))
+        out.append((dims[0], dims[1], dims[2]))
     return out
 
 
@@ -75,10 +76,19 @@ def gemm_rows(shapes, layouts, backend_names, device, reps, warmup) -> list[dict
         g = torch.Generator(device="cpu").manual_seed(1)
         a16 = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
         b16 = torch.randn(n, k, generator=g).to(device, torch.bfloat16)
-        t16 = bench(lambda: a16 @ b16.t(), reps, warmup, device)
+        t16 = bench(lambda a16=a16, b16=b16: a16 @ b16.t(), reps, warmup, device)
         flop = 2.0 * m * n * k
-        rows.append(dict(kind="gemm", shape=f"{m}x{n}x{k}", layout="bf16", backend="torch.matmul",
-                         ms=t16 * 1e3, tflops=flop / t16 / 1e12, speedup_vs_bf16=1.0))
+        rows.append(
+            dict(
+                kind="gemm",
+                shape=f"{m}x{n}x{k}",
+                layout="bf16",
+                backend="torch.matmul",
+                ms=t16 * 1e3,
+                tflops=flop / t16 / 1e12,
+                speedup_vs_bf16=1.0,
+            )
+        )
         del a16, b16
         for layout in layouts:
             a, b = operands(m, n, k, layout, device)
@@ -86,9 +96,11 @@ def gemm_rows(shapes, layouts, backend_names, device, reps, warmup) -> list[dict
             for be in names:
                 row = dict(kind="gemm", shape=f"{m}x{n}x{k}", layout=layout, backend=be)
                 try:
-                    t = bench(lambda: backends.gemm(a, b, torch.bfloat16, backend=be), reps, warmup, device)
+                    t = bench(
+                        lambda a=a, b=b, be=be: backends.gemm(a, b, torch.bfloat16, backend=be), reps, warmup, device
+                    )
                     row.update(ms=t * 1e3, tflops=flop / t / 1e12, speedup_vs_bf16=t16 / t)
-                except Exception as e:  # noqa: BLE001 - a backend that cannot take this case is reported
+                except Exception as e:
                     row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
                 rows.append(row)
             del a, b
@@ -104,27 +116,39 @@ def linear_rows(shapes, recipes, device, reps, warmup, backend="auto") -> list[d
         dy = torch.randn(tokens, n_out, generator=g).to(device, torch.bfloat16)
         ref = torch.nn.Linear(k_in, n_out, bias=False, device=device, dtype=torch.bfloat16)
 
-        def step(layer):
+        def step(layer, x=x, dy=dy):
             y = layer(x)
             y.backward(dy)
             x.grad = None
             layer.weight.grad = None
-        t16 = bench(lambda: step(ref), reps, warmup, device)
+
+        t16 = bench(lambda ref=ref: step(ref), reps, warmup, device)
         flop = 6.0 * tokens * n_out * k_in
         shape = f"{tokens}x{k_in}->{n_out}"
-        rows.append(dict(kind="linear", shape=shape, recipe="bf16 nn.Linear", ms=t16 * 1e3,
-                         tflops=flop / t16 / 1e12, speedup_vs_bf16=1.0))
+        rows.append(
+            dict(
+                kind="linear",
+                shape=shape,
+                recipe="bf16 nn.Linear",
+                ms=t16 * 1e3,
+                tflops=flop / t16 / 1e12,
+                speedup_vs_bf16=1.0,
+            )
+        )
         for r in recipes:
             row = dict(kind="linear", shape=shape, recipe=r)
             try:
-                lin = Fp8Linear(k_in, n_out, bias=False, device=device, dtype=torch.float32, recipe=r,
-                                backend=backend)
+                lin = Fp8Linear(k_in, n_out, bias=False, device=device, dtype=torch.float32, recipe=r, backend=backend)
                 telemetry.reset_counters()
-                t = bench(lambda: step(lin), reps, warmup, device)
-                row.update(ms=t * 1e3, tflops=flop / t / 1e12, speedup_vs_bf16=t16 / t,
-                           routes=",".join(f"{k[5:]}:{v}" for k, v in telemetry.counters("gemm.").items()))
+                t = bench(lambda lin=lin: step(lin), reps, warmup, device)
+                row.update(
+                    ms=t * 1e3,
+                    tflops=flop / t / 1e12,
+                    speedup_vs_bf16=t16 / t,
+                    routes=",".join(f"{k[5:]}:{v}" for k, v in telemetry.counters("gemm.").items()),
+                )
                 del lin
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
             rows.append(row)
         del x, dy, ref
@@ -132,23 +156,31 @@ def linear_rows(shapes, recipes, device, reps, warmup, backend="auto") -> list[d
 
 
 def format_rows(rows: list[dict]) -> str:
-    out = ["| kind | shape | case | backend / routes | ms | TFLOP/s | speedup vs bf16 |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "| kind | shape | case | backend / routes | ms | TFLOP/s | speedup vs bf16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         case = r.get("layout") or r.get("recipe")
         be = r.get("backend") or r.get("routes", "")
         if "error" in r:
             out.append(f"| {r['kind']} | {r['shape']} | {case} | {be} | error: {r['error']} | | |")
         else:
-            out.append(f"| {r['kind']} | {r['shape']} | {case} | {be} | {r['ms']:.3f} | {r['tflops']:.2f} | "
-                       f"{r['speedup_vs_bf16']:.2f}x |")
+            out.append(
+                f"| {r['kind']} | {r['shape']} | {case} | {be} | {r['ms']:.3f} | {r['tflops']:.2f} | "
+                f"{r['speedup_vs_bf16']:.2f}x |"
+            )
     return "\n".join(out)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", default=None, help="GEMM shapes MxNxK,... (default: 1024,2048 on CPU; 4096,8192 GPU)")
-    p.add_argument("--linear-shapes", default=None,
-                   help="Fp8Linear shapes TOKENSxOUTxIN,... (default: 2048x1024x1024 CPU; 16384x8192x8192 GPU)")
+    p.add_argument(
+        "--linear-shapes",
+        default=None,
+        help="Fp8Linear shapes TOKENSxOUTxIN,... (default: 2048x1024x1024 CPU; 16384x8192x8192 GPU)",
+    )
     p.add_argument("--layouts", default="tensorwise,rowwise,blockwise,mxfp8")
     p.add_argument("--backends", default="", help="comma list of emulation,scaled_mm,triton (default: auto's pick)")
     p.add_argument("--recipes", default="tensorwise,fp8_amax,rowwise,blockwise")
@@ -171,13 +203,20 @@ def run(args) -> int:
     for x in layouts:
         if x not in LAYOUTS:
             raise SystemExit(f"unknown layout {x!r}; valid: {', '.join(LAYOUTS)}")
-    dev_name = torch.cuda.get_device_name(device) if gpu else f"{platform.processor() or 'cpu'}, " \
-        f"{torch.get_num_threads()} threads"
-    print(f"fp8comm bench gemm on {dev_name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; "
-          f"median of {reps}")
+    dev_name = (
+        torch.cuda.get_device_name(device)
+        if gpu
+        else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"fp8comm bench gemm on {dev_name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; "
+        f"median of {reps}"
+    )
     if not gpu:
-        print("NOTE: CPU has no FP8 GEMM hardware. 'emulation' (the exact reference) and torch._scaled_mm's CPU "
-              "kernel are expected to be SLOWER than bf16 here; ratios < 1 are the honest CPU result.")
+        print(
+            "NOTE: CPU has no FP8 GEMM hardware. 'emulation' (the exact reference) and torch._scaled_mm's CPU "
+            "kernel are expected to be SLOWER than bf16 here; ratios < 1 are the honest CPU result."
+        )
     rows = gemm_rows(shapes, layouts, names, device, reps, args.warmup)
     rows += linear_rows(lshapes, [r for r in args.recipes.split(",") if r], device, reps, args.warmup)
     print(format_rows(rows))

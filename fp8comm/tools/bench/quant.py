@@ -1,4 +1,5 @@
 """Quantization report: SQNR, underflow and overflow per scaling method x format x data, and path throughput."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8comm.quant import (BlockScaling, DelayedScaling, MXScaling, RowScaling, Scaling, TensorScaling, get_format,
-                           quantize)
+from fp8comm.quant import (
+    BlockScaling,
+    DelayedScaling,
+    MXScaling,
+    RowScaling,
+    Scaling,
+    TensorScaling,
+    get_format,
+    quantize,
+)
 from fp8comm.quant import reference as ref
 from fp8comm.quant.dispatch import triton_available
 from fp8comm.quant.tensor import view_2d
@@ -87,8 +96,11 @@ def measure(x: torch.Tensor, fmt_name: str, m: Method, g: torch.Generator) -> di
     mm, kk = view_2d(x.shape)
     y = (x.reshape(mm, kk) / ref.expand_scale(q.scale, mm, kk, q.scaling)).abs()
     nz = x != 0
-    return {"sqnr": sqnr, "underflow": float(((d == 0) & nz).sum()) / max(1, int(nz.sum())),
-            "overflow": float((y >= fmt.max + 2.0 ** (fmt.max_exp - fmt.mantissa_bits - 1)).sum()) / x.numel()}
+    return {
+        "sqnr": sqnr,
+        "underflow": float(((d == 0) & nz).sum()) / max(1, int(nz.sum())),
+        "overflow": float((y >= fmt.max + 2.0 ** (fmt.max_exp - fmt.mantissa_bits - 1)).sum()) / x.numel(),
+    }
 
 
 def view_x(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +115,7 @@ def throughput(numel: int, reps: int) -> list[dict]:
     rows.append({"path": "copy (x.clone)", "ms": copy * 1e3, "ratio_to_copy": 1.0})
     paths = ["reference", "compiled"] + (["triton"] if triton_available(x.device) else [])
     for p in paths:
-        t = bench(lambda: quantize(x, "e4m3", 128, backend=p), reps, 1, x.device)
+        t = bench(lambda p=p: quantize(x, "e4m3", 128, backend=p), reps, 1, x.device)
         rows.append({"path": f"quantize 1x128 ({p})", "ms": t * 1e3, "ratio_to_copy": copy / t})
     return rows
 
@@ -154,15 +166,19 @@ def run(args: argparse.Namespace) -> int:
         t.add_section()
     console.print(t)
     tp = throughput(args.numel, args.reps)
-    t2 = Table(title=f"throughput, {args.numel / 2**20:.0f} Mi bf16 elements on {x.device} "
-                     f"({torch.get_num_threads()} threads), median of {args.reps}")
+    t2 = Table(
+        title=f"throughput, {args.numel / 2**20:.0f} Mi bf16 elements on {x.device} "
+        f"({torch.get_num_threads()} threads), median of {args.reps}"
+    )
     for c in ("path", "ms", "ratio to copy"):
         t2.add_column(c, justify="right" if c != "path" else "left", no_wrap=True)
     for r in tp:
         t2.add_row(r["path"], f"{r['ms']:.1f}", f"{r['ratio_to_copy']:.3f}")
     console.print(t2)
-    console.print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    console.print(
+        f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"quality": results, "throughput": tp}, fh, indent=1)

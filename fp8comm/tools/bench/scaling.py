@@ -11,6 +11,7 @@ are the per-rank input in bf16 (all-gather: the shard; reduce-scatter: the gradi
 tokens); fp32 rows move the same elements. "link MB" are bytes node 0 actually sent on its eth0 (kernel counters,
 TCP/IP overhead included), per call. Every row, FP8 or not, writes into preallocated outputs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,11 @@ HIDDEN = 4096  # MoE token width for the all-to-all rows
 VARIANTS = [
     ("ag.fp8", "all_gather", "fp8comm.all_gather_into, bf16 in/out (E4M3, 1x128 fp32 scales), pipelined"),
     ("ag.fp8_b4", "all_gather", "the same in 4 buckets issued async, then waited (engine prefetch pattern)"),
-    ("ag.fp8_out", "all_gather", "fp8comm.all_gather(fp8_out=True): FP8 out (codes + scales), for an FP8 GEMM consumer"),
+    (
+        "ag.fp8_out",
+        "all_gather",
+        "fp8comm.all_gather(fp8_out=True): FP8 out (codes + scales), for an FP8 GEMM consumer",
+    ),
     ("ag.fp8_1p", "all_gather", "fp8comm.all_gather, pipeline=False (one piece: codec and wire in sequence)"),
     ("ag.bf16", "all_gather", "torch all_gather_into_tensor, bf16"),
     ("ag.bf16_b4", "all_gather", "the same in 4 async buckets"),
@@ -41,8 +46,12 @@ VARIANTS = [
     ("rs.fp32", "reduce_scatter", "torch reduce_scatter_tensor, fp32"),
     ("rs.fp32_b4", "reduce_scatter", "the same in 4 async buckets"),
     ("a2a.fp8", "all_to_all", "fp8comm.all_to_all wire=fp8 out=..., bf16 tokens [T, 4096], pipelined"),
-    ("a2a.fp8_out", "all_to_all", "fp8comm.all_to_all(fp8_out=True): FP8 tokens + 1x128 scales out, for an FP8 "
-                                  "expert GEMM consumer (DeepEP-style dispatch)"),
+    (
+        "a2a.fp8_out",
+        "all_to_all",
+        "fp8comm.all_to_all(fp8_out=True): FP8 tokens + 1x128 scales out, for an FP8 "
+        "expert GEMM consumer (DeepEP-style dispatch)",
+    ),
     ("a2a.fp8_1p", "all_to_all", "fp8comm.all_to_all wire=fp8, pipeline=False (one piece)"),
     ("a2a.bf16", "all_to_all", "torch all_to_all_single, bf16 tokens"),
     # No communication: the quantize + dequantize work of the FP8 rows alone, on every rank at once (same CPU
@@ -52,10 +61,21 @@ VARIANTS = [
     ("codec.a2a", "codec", "pack tokens + unpack tokens (the all-to-all's CPU work)"),
 ]
 # Pairs the report turns into speedups: (fp8 key, baseline key).
-RATIOS = [("ag.fp8", "ag.bf16"), ("ag.fp8_1p", "ag.bf16"), ("ag.fp8_b4", "ag.bf16_b4"), ("ag.fp8_out", "ag.bf16"),
-          ("rs.fp8", "rs.bf16"), ("rs.fp8_f32", "rs.fp32"), ("rs.fp8_f32_1p", "rs.fp32"),
-          ("rs.fp8_f32_b4", "rs.fp32_b4"), ("rs.fp8_hier", "rs.fp32"), ("rs.fp8_hier", "rs.fp8_f32"),
-          ("a2a.fp8", "a2a.bf16"), ("a2a.fp8_1p", "a2a.bf16"), ("a2a.fp8_out", "a2a.bf16")]
+RATIOS = [
+    ("ag.fp8", "ag.bf16"),
+    ("ag.fp8_1p", "ag.bf16"),
+    ("ag.fp8_b4", "ag.bf16_b4"),
+    ("ag.fp8_out", "ag.bf16"),
+    ("rs.fp8", "rs.bf16"),
+    ("rs.fp8_f32", "rs.fp32"),
+    ("rs.fp8_f32_1p", "rs.fp32"),
+    ("rs.fp8_f32_b4", "rs.fp32_b4"),
+    ("rs.fp8_hier", "rs.fp32"),
+    ("rs.fp8_hier", "rs.fp8_f32"),
+    ("a2a.fp8", "a2a.bf16"),
+    ("a2a.fp8_1p", "a2a.bf16"),
+    ("a2a.fp8_out", "a2a.bf16"),
+]
 # Rows whose output is FP8 (no dequantization): labelled in every table, never mixed up with the others.
 FP8_OUT = {"ag.fp8_out", "a2a.fp8_out"}
 BUCKETS = 4
@@ -94,6 +114,7 @@ def _variants(keys, mib: float, world: int, local: int):
     # One Buffer (scratch pool) per variant, reused across repetitions, as an engine would keep per bucket.
     bufs = {k: fc.Buffer() for k in keys}
     hier = fc.node_groups(local_size=local) if world > local else None
+
     def buckets(fn, xs, outs=None):
         # Issue every bucket before waiting on any: bucket i+1 is quantized while bucket i is on the wire, and
         # bucket i is dequantized (in wait) while later ones still travel.
@@ -107,14 +128,25 @@ def _variants(keys, mib: float, world: int, local: int):
     x16b, x32b, ag_outb, rs32b = split(x16), split(x32), split(ag_out), split(rs32)
     # Every row writes into a preallocated output, like the torch baselines (and engines, which keep their flat
     # buffers): a fresh 128 MiB output alone costs ~60 ms of page faults per call on the dev VM.
-    f8 = Fp8Tensor(torch.empty(world * n, dtype=torch.float8_e4m3fn), torch.empty(1, world * n // 128),
-                   get_format("e4m3"), Scaling(1, 128, "fp32"), torch.bfloat16)
-    tok8 = Fp8Tensor(torch.empty(tok.shape, dtype=torch.float8_e4m3fn), torch.empty(tok.shape[0], HIDDEN // 128),
-                     get_format("e4m3"), Scaling(1, 128, "fp32"), torch.bfloat16)
+    f8 = Fp8Tensor(
+        torch.empty(world * n, dtype=torch.float8_e4m3fn),
+        torch.empty(1, world * n // 128),
+        get_format("e4m3"),
+        Scaling(1, 128, "fp32"),
+        torch.bfloat16,
+    )
+    tok8 = Fp8Tensor(
+        torch.empty(tok.shape, dtype=torch.float8_e4m3fn),
+        torch.empty(tok.shape[0], HIDDEN // 128),
+        get_format("e4m3"),
+        Scaling(1, 128, "fp32"),
+        torch.bfloat16,
+    )
     fns = {
         "ag.fp8": lambda: bufs["ag.fp8"].all_gather_into(ag_out, x16),
-        "ag.fp8_b4": lambda: buckets(lambda x, o: bufs["ag.fp8_b4"].all_gather_into(o, x, async_op=True), x16b,
-                                     ag_outb),
+        "ag.fp8_b4": lambda: buckets(
+            lambda x, o: bufs["ag.fp8_b4"].all_gather_into(o, x, async_op=True), x16b, ag_outb
+        ),
         "ag.fp8_out": lambda: bufs["ag.fp8_out"].all_gather(x16, fp8_out=True, out=f8),
         "ag.fp8_1p": lambda: bufs["ag.fp8_1p"].all_gather_into(ag_out, x16, pipeline=False),
         "ag.bf16": lambda: ag(ag_out, x16),
@@ -122,8 +154,9 @@ def _variants(keys, mib: float, world: int, local: int):
         "rs.fp8": lambda: bufs["rs.fp8"].reduce_scatter_into(rs16, x16),
         "rs.fp8_f32": lambda: bufs["rs.fp8_f32"].reduce_scatter_into(rs32, x32),
         "rs.fp8_f32_1p": lambda: bufs["rs.fp8_f32_1p"].reduce_scatter_into(rs32, x32, pipeline=False),
-        "rs.fp8_f32_b4": lambda: buckets(lambda x, o: bufs["rs.fp8_f32_b4"].reduce_scatter_into(o, x, async_op=True),
-                                         x32b, rs32b),
+        "rs.fp8_f32_b4": lambda: buckets(
+            lambda x, o: bufs["rs.fp8_f32_b4"].reduce_scatter_into(o, x, async_op=True), x32b, rs32b
+        ),
         "rs.fp8_hier": lambda: bufs["rs.fp8_hier"].reduce_scatter_into(rs32, x32, hierarchical=hier),
         "rs.bf16": lambda: rs(rs16, x16),
         "rs.fp32": lambda: rs(rs32, x32),
@@ -192,10 +225,10 @@ def worker(a) -> int:
         n, fns = _variants(keys, mib, world, local)
         names = list(fns)
         reps = a.reps if mib >= a.full_reps_from_mib else max(3, a.reps // 2)
-        times = {k: [] for k in names}
-        link = {k: [] for k in names}
+        times: dict[str, list[float]] = {k: [] for k in names}
+        link: dict[str, list[float]] = {k: [] for k in names}
         for r in range(a.warmup + reps):
-            order = names[r % len(names):] + names[:r % len(names)]  # rotate: no variant always goes first
+            order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no variant always goes first
             dt = torch.zeros(len(names), dtype=torch.float64)
             lb = torch.zeros(len(names), dtype=torch.float64)
             for k in order:
@@ -212,17 +245,37 @@ def worker(a) -> int:
                     times[k].append(float(dt[i]))
                     link[k].append(float(lb[i]))
         for k in names:
-            rows.append({"key": k, "mib": mib, "elements": n, "median_s": statistics.median(times[k]),
-                         "times_s": times[k], "link_tx_bytes": statistics.median(link[k]) if rank == 0 else None})
+            rows.append(
+                {
+                    "key": k,
+                    "mib": mib,
+                    "elements": n,
+                    "median_s": statistics.median(times[k]),
+                    "times_s": times[k],
+                    "link_tx_bytes": statistics.median(link[k]) if rank == 0 else None,
+                }
+            )
         if rank == 0:
-            print(f"[scaling] {world // local} node(s) x {local} ranks, {mib:g} MiB: " +
-                  ", ".join(f"{k} {statistics.median(times[k]) * 1e3:.0f} ms" for k in names), flush=True)
+            print(
+                f"[scaling] {world // local} node(s) x {local} ranks, {mib:g} MiB: "
+                + ", ".join(f"{k} {statistics.median(times[k]) * 1e3:.0f} ms" for k in names),
+                flush=True,
+            )
         del fns
     if rank == 0:
-        meta = {"nodes": world // local, "ranks_per_node": local, "world": world, "rate": a.rate,
-                "reps": a.reps, "warmup": a.warmup, "threads": a.threads, "machine": machine(),
-                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "torch": torch.__version__, "load": load}
+        meta = {
+            "nodes": world // local,
+            "ranks_per_node": local,
+            "world": world,
+            "rate": a.rate,
+            "reps": a.reps,
+            "warmup": a.warmup,
+            "threads": a.threads,
+            "machine": machine(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": torch.__version__,
+            "load": load,
+        }
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     dist.destroy_process_group()
@@ -262,13 +315,43 @@ def drive(cluster, argv, train_script: str | Path | None = None) -> int:
     try:
         cluster.up(max(nodes), a.rate)
         for k in nodes:
-            rc |= cluster.run(["-m", "fp8comm.tools.bench.scaling", "worker", "--out", str(out / f"coll_n{k}.json"),
-                               "--sizes-mib", a.sizes_mib, "--reps", str(a.reps), "--ops", a.ops, "--rate", a.rate],
-                              nnodes=k, timeout=a.timeout, log_dir=out / f"logs_coll_n{k}")
+            rc |= cluster.run(
+                [
+                    "-m",
+                    "fp8comm.tools.bench.scaling",
+                    "worker",
+                    "--out",
+                    str(out / f"coll_n{k}.json"),
+                    "--sizes-mib",
+                    a.sizes_mib,
+                    "--reps",
+                    str(a.reps),
+                    "--ops",
+                    a.ops,
+                    "--rate",
+                    a.rate,
+                ],
+                nnodes=k,
+                timeout=a.timeout,
+                log_dir=out / f"logs_coll_n{k}",
+            )
             if a.train_steps and train_script:
-                rc |= cluster.run([str(train_script), "--modes", "fp8,bf16,fp32", "--steps", str(a.train_steps),
-                                   "--dim", str(a.train_dim), "--json", str(out / f"train_n{k}.json")],
-                                  nnodes=k, timeout=a.timeout, log_dir=out / f"logs_train_n{k}")
+                rc |= cluster.run(
+                    [
+                        str(train_script),
+                        "--modes",
+                        "fp8,bf16,fp32",
+                        "--steps",
+                        str(a.train_steps),
+                        "--dim",
+                        str(a.train_dim),
+                        "--json",
+                        str(out / f"train_n{k}.json"),
+                    ],
+                    nnodes=k,
+                    timeout=a.timeout,
+                    log_dir=out / f"logs_train_n{k}",
+                )
     finally:
         cluster.down(quiet=True)
     text = report(out, a.plots)
@@ -295,13 +378,18 @@ def report(out: Path, plots: str | None = None) -> str:
     if not coll:
         return f"no results in {out}"
     m0 = next(iter(coll.values()))["meta"]
-    lines = [f"Run {m0['date']} on {m0['machine']}, torch {m0['torch']}; links {m0['rate']} per direction (tc tbf "
-             f"on both ends of each node's veth); {m0['ranks_per_node']} ranks per node, {m0['threads']} thread "
-             f"each, all nodes sharing this machine's CPUs. Medians of {m0['reps']} repetitions (sizes < 16 MiB: "
-             f"fewer), each the slowest rank's time, variants interleaved in one run. Load average at start: "
-             f"{m0.get('load', '?')}.", ""]
-    lines += ["| nodes | op | MiB/rank | FP8 variant | ms | baseline | ms | speedup | link MB FP8 / base "
-              "| CV% FP8 / base |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Run {m0['date']} on {m0['machine']}, torch {m0['torch']}; links {m0['rate']} per direction (tc tbf "
+        f"on both ends of each node's veth); {m0['ranks_per_node']} ranks per node, {m0['threads']} thread "
+        f"each, all nodes sharing this machine's CPUs. Medians of {m0['reps']} repetitions (sizes < 16 MiB: "
+        f"fewer), each the slowest rank's time, variants interleaved in one run. Load average at start: "
+        f"{m0.get('load', '?')}.",
+        "",
+    ]
+    lines += [
+        "| nodes | op | MiB/rank | FP8 variant | ms | baseline | ms | speedup | link MB FP8 / base | CV% FP8 / base |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for k, d in sorted(coll.items()):
         rows = {(r["key"], r["mib"]): r for r in d["rows"]}
         for mib in sorted({r["mib"] for r in d["rows"]}):
@@ -315,31 +403,50 @@ def report(out: Path, plots: str | None = None) -> str:
                 link = f"{la / 1e6:.1f} / {lb / 1e6:.1f}" if k > 1 and la is not None and lb else "-"
                 size = a["elements"] * 2 / 2**20
                 label = f"{f8} (FP8 out, for an FP8 GEMM consumer)" if f8 in FP8_OUT else f8
-                lines.append(f"| {k} | {_OPS[f8]} | {size:.1f} | {label} | {a['median_s'] * 1e3:.0f} | {base} | "
-                             f"{b['median_s'] * 1e3:.0f} | **{b['median_s'] / a['median_s']:.2f}x** | {link} | "
-                             f"{_cv(a['times_s']):.0f} / {_cv(b['times_s']):.0f} |")
-    codec = [(k, r) for k, d in sorted(coll.items()) for r in d["rows"] if r["key"].startswith("codec.")
-             and r["mib"] >= 16]
+                lines.append(
+                    f"| {k} | {_OPS[f8]} | {size:.1f} | {label} | {a['median_s'] * 1e3:.0f} | {base} | "
+                    f"{b['median_s'] * 1e3:.0f} | **{b['median_s'] / a['median_s']:.2f}x** | {link} | "
+                    f"{_cv(a['times_s']):.0f} / {_cv(b['times_s']):.0f} |"
+                )
+    codec = [
+        (k, r) for k, d in sorted(coll.items()) for r in d["rows"] if r["key"].startswith("codec.") and r["mib"] >= 16
+    ]
     if codec:
-        lines += ["", "CPU work of the FP8 rows alone (quantize + dequantize, no communication, every rank at once):",
-                  "", "| nodes | MiB | all-gather codec ms | reduce-scatter codec ms | all-to-all codec ms |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "CPU work of the FP8 rows alone (quantize + dequantize, no communication, every rank at once):",
+            "",
+            "| nodes | MiB | all-gather codec ms | reduce-scatter codec ms | all-to-all codec ms |",
+            "|---|---|---|---|---|",
+        ]
         for k in sorted({k for k, _ in codec}):
             for mib in sorted({r["mib"] for kk, r in codec if kk == k}):
                 got = {r["key"]: r["median_s"] for kk, r in codec if kk == k and r["mib"] == mib}
-                lines.append(f"| {k} | {mib:g} | " + " | ".join(
-                    f"{got[c] * 1e3:.0f}" if c in got else "-" for c in ("codec.ag", "codec.rs", "codec.a2a")) + " |")
+                lines.append(
+                    f"| {k} | {mib:g} | "
+                    + " | ".join(
+                        f"{got[c] * 1e3:.0f}" if c in got else "-" for c in ("codec.ag", "codec.rs", "codec.a2a")
+                    )
+                    + " |"
+                )
     if train:
-        lines += ["", "Training step (launch/train_demo.py: ZeRO-style, weights all-gathered and gradients "
-                      "reduce-scattered each step, the three modes interleaved in one run):", "",
-                  "| nodes | params | FP8 step ms | bf16 step ms | fp32 step ms | bf16/FP8 | fp32/FP8 | final loss "
-                  "FP8 / bf16 / fp32 |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Training step (launch/train_demo.py: ZeRO-style, weights all-gathered and gradients "
+            "reduce-scattered each step, the three modes interleaved in one run):",
+            "",
+            "| nodes | params | FP8 step ms | bf16 step ms | fp32 step ms | bf16/FP8 | fp32/FP8 | final loss "
+            "FP8 / bf16 / fp32 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for k, t in sorted(train.items()):
             ms = {m: v["median_step_s"] for m, v in t["modes"].items()}
             loss = " / ".join(f"{t['modes'][m]['final_loss']:.4f}" for m in ("fp8", "bf16", "fp32"))
-            lines.append(f"| {k} | {t['params'] / 1e6:.1f}M | {ms['fp8'] * 1e3:.0f} | {ms['bf16'] * 1e3:.0f} | "
-                         f"{ms['fp32'] * 1e3:.0f} | {ms['bf16'] / ms['fp8']:.2f}x | {ms['fp32'] / ms['fp8']:.2f}x | "
-                         f"{loss} |")
+            lines.append(
+                f"| {k} | {t['params'] / 1e6:.1f}M | {ms['fp8'] * 1e3:.0f} | {ms['bf16'] * 1e3:.0f} | "
+                f"{ms['fp32'] * 1e3:.0f} | {ms['bf16'] / ms['fp8']:.2f}x | {ms['fp32'] / ms['fp8']:.2f}x | "
+                f"{loss} |"
+            )
     if plots:
         made = _plots(coll, Path(plots))
         lines += ["", *[f"![{n}]({p})" for n, p in made]]
@@ -362,17 +469,23 @@ def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
     except ImportError:
         return []
     folder.mkdir(parents=True, exist_ok=True)
-    groups = [("all_gather", ["ag.fp8", "ag.fp8_out", "ag.fp8_b4", "ag.bf16"]),
-              ("reduce_scatter", ["rs.fp8_f32", "rs.fp8_hier", "rs.bf16", "rs.fp32"]),
-              ("all_to_all", ["a2a.fp8", "a2a.fp8_out", "a2a.bf16"])]
+    groups = [
+        ("all_gather", ["ag.fp8", "ag.fp8_out", "ag.fp8_b4", "ag.bf16"]),
+        ("reduce_scatter", ["rs.fp8_f32", "rs.fp8_hier", "rs.bf16", "rs.fp32"]),
+        ("all_to_all", ["a2a.fp8", "a2a.fp8_out", "a2a.bf16"]),
+    ]
     made = []
     rate = next(iter(coll.values()))["meta"]["rate"]
     big = max(r["mib"] for d in coll.values() for r in d["rows"] if r["mib"] <= 32)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, (op, keys) in zip(axes, groups):
         for key in keys:
-            xs = [(k, r["median_s"]) for k, d in sorted(coll.items()) for r in d["rows"]
-                  if r["key"] == key and r["mib"] == big]
+            xs = [
+                (k, r["median_s"])
+                for k, d in sorted(coll.items())
+                for r in d["rows"]
+                if r["key"] == key and r["mib"] == big
+            ]
             if xs:
                 ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=_label(key))
         ax.set(title=f"{op}, {big:g} MiB per rank", xlabel="nodes (2 ranks each)", ylabel="ms (median)")
@@ -389,8 +502,7 @@ def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
             xs = sorted((r["mib"], r["median_s"]) for r in coll[k]["rows"] if r["key"] == key)
             if xs:
                 ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=_label(key))
-        ax.set(title=f"{op}, {k} nodes", xlabel="MiB per rank (bf16)", ylabel="ms (median)", xscale="log",
-               yscale="log")
+        ax.set(title=f"{op}, {k} nodes", xlabel="MiB per rank (bf16)", ylabel="ms (median)", xscale="log", yscale="log")
         ax.legend(fontsize=8)
     fig.suptitle(f"fp8comm on the simulated cluster: time vs message size ({k} nodes x 2 ranks, {rate})")
     fig.tight_layout()

@@ -3,6 +3,7 @@ FSDP2 vs FSDP2 + enable() from the same weights and batches; replicas, losses, b
 
 Each check is check(rank, world, info); `info` carries the measured numbers to the pytest report.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import fsdp2_train as ex  # noqa: E402
+import fsdp2_train as ex
 
-import fp8comm.integrations.fsdp2 as f2  # noqa: E402
+import fp8comm.integrations.fsdp2 as f2
 
 LOSS_TOL = 0.02  # the issue's bound: loss within 2% of plain FSDP2
 _CORPUS = None
@@ -31,8 +32,23 @@ def corpus():
 
 def gpt_args(*extra: str):
     """The test GPT: 2 blocks of width 128 (wide enough that block padding costs ~1%), 4 x 32 tokens per rank."""
-    return ex.parse_args(["--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--batch-size", "4", "--seq", "32",
-                          "--lr", "1e-3", *extra])
+    return ex.parse_args(
+        [
+            "--n-layer",
+            "2",
+            "--n-embd",
+            "128",
+            "--n-head",
+            "4",
+            "--batch-size",
+            "4",
+            "--seq",
+            "32",
+            "--lr",
+            "1e-3",
+            *extra,
+        ]
+    )
 
 
 def digest(tensors) -> str:
@@ -58,8 +74,11 @@ class GatheredWeights:
 
     def __init__(self, model) -> None:
         self.seen: list[torch.Tensor] = []
-        self.handles = [m.register_forward_pre_hook(self._pre) for m in model.modules()
-                        if not list(m.children()) and list(m.parameters(recurse=False))]
+        self.handles = [
+            m.register_forward_pre_hook(self._pre)
+            for m in model.modules()
+            if not list(m.children()) and list(m.parameters(recurse=False))
+        ]
 
     def _pre(self, mod, _inp):
         self.seen += [p.detach().clone() for p in mod.parameters(recurse=False)]
@@ -79,6 +98,7 @@ def _replica_checker(state: dict):
         if state.get("gathered") is not None:
             state["gathered"].check_and_clear(step)
         state["steps"] = step + 1
+
     return on_step
 
 
@@ -91,9 +111,18 @@ def _train(args, fp8: bool, replicas: bool = True, enable_options=None) -> dict:
     def watch(model):
         if fp8 and replicas:
             state["gathered"] = GatheredWeights(model)
+
     try:
-        return ex.train(args, data, vocab, ex.make_mesh(args), fp8, on_step=_replica_checker(state) if replicas
-                        else None, on_model=watch, enable_options=enable_options)
+        return ex.train(
+            args,
+            data,
+            vocab,
+            ex.make_mesh(args),
+            fp8,
+            on_step=_replica_checker(state) if replicas else None,
+            on_model=watch,
+            enable_options=enable_options,
+        )
     finally:
         if state.get("gathered") is not None:
             state["gathered"].remove()
@@ -105,13 +134,22 @@ def _compare(info: dict, plain: dict, fp8: dict) -> float:
     differences are reported too."""
     a, b = fp8["losses"], plain["losses"]
     rel = [abs(x - y) / y for x, y in zip(a, b)]
-    win = [abs(sum(a[max(0, i - 4):i + 1]) - sum(b[max(0, i - 4):i + 1])) / sum(b[max(0, i - 4):i + 1])
-           for i in range(len(a))]
-    info.update(loss_first=round(b[0], 4), loss_last_plain=round(b[-1], 4), loss_last_fp8=round(a[-1], 4),
-                final_rel_loss_diff=round(rel[-1], 5), max_rel_loss_diff_5step_mean=round(max(win), 5),
-                max_rel_loss_diff_single_step=round(max(rel), 5), rel_loss_diff_per_step=[round(r, 4) for r in rel])
-    assert rel[-1] <= LOSS_TOL and max(win) <= LOSS_TOL, f"loss differs from plain FSDP2 by {rel[-1]:.4f} (final), " \
-        f"{max(win):.4f} (5-step mean) > {LOSS_TOL}"
+    win = [
+        abs(sum(a[max(0, i - 4) : i + 1]) - sum(b[max(0, i - 4) : i + 1])) / sum(b[max(0, i - 4) : i + 1])
+        for i in range(len(a))
+    ]
+    info.update(
+        loss_first=round(b[0], 4),
+        loss_last_plain=round(b[-1], 4),
+        loss_last_fp8=round(a[-1], 4),
+        final_rel_loss_diff=round(rel[-1], 5),
+        max_rel_loss_diff_5step_mean=round(max(win), 5),
+        max_rel_loss_diff_single_step=round(max(rel), 5),
+        rel_loss_diff_per_step=[round(r, 4) for r in rel],
+    )
+    assert rel[-1] <= LOSS_TOL and max(win) <= LOSS_TOL, (
+        f"loss differs from plain FSDP2 by {rel[-1]:.4f} (final), {max(win):.4f} (5-step mean) > {LOSS_TOL}"
+    )
     return max(win)
 
 
@@ -123,11 +161,17 @@ def train_gpt_vs_plain(rank, world, info):
     fp8 = _train(args, fp8=True)
     _compare(info, plain, fp8)
     w, g = fp8["stats"]["weights"], fp8["stats"]["gradients"]
-    info.update(weights_ratio=round(w["ratio"], 4), gradients_ratio=round(g["ratio"], 4),
-                weights_calls=w["calls"], gradients_calls=g["calls"], padding_weights=w["padding_elements"],
-                elements_weights=w["elements"], check_bytes=w["check_bytes"] + g["check_bytes"],
-                step_ms_plain=round(1e3 * sorted(plain["step_s"])[len(plain["step_s"]) // 2], 1),
-                step_ms_fp8=round(1e3 * sorted(fp8["step_s"])[len(fp8["step_s"]) // 2], 1))
+    info.update(
+        weights_ratio=round(w["ratio"], 4),
+        gradients_ratio=round(g["ratio"], 4),
+        weights_calls=w["calls"],
+        gradients_calls=g["calls"],
+        padding_weights=w["padding_elements"],
+        elements_weights=w["elements"],
+        check_bytes=w["check_bytes"] + g["check_bytes"],
+        step_ms_plain=round(1e3 * sorted(plain["step_s"])[len(plain["step_s"]) // 2], 1),
+        step_ms_fp8=round(1e3 * sorted(fp8["step_s"])[len(fp8["step_s"]) // 2], 1),
+    )
     assert w["passthrough_calls"] == 0 and g["passthrough_calls"] == 0, (w, g)
     assert w["unaligned_calls"] == 0 and g["unaligned_calls"] == 0, (w, g)
     assert w["ratio"] >= 1.85, f"weight all-gather only {w['ratio']:.3f}x fewer bytes than FSDP2's bf16 gather"
@@ -151,8 +195,11 @@ def reshard_after_forward_false(rank, world, info):
     (the backward re-gather of True decodes the same bytes)."""
     on = _train(gpt_args("--steps", "3"), fp8=True, replicas=False)
     off = _train(gpt_args("--steps", "3", "--no-reshard"), fp8=True)
-    info.update(weight_calls_reshard=on["stats"]["weights"]["calls"], weight_calls_no_reshard=off["stats"]["weights"]
-                ["calls"], losses=off["losses"])
+    info.update(
+        weight_calls_reshard=on["stats"]["weights"]["calls"],
+        weight_calls_no_reshard=off["stats"]["weights"]["calls"],
+        losses=off["losses"],
+    )
     assert off["stats"]["weights"]["calls"] == 3 * 3 and on["stats"]["weights"]["calls"] == 3 * 6
     assert off["losses"] == on["losses"], (off["losses"], on["losses"])
 
@@ -185,16 +232,21 @@ def hsdp_2d_mesh(rank, world, info):
 def disable_restores_fsdp2(rank, world, info):
     """enable() then disable(): FSDP2's own comm objects are back, training is bit-identical to never enabling,
     and fp8comm moves no bytes."""
-    import fp8comm.comm as fc
     from torch.distributed.fsdp import FSDPModule
+
+    import fp8comm.comm as fc
 
     args = gpt_args("--steps", "3")
     plain = _train(args, fp8=False, replicas=False)
     data, vocab = corpus()
     mesh = ex.make_mesh(args)
     model = ex.build(args, vocab, mesh)
-    comms = [(g, g._all_gather_comm, g._reduce_scatter_comm) for m in model.modules() if isinstance(m, FSDPModule)
-             for g in m._get_fsdp_state()._fsdp_param_groups]
+    comms = [
+        (g, g._all_gather_comm, g._reduce_scatter_comm)
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for g in m._get_fsdp_state()._fsdp_param_groups
+    ]
     f2.enable(model)
     assert all(f2.hooks.is_ours(g._all_gather_comm) for g, _, _ in comms)
     assert f2.disable(model) and not f2.disable(model)

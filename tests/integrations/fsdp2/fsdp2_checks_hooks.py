@@ -4,6 +4,7 @@ uint8 pass-through, async handles, options, bad input, and Fp8Linear's weight ca
 Most use TwoParams (loss = <a, u> + <b, v>, so grad a = u and grad b = v exactly, per rank) to compare FSDP2's
 sharded gradients with an exact fp32 reference built from an all-reduce of every rank's u and v.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,6 +69,7 @@ class OpSpy:
         def spy(op):
             self.ops.append(repr(op) if not hasattr(op, "factor") else f"PREMUL_SUM({op.factor:.4f})")
             return self.orig(op)
+
         f2.layout.reduce_op = spy
         return self
 
@@ -81,10 +83,13 @@ def reduce_ops_honoured(rank, world, info):
     gloo itself cannot run) and force-sum (SUM + FSDP2's own post-divide): each gives sum/factor within the FP8
     bound, without bias (the projection coefficient on the exact result is 1 to within 1%)."""
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # gradients reduced in bf16
-    cases = {"default": ({}, None), "bf16_gradients": ({"mp_policy": bf16}, None),
-             "divide_by_world": ({}, lambda m: m.set_gradient_divide_factor(float(world))),
-             "divide_by_3": ({}, lambda m: m.set_gradient_divide_factor(3.0)),
-             "force_sum": ({}, lambda m: m.set_force_sum_reduction_for_comms(True))}
+    cases = {
+        "default": ({}, None),
+        "bf16_gradients": ({"mp_policy": bf16}, None),
+        "divide_by_world": ({}, lambda m: m.set_gradient_divide_factor(float(world))),
+        "divide_by_3": ({}, lambda m: m.set_gradient_divide_factor(3.0)),
+        "force_sum": ({}, lambda m: m.set_force_sum_reduction_for_comms(True)),
+    }
     for i, (name, (kw, setup)) in enumerate(cases.items()):
         model = sharded(TwoParams(), **kw)
         if setup is not None:
@@ -99,9 +104,12 @@ def reduce_ops_honoured(rank, world, info):
         got = torch.cat([ga, gb]).float()
         coef = float(got @ ref / (ref @ ref))
         g = f2.hook_stats()["gradients"]  # FSDP2's bytes for the call: (world - 1) x L x its itemsize
-        info[name] = {"op": spy.ops, "reduce_itemsize": g["baseline_bytes"] // ((world - 1) * g["elements"] // world),
-                      "rel_err": round(rel_err(got, ref), 5),
-                      "scale_coef": round(coef, 5)}
+        info[name] = {
+            "op": spy.ops,
+            "reduce_itemsize": g["baseline_bytes"] // ((world - 1) * g["elements"] // world),
+            "rel_err": round(rel_err(got, ref), 5),
+            "scale_coef": round(coef, 5),
+        }
         assert rel_err(got, ref) < 0.06 and abs(coef - 1) < 0.01, (name, info[name])
         f2.disable(model)
     assert info["divide_by_3"]["op"] == ["PREMUL_SUM(0.3333)"] and "SUM" in info["force_sum"]["op"][0]
@@ -182,8 +190,9 @@ def async_handles(rank, world, info):
     rs = pg._reduce_scatter_comm
     grads = torch.stack([torch.arange(world * n, dtype=torch.float32) / (world * n) + r for r in range(world)])
     red = torch.full((n,), float("nan"))
-    work = rs(output_tensor=red, input_tensor=grads[rank].clone(), group=dist.group.WORLD, op=ReduceOp.AVG,
-              async_op=True)
+    work = rs(
+        output_tensor=red, input_tensor=grads[rank].clone(), group=dist.group.WORLD, op=ReduceOp.AVG, async_op=True
+    )
     rs_pending = bool(torch.isnan(red).all())
     work.wait()
     rs_err = rel_err(red, grads.mean(0).view(world, n)[rank])
@@ -201,9 +210,13 @@ def options_and_check_policy(rank, world, info):
     error feedback for gradients (a residual per module), check True/False (descriptor bytes or none), one
     direction off (FSDP2's own collective there)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    runs = {"e8m0": dict(weights={"scaling": "e8m0"}, check=False),
-            "grad_options": dict(gradients={"fmt": "e5m2", "rounding": "stochastic", "error_feedback": True}),
-            "check_on": dict(check=True), "weights_off": dict(weights=False), "gradients_off": dict(gradients=False)}
+    runs = {
+        "e8m0": dict(weights={"scaling": "e8m0"}, check=False),
+        "grad_options": dict(gradients={"fmt": "e5m2", "rounding": "stochastic", "error_feedback": True}),
+        "check_on": dict(check=True),
+        "weights_off": dict(weights=False),
+        "gradients_off": dict(gradients=False),
+    }
     for name, opts in runs.items():
         model = sharded(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)), mp_policy=mp)
         f2.enable(model, **opts)
@@ -211,8 +224,10 @@ def options_and_check_policy(rank, world, info):
         for _ in range(2):
             model(torch.randn(8, 256)).square().mean().backward()
         s = f2.hook_stats()
-        info[name] = {d: {"ratio": round(x["ratio"], 4), "check_bytes": x["check_bytes"], "calls": x["calls"]}
-                      for d, x in s.items()}
+        info[name] = {
+            d: {"ratio": round(x["ratio"], 4), "check_bytes": x["check_bytes"], "calls": x["calls"]}
+            for d, x in s.items()
+        }
         if name == "grad_options":
             ef = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm.error_feedback
             info[name]["residual_norm"] = ef.norm()
@@ -244,27 +259,39 @@ def bad_inputs_are_refused(rank, world, info):
     refused("not_sharded", lambda: f2.enable(nn.Linear(4, 4)), "no module sharded by FSDP2")
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    refused("fsdp1", lambda: f2.enable(FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))),
-            "FSDP1")
+    refused(
+        "fsdp1", lambda: f2.enable(FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))), "FSDP1"
+    )
     model = sharded(TwoParams())
     f2.enable(model)
     refused("twice", lambda: f2.enable(model), "already enabled")
     rs = model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
     out, inp = torch.zeros(NA // world + NB // world), torch.zeros(NA + NB)
-    refused("op_max", lambda: rs(output_tensor=out, input_tensor=inp, group=dist.group.WORLD, op=ReduceOp.MAX),
-            "supports SUM, AVG and PREMUL_SUM")
-    refused("int_input", lambda: rs(output_tensor=out.long(), input_tensor=inp.long(), group=dist.group.WORLD,
-                                    op=ReduceOp.SUM), "reduce-scatter input is torch.int64")
-    refused("sizes", lambda: rs(output_tensor=out, input_tensor=inp[:-2], group=dist.group.WORLD,
-                                op=ReduceOp.SUM), "expected world")
+    refused(
+        "op_max",
+        lambda: rs(output_tensor=out, input_tensor=inp, group=dist.group.WORLD, op=ReduceOp.MAX),
+        "supports SUM, AVG and PREMUL_SUM",
+    )
+    refused(
+        "int_input",
+        lambda: rs(output_tensor=out.long(), input_tensor=inp.long(), group=dist.group.WORLD, op=ReduceOp.SUM),
+        "reduce-scatter input is torch.int64",
+    )
+    refused(
+        "sizes",
+        lambda: rs(output_tensor=out, input_tensor=inp[:-2], group=dist.group.WORLD, op=ReduceOp.SUM),
+        "expected world",
+    )
     f2.disable(model)
     other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu"), shard_mesh_dim=0)
     two = TwoParams()
-    fully_shard(two, mesh=mesh(), shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other)
-                if p is two.b else None)
+    fully_shard(
+        two, mesh=mesh(), shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other) if p is two.b else None
+    )
     refused("param_groups", lambda: f2.enable(two), "2 param groups")
-    assert not f2.is_enabled(two) and not any(f2.hooks.is_ours(g._all_gather_comm)
-                                              for g in two._get_fsdp_state()._fsdp_param_groups)
+    assert not f2.is_enabled(two) and not any(
+        f2.hooks.is_ours(g._all_gather_comm) for g in two._get_fsdp_state()._fsdp_param_groups
+    )
     refused("option", lambda: f2.enable(model, gradient={}), "did you mean 'gradients'")
     info.update(errors=errors)
 
@@ -291,10 +318,14 @@ def _stale_forwards(enable: bool, steps: int = 4) -> tuple[int, int, list]:
     seen, weights = [], []
     lins = [m for m in model if isinstance(m, Fp8Linear)]
     # The weight it is called with: after FSDP2's pre-forward (unsharded), before its post-forward (resharded).
-    hooks = [m.register_forward_pre_hook(lambda m, i: weights.append((m.weight.detach().clone(),
-                                                                       m.bias.detach().clone()))) for m in lins]
-    hooks += [m.register_forward_hook(lambda m, i, o: seen.append((m, i[0].detach(), o.detach(), *weights.pop())))
-              for m in lins]
+    hooks = [
+        m.register_forward_pre_hook(lambda m, i: weights.append((m.weight.detach().clone(), m.bias.detach().clone())))
+        for m in lins
+    ]
+    hooks += [
+        m.register_forward_hook(lambda m, i, o: seen.append((m, i[0].detach(), o.detach(), *weights.pop())))
+        for m in lins
+    ]
     free = fsdp_param.free_storage
     fsdp_param.free_storage = lambda t: None  # the same storage (data_ptr) and version after every step
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -4,6 +4,7 @@ Checks live in fsdp2_checks.py (training) and fsdp2_checks_hooks.py (hooks, opti
 check(rank, world, info) and records its measured numbers in `info`. One JSON line per check per rank; after a
 failure the remaining checks are skipped (collectives may be out of step). Hooks are disabled between checks.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list
         try:
             _find(name)(rank, world, info)
             rec = {"ok": True}
-        except BaseException as e:  # noqa: BLE001 - every failure is reported by name
+        except BaseException as e:
             rec = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
         rec.update(check=name, state="done", seconds=round(time.perf_counter() - t0, 2), info=info)
         out.write(json.dumps(rec, default=str) + "\n")
@@ -71,18 +72,11 @@ def launch(world: int, names: list[str], outdir: Path, env: dict | None = None, 
 
 
 def failures(run: dict, names: list[str]) -> list[str]:
-    msgs = []
-    for r, recs in run["results"].items():
-        done = {x["check"]: x for x in recs if x.get("state") == "done"}
-        for n in names:
-            if n not in done:
-                msgs.append(f"rank {r}: {n} did not finish ({'timeout' if run['timed_out'] else 'crash/stop'})")
-            elif not done[n]["ok"]:
-                msgs.append(f"rank {r}: {n}: {done[n]['error']}\n{done[n].get('trace', '')}")
-    if run["timed_out"]:
-        msgs.append("launch timed out")
-    msgs += [f"rank {r} exited with {c}" for r, c in enumerate(run["exitcodes"]) if c != 0]
-    return msgs
+    """Failed checks (by rank), checks that never ran or never finished, bad exit codes, a timeout."""
+    sys.path.insert(0, str(HERE.parents[1] / "dist"))
+    import dist_harness
+
+    return dist_harness.failures(run, names)
 
 
 def record(run: dict, name: str, rank: int = 0) -> dict | None:

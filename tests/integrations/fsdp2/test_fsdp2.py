@@ -4,6 +4,7 @@ Single-process tests cover the option parser, the wire layout and the reduce-op 
 size (2 and 4 ranks) runs the checks in fsdp2_checks*.py; each test below asserts one check and prints its
 measured numbers (loss deltas, byte ratios). The example is run once through torchrun.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,22 +14,34 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from fp8comm.comm import WireConfig
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
 import fp8comm.integrations.fsdp2 as f2
+from fp8comm.comm import WireConfig
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 sys.path.insert(0, str(HERE))
 import fsdp2_harness as H  # noqa: E402
 
-WORLD2 = ["train_gpt_vs_plain", "train_fp32_params_no_mp", "reshard_after_forward_false", "gradient_accumulation",
-          "disable_restores_fsdp2", "state_dict_and_dcp", "reduce_ops_honoured", "block_alignment",
-          "nonfinite_gradients_arrive", "uint8_gather_passes_through", "async_handles", "options_and_check_policy",
-          "bad_inputs_are_refused", "fp8linear_weight_never_stale", "fp8linear_weight_cache_gathered"]
+WORLD2 = [
+    "train_gpt_vs_plain",
+    "train_fp32_params_no_mp",
+    "reshard_after_forward_false",
+    "gradient_accumulation",
+    "disable_restores_fsdp2",
+    "state_dict_and_dcp",
+    "reduce_ops_honoured",
+    "block_alignment",
+    "nonfinite_gradients_arrive",
+    "uint8_gather_passes_through",
+    "async_handles",
+    "options_and_check_policy",
+    "bad_inputs_are_refused",
+    "fp8linear_weight_never_stale",
+    "fp8linear_weight_cache_gathered",
+]
 WORLD4 = ["train_gpt_vs_plain", "hsdp_2d_mesh", "reduce_ops_honoured", "block_alignment"]
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -41,22 +54,26 @@ def test_defaults_and_parse():
     assert d["check"] is None and d["align_blocks"] is True
     cfg = f2.parse(weights=False, gradients={"fmt": "e5m2", "error_feedback": True}, check=False)
     assert not cfg.weights.enabled and cfg.gradients.fmt == "e5m2" and cfg.gradients.error_feedback
-    assert cfg.gradients.wire(cfg.check) == WireConfig(fmt="e5m2", rounding="nearest", check="never",
-                                                       error_feedback=True)
+    assert cfg.gradients.wire(cfg.check) == WireConfig(
+        fmt="e5m2", rounding="nearest", check="never", error_feedback=True
+    )
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"weight": True}, "did you mean 'weights'"),
-    ({"gradients": {"rouding": "stochastic"}}, "did you mean 'rounding'"),
-    ({"weights": {"rounding": "stochastic"}}, "unknown key weights"),
-    ({"gradients": {"fmt": "e3m4"}}, "not valid"),
-    ({"weights": {"block_size": 100}}, "power of two"),
-    ({"weights": {"block_size": True}}, "must be int"),
-    ({"check": "always"}, "check must be None, True or False"),
-    ({"align_blocks": 1}, "align_blocks must be True or False"),
-    ({"weights": "yes"}, "must be True/False, a dict"),
-    ({"weights": False, "gradients": False}, "nothing to enable"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"weight": True}, "did you mean 'weights'"),
+        ({"gradients": {"rouding": "stochastic"}}, "did you mean 'rounding'"),
+        ({"weights": {"rounding": "stochastic"}}, "unknown key weights"),
+        ({"gradients": {"fmt": "e3m4"}}, "not valid"),
+        ({"weights": {"block_size": 100}}, "power of two"),
+        ({"weights": {"block_size": True}}, "must be int"),
+        ({"check": "always"}, "check must be None, True or False"),
+        ({"align_blocks": 1}, "align_blocks must be True or False"),
+        ({"weights": "yes"}, "must be True/False, a dict"),
+        ({"weights": False, "gradients": False}, "nothing to enable"),
+    ],
+)
 def test_bad_options_name_the_problem(options, match):
     with pytest.raises(f2.Fp8CommFsdp2Error, match=match):
         f2.parse(**options)
@@ -75,7 +92,7 @@ def test_spans_start_every_parameter_on_a_block():
     assert f2.layout.spans([150, 50], 128, align=False) == ([(0, 0, 200)], 200)
     src = torch.arange(2 * 200, dtype=torch.float32).view(2, 200)
     wire = f2.layout.pack_rows(src, *f2.layout.spans([150, 50], 128, True), factor=0.5)
-    assert wire.shape == (2, 384) and wire[:, 150:256].abs().sum() == 0 and wire[:, 384 - 128 + 50:].sum() == 0
+    assert wire.shape == (2, 384) and wire[:, 150:256].abs().sum() == 0 and wire[:, 384 - 128 + 50 :].sum() == 0
     back = torch.empty_like(src)
     f2.layout.unpack_rows(back, wire, f2.layout.spans([150, 50], 128, True)[0])
     assert torch.equal(back, src * 0.5)
@@ -146,9 +163,28 @@ def test_world4(world4, name):
 def test_example_under_torchrun(tmp_path):
     """examples/fsdp2_train.py --bench through torchrun: plain FSDP2 and FSDP2 + fp8comm, same data, one JSON."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "examples" / "fsdp2_train.py"), "--bench", "--steps", "4", "--n-layer", "2", "--n-embd",
-           "128", "--batch-size", "4", "--seq", "32", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "examples" / "fsdp2_train.py"),
+        "--bench",
+        "--steps",
+        "4",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "128",
+        "--batch-size",
+        "4",
+        "--seq",
+        "32",
+        "--json",
+        str(out),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **ENV})
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -11,17 +11,17 @@ Tolerances (also in docs/megatron.md):
 - bytes: each hook's wire/dtype byte ratio within [ALIGN_SLACK, 1] x the ideal itemsize / (1 + scale/block).
 - parameters bit-identical across data-parallel replicas after training (FP8 gathers decode the same bytes).
 """
+
 from __future__ import annotations
 
 import os
 
+import mcore_train as T
 import torch
 import torch.distributed as dist
 
-import mcore_train as T
-
 ITERS = 20
-E4M3_REL = 2.0 ** -4
+E4M3_REL = 2.0**-4
 LOSS_RTOL = 0.02
 GNORM_RTOL = 0.2
 GNORM_MEAN_RTOL = 0.06
@@ -52,12 +52,24 @@ _BASELINES: dict = {}  # (layout, settings) -> a baseline run's loss/grad_norm, 
 def _layout() -> tuple:
     from megatron.core import parallel_state as ps
 
-    return (dist.get_world_size(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+    return (
+        dist.get_world_size(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+    )
 
 
-def run(ddp_kw: dict, hooks: dict | None, iters: int = ITERS, moe: bool = False, train_kw: dict | None = None,
-        opt_kw: dict | None = None, on_install=None, cfg_over: dict | None = None) -> dict:
+def run(
+    ddp_kw: dict,
+    hooks: dict | None,
+    iters: int = ITERS,
+    moe: bool = False,
+    train_kw: dict | None = None,
+    opt_kw: dict | None = None,
+    on_install=None,
+    cfg_over: dict | None = None,
+) -> dict:
     """Train a fresh model (same seed) with `hooks` installed (None: baseline); stats and params of the run.
 
     on_install(model): called right after install (e.g. to wrap the installed hook with a probe). cfg_over:
@@ -81,8 +93,15 @@ def run(ddp_kw: dict, hooks: dict | None, iters: int = ITERS, moe: bool = False,
         hist = T.train(model, opt, config, iters, **(train_kw or {}))
     finally:
         fm.uninstall()
-    hist.update(comm=comm_stats(), hooks=fm.hook_stats(reset=True), params=T.param_vector(model),
-                bucket_groups=len(model.bucket_groups), model=model, optimizer=opt, config=config)
+    hist.update(
+        comm=comm_stats(),
+        hooks=fm.hook_stats(reset=True),
+        params=T.param_vector(model),
+        bucket_groups=len(model.bucket_groups),
+        model=model,
+        optimizer=opt,
+        config=config,
+    )
     if plain:
         _BASELINES[key] = hist
     return hist
@@ -94,12 +113,20 @@ def check_parity(base: dict, f8: dict, info: dict, tag: str) -> None:
     assert lb[-1] < lb[0], f"{tag}: baseline did not learn ({lb[0]} -> {lb[-1]})"
     dl = [_rel(a, b) for a, b in zip(l8, lb)]
     dg = [_rel(a, b) for a, b in zip(g8, gb)]
-    info[tag] = {"loss_base": [round(x, 4) for x in (lb[0], lb[-1])],
-                 "loss_fp8": [round(x, 4) for x in (l8[0], l8[-1])], "max_loss_rel": round(max(dl), 5),
-                 "gnorm_rel_step1": round(dg[0], 5), "max_gnorm_rel": round(max(dg), 4),
-                 "mean_gnorm_rel": round(sum(dg) / len(dg), 4), "buckets": f8["bucket_groups"],
-                 "comm": {k: {"calls": v["calls"], "wire": v["wire_bytes"], "ratio": round(v["ratio"], 3)}
-                          for k, v in f8["comm"].items()}, "hooks": f8["hooks"]}
+    info[tag] = {
+        "loss_base": [round(x, 4) for x in (lb[0], lb[-1])],
+        "loss_fp8": [round(x, 4) for x in (l8[0], l8[-1])],
+        "max_loss_rel": round(max(dl), 5),
+        "gnorm_rel_step1": round(dg[0], 5),
+        "max_gnorm_rel": round(max(dg), 4),
+        "mean_gnorm_rel": round(sum(dg) / len(dg), 4),
+        "buckets": f8["bucket_groups"],
+        "comm": {
+            k: {"calls": v["calls"], "wire": v["wire_bytes"], "ratio": round(v["ratio"], 3)}
+            for k, v in f8["comm"].items()
+        },
+        "hooks": f8["hooks"],
+    }
     assert max(dl) <= LOSS_RTOL, f"{tag}: loss deviates by {max(dl):.4f} > {LOSS_RTOL}: {l8} vs {lb}"
     assert dg[0] <= E4M3_REL, f"{tag}: first-step grad norm deviates by {dg[0]:.4f} > 2^-4"
     assert max(dg) <= GNORM_RTOL, f"{tag}: grad norm deviates by {max(dg):.4f} > {GNORM_RTOL}: {g8} vs {gb}"
@@ -155,8 +182,12 @@ def gpt_dp2_fp32_accumulation(rank, world, info):
     import megatron.core.distributed.param_and_grad_buffer as pgb
 
     T.init_parallel(tp=1)
-    kw = dict(overlap_grad_reduce=True, overlap_param_gather=True, reduce_scatter_with_fp32_accumulation=True,
-              grad_reduce_in_fp32=False)
+    kw = dict(
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        reduce_scatter_with_fp32_accumulation=True,
+        grad_reduce_in_fp32=False,
+    )
     # Megatron rebinds the module global dist_reduce_scatter_func for the rest of the process when a bucket group
     # is built with this flag; a later model without the flag would then drop its reduce-scatter handle.
     # Restore it so the checks that follow in this process see stock Megatron again.
@@ -178,19 +209,66 @@ def plugin_end_to_end(rank, world, info):
     import fp8comm.integrations.megatron.pretrain_gpt as example
 
     ps.destroy_model_parallel()
-    common = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-              "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-              "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--transformer-impl", "local",
-              "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
-              "--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
-              "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3", "--log-interval", "1"]
-    hist = example.main(common + ["--train-iters", "4", "--bf16", "--use-distributed-optimizer",
-                                  "--overlap-grad-reduce", "--overlap-param-gather",
-                                  "--fp8comm-grad-reduce", "--fp8comm-param-gather", "--fp8comm-scaling", "e8m0",
-                                  "--fp8comm-error-feedback", "--fp8comm-error-feedback-dtype", "bf16"])
-    info["example"] = {"loss": [round(x, 4) for x in hist["loss"]], "hooks": hist["hook_stats"],
-                       "comm": {k: v["wire_bytes"] for k, v in hist["comm_stats"].items()},
-                       "error_feedback_bytes": hist["error_feedback_bytes"]}
+    common = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "127",
+        "--transformer-impl",
+        "local",
+        "--use-cpu-initialization",
+        "--no-gradient-accumulation-fusion",
+        "--no-bias-gelu-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-masked-softmax-fusion",
+        "--no-persist-layer-norm",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--lr",
+        "3e-3",
+        "--log-interval",
+        "1",
+    ]
+    hist = example.main(
+        common
+        + [
+            "--train-iters",
+            "4",
+            "--bf16",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--fp8comm-grad-reduce",
+            "--fp8comm-param-gather",
+            "--fp8comm-scaling",
+            "e8m0",
+            "--fp8comm-error-feedback",
+            "--fp8comm-error-feedback-dtype",
+            "bf16",
+        ]
+    )
+    info["example"] = {
+        "loss": [round(x, 4) for x in hist["loss"]],
+        "hooks": hist["hook_stats"],
+        "comm": {k: v["wire_bytes"] for k, v in hist["comm_stats"].items()},
+        "error_feedback_bytes": hist["error_feedback_bytes"],
+    }
     assert hist["hook_stats"]["grad_reduce_scatter"]["fp8_calls"] > 0, hist["hook_stats"]
     assert hist["error_feedback_bytes"] > 0, "the --fp8comm-error-feedback flag did not reach the gradient hook"
     assert hist["hook_stats"]["param_all_gather"]["fp8_calls"] > 0, hist["hook_stats"]
@@ -200,15 +278,30 @@ def plugin_end_to_end(rank, world, info):
     from megatron.training.arguments import parse_args
 
     errors = {}
-    for extra, needle in ((["--bf16", "--fp8comm-grad-reduce"], "--use-distributed-optimizer"),
-                          (["--use-distributed-optimizer", "--fp8comm-param-gather"], "master weights"),
-                          (["--bf16", "--use-distributed-optimizer", "--fp8comm-moe-dispatch"], "--num-experts"),
-                          (["--bf16", "--use-distributed-optimizer", "--fp8comm-param-gather",
-                            "--fp8comm-error-feedback"], "--fp8comm-error-feedback needs --fp8comm-grad-reduce"),
-                          (["--bf16", "--use-distributed-optimizer", "--num-experts", "4",
-                            "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
-                            "--fp8comm-moe-combine", "fp8"],
-                           "supported dispatchers: alltoall, allgather")):
+    for extra, needle in (
+        (["--bf16", "--fp8comm-grad-reduce"], "--use-distributed-optimizer"),
+        (["--use-distributed-optimizer", "--fp8comm-param-gather"], "master weights"),
+        (["--bf16", "--use-distributed-optimizer", "--fp8comm-moe-dispatch"], "--num-experts"),
+        (
+            ["--bf16", "--use-distributed-optimizer", "--fp8comm-param-gather", "--fp8comm-error-feedback"],
+            "--fp8comm-error-feedback needs --fp8comm-grad-reduce",
+        ),
+        (
+            [
+                "--bf16",
+                "--use-distributed-optimizer",
+                "--num-experts",
+                "4",
+                "--expert-model-parallel-size",
+                "2",
+                "--moe-token-dispatcher-type",
+                "flex",
+                "--fp8comm-moe-combine",
+                "fp8",
+            ],
+            "supported dispatchers: alltoall, allgather",
+        ),
+    ):
         import sys
 
         saved, sys.argv = sys.argv, ["pretrain_gpt.py"] + common + extra
@@ -243,8 +336,12 @@ def gpt_dp4_hierarchical(rank, world, info):
     # show the combination trains and what the residual costs.
     kw = dict(overlap_grad_reduce=True, overlap_param_gather=True)
     held = {}
-    ef = run(kw, dict(grad_reduce=True, hierarchical=True, error_feedback=True), iters=ITERS // 2,
-             train_kw={"after_backward": lambda i: held.update(bytes=_fm().error_feedback_nbytes())})
+    ef = run(
+        kw,
+        dict(grad_reduce=True, hierarchical=True, error_feedback=True),
+        iters=ITERS // 2,
+        train_kw={"after_backward": lambda i: held.update(bytes=_fm().error_feedback_nbytes())},
+    )
     check_parity(run(kw, None), ef, info, "tp1_dp4_overlap_on_hier_ef")
     elements = sum(b.grad_data.numel() for g in ef["model"].bucket_groups for b in g.buckets)
     info["tp1_dp4_overlap_on_hier_ef"]["residual_bytes"] = held["bytes"]

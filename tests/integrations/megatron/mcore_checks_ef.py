@@ -5,17 +5,17 @@ What it shows: per-step gradient SQNR and the SQNR of the gradient SUMMED over a
 baseline; residual memory; a skipped step zeroes the residuals; save -> restart -> load -> continue equals the
 uninterrupted run bit for bit.
 """
+
 from __future__ import annotations
 
 import importlib
 import io
 import math
 
-import torch
-import torch.distributed as dist
-
 import mcore_checks as C
 import mcore_train as T
+import torch
+import torch.distributed as dist
 
 PGB = "megatron.core.distributed.param_and_grad_buffer"
 EF_KW = dict(overlap_grad_reduce=True, overlap_param_gather=True)  # several buckets, as gpt_dp2's overlap-on run
@@ -51,7 +51,7 @@ class GradProbe:
             if op == dist.ReduceOp.AVG:
                 total /= world
             n = output.numel()
-            self.pending.append((output, total[rank * n:(rank + 1) * n].clone()))
+            self.pending.append((output, total[rank * n : (rank + 1) * n].clone()))
             return inner(output, input, op=op, group=group, async_op=async_op)
 
         pgb.dist_reduce_scatter_func = probe  # uninstall() restores Megatron's own function
@@ -75,9 +75,11 @@ class GradProbe:
         self.pending.clear()
 
     def summary(self) -> dict:
-        return {"step_sqnr_db_mean": round(sum(self.step_db) / len(self.step_db), 2),
-                "step_sqnr_db_min": round(min(self.step_db), 2),
-                "summed_grad_sqnr_db": round(self._db([tuple(v) for v in self.cum.values()]), 2)}
+        return {
+            "step_sqnr_db_mean": round(sum(self.step_db) / len(self.step_db), 2),
+            "step_sqnr_db_min": round(min(self.step_db), 2),
+            "summed_grad_sqnr_db": round(self._db([tuple(v) for v in self.cum.values()]), 2),
+        }
 
 
 def _probed(hooks: dict, **kw) -> tuple[dict, dict]:
@@ -102,8 +104,11 @@ def gpt_dp2_error_feedback(rank, world, info):
     T.init_parallel(tp=1)
     base = C.run(EF_KW, None)
     res = {}
-    for tag, hooks in (("no_ef", GRADS_ONLY), ("ef_fp32", dict(GRADS_ONLY, error_feedback=True)),
-                       ("ef_bf16", dict(GRADS_ONLY, error_feedback=True, error_feedback_dtype="bf16"))):
+    for tag, hooks in (
+        ("no_ef", GRADS_ONLY),
+        ("ef_fp32", dict(GRADS_ONLY, error_feedback=True)),
+        ("ef_bf16", dict(GRADS_ONLY, error_feedback=True, error_feedback_dtype="bf16")),
+    ):
         f8, probe = _probed(hooks)
         C.check_parity(base, f8, info, tag)
         info[tag]["probe"] = probe
@@ -147,9 +152,12 @@ def _checkpoint_resume(info, uninterrupted) -> None:
     finally:
         fm.uninstall()
     loss, gnorm = first["loss"] + rest["loss"], first["grad_norm"] + rest["grad_norm"]
-    info["checkpoint_resume"] = {"buckets": len(sd["residuals"]), "loss_last": loss[-1],
-                                 "equal_loss": loss == uninterrupted["loss"],
-                                 "equal_params": bool(torch.equal(T.param_vector(model), uninterrupted["params"]))}
+    info["checkpoint_resume"] = {
+        "buckets": len(sd["residuals"]),
+        "loss_last": loss[-1],
+        "equal_loss": loss == uninterrupted["loss"],
+        "equal_params": bool(torch.equal(T.param_vector(model), uninterrupted["params"])),
+    }
     assert loss == uninterrupted["loss"] and gnorm == uninterrupted["grad_norm"], (loss, uninterrupted["loss"])
     assert torch.equal(T.param_vector(model), uninterrupted["params"]), "params differ after resume"
     bad = dict(sd, residuals={k: dict(v, bucket_numel=v["bucket_numel"] + 1) for k, v in sd["residuals"].items()})
@@ -192,8 +200,13 @@ def _skipped_step(info) -> None:
         after_next = sum(ef.norm() > 0 for ef in live)
     finally:
         fm.uninstall()
-    info["skipped_step"] = {"skipped": h["skipped"], "resets": resets, "residual_bytes_after_skip": sum(after_skip),
-                            "buckets_with_residual_next_step": after_next, "loss": h["loss"] + h2["loss"]}
+    info["skipped_step"] = {
+        "skipped": h["skipped"],
+        "resets": resets,
+        "residual_bytes_after_skip": sum(after_skip),
+        "buckets_with_residual_next_step": after_next,
+        "loss": h["loss"] + h2["loss"],
+    }
     assert h["skipped"] == [1] and resets == 1, info["skipped_step"]
     assert live and sum(after_skip) == 0, f"residuals survived a skipped step: {after_skip}"
     assert after_next == len(live) and math.isfinite(h2["loss"][0]) and not h2["skipped"], info["skipped_step"]

@@ -6,17 +6,17 @@ must send that bucket through Megatron's own collective on every rank at the sam
 in FP8, and the loss must track the baseline; without the guard the same injection leaves the bucket's gradients
 mostly zero and the loss drifts away. A healthy run never falls back.
 """
+
 from __future__ import annotations
 
 import logging
 
+import mcore_checks as C
+import mcore_train as T
 import torch.distributed as dist
 
 import fp8comm.comm as fcomm
 from fp8comm.quant import Scaling
-
-import mcore_checks as C
-import mcore_train as T
 
 KW = dict(overlap_grad_reduce=True, overlap_param_gather=True)  # several buckets
 GUARD = dict(guard=True, guard_threshold=0.05, guard_patience=2, guard_cooldown=100)
@@ -55,8 +55,6 @@ class Injection:
 
 
 def _run(hooks: dict, inject: bool, log_lines: list | None = None) -> dict:
-    comm_stats, _ = C._stats()
-    fm = C._fm()
     handler = None
     if log_lines is not None:
         handler = logging.Handler()
@@ -84,11 +82,15 @@ def gpt_dp2_guard(rank, world, info):
     guarded = _run(dict(HOOKS, **GUARD), inject=True, log_lines=lines)
     unguarded = _run(HOOKS, inject=True)
     summary = guarded["hooks"].get("guard", {})
-    info.update(healthy_switches=healthy["comm"].get("guard.to_bf16", {}).get("calls", 0),
-                guard_hooks=summary, log=lines[:4], injected=guarded["injected_calls"],
-                loss_base=[round(x, 4) for x in base["loss"][::4]],
-                loss_guarded=[round(x, 4) for x in guarded["loss"][::4]],
-                loss_unguarded=[round(x, 4) for x in unguarded["loss"][::4]])
+    info.update(
+        healthy_switches=healthy["comm"].get("guard.to_bf16", {}).get("calls", 0),
+        guard_hooks=summary,
+        log=lines[:4],
+        injected=guarded["injected_calls"],
+        loss_base=[round(x, 4) for x in base["loss"][::4]],
+        loss_guarded=[round(x, 4) for x in guarded["loss"][::4]],
+        loss_unguarded=[round(x, 4) for x in unguarded["loss"][::4]],
+    )
     rel_g = max(C._rel(a, b) for a, b in zip(guarded["loss"], base["loss"]))
     rel_u = max(C._rel(a, b) for a, b in zip(unguarded["loss"], base["loss"]))
     info.update(max_loss_rel_guarded=round(rel_g, 4), max_loss_rel_unguarded=round(rel_u, 4))

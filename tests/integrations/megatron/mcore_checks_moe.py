@@ -5,12 +5,12 @@ One forward/backward from identical weights isolates each hook's error (loss rel
 L2 error); 20 training iterations show the loss trajectory. bf16 combine through fp8comm on a bf16 alltoall model
 moves the same bytes as Megatron's own all_to_all, so it must be bit-identical (the plumbing check).
 """
-from __future__ import annotations
 
-import torch
+from __future__ import annotations
 
 import mcore_checks as C
 import mcore_train as T
+import torch
 
 ALL_DDP = dict(grad_reduce=True, param_gather=True)
 OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
@@ -29,10 +29,15 @@ def _one_step(dispatcher: str, hooks: dict | None) -> dict:
         fm.install(ddp_config=model.ddp_config, transformer_config=config, **hooks)
     try:
         model.zero_grad_buffer()
-        out = get_forward_backward_func()(forward_step_func=T.forward_step,
-                                          data_iterator=iter(T.batches(2, 2, _dp_rank())), model=[model],
-                                          num_microbatches=2, seq_length=T.SEQ, micro_batch_size=2,
-                                          forward_only=False)
+        out = get_forward_backward_func()(
+            forward_step_func=T.forward_step,
+            data_iterator=iter(T.batches(2, 2, _dp_rank())),
+            model=[model],
+            num_microbatches=2,
+            seq_length=T.SEQ,
+            micro_batch_size=2,
+            forward_only=False,
+        )
     finally:
         fm.uninstall()
     s = torch.stack([o["lm loss"] for o in out]).sum(0)
@@ -48,9 +53,13 @@ def _dp_rank() -> int:
 
 def _compare(ref: dict, got: dict) -> dict:
     gerr = float((got["grads"] - ref["grads"]).norm() / ref["grads"].norm())
-    return {"loss": round(got["loss"], 5), "loss_rel": float(f"{C._rel(got['loss'], ref['loss']):.3g}"),
-            "grad_rel_l2": round(gerr, 5), "hooks": got["hooks"],
-            "bytes": {k: {"wire": v["wire_bytes"], "ratio": round(v["ratio"], 3)} for k, v in got["comm"].items()}}
+    return {
+        "loss": round(got["loss"], 5),
+        "loss_rel": float(f"{C._rel(got['loss'], ref['loss']):.3g}"),
+        "grad_rel_l2": round(gerr, 5),
+        "hooks": got["hooks"],
+        "bytes": {k: {"wire": v["wire_bytes"], "ratio": round(v["ratio"], 3)} for k, v in got["comm"].items()},
+    }
 
 
 def _assert_close(tag: str, r: dict) -> None:
@@ -61,9 +70,12 @@ def _assert_close(tag: str, r: dict) -> None:
 def _one_step_matrix(dispatcher: str, info: dict) -> dict:
     """Every dispatch/combine choice against Megatron's own collectives (native) in one forward/backward."""
     ref = _one_step(dispatcher, None)
-    cases = {"fp8_dispatch": dict(moe_dispatch=True), "fp8_combine": dict(moe_combine="fp8"),
-             "fp8_dispatch_fp8_combine": dict(moe_dispatch=True, moe_combine="fp8"),
-             "bf16_combine": dict(moe_combine="bf16")}
+    cases = {
+        "fp8_dispatch": dict(moe_dispatch=True),
+        "fp8_combine": dict(moe_combine="fp8"),
+        "fp8_dispatch_fp8_combine": dict(moe_dispatch=True, moe_combine="fp8"),
+        "bf16_combine": dict(moe_combine="bf16"),
+    }
     res = {tag: _compare(ref, _one_step(dispatcher, hooks)) for tag, hooks in cases.items()}
     info[f"{dispatcher}_one_step"] = {"loss_native": round(ref["loss"], 5), **res}
     for tag in ("fp8_dispatch", "fp8_combine", "fp8_dispatch_fp8_combine"):
@@ -87,19 +99,24 @@ def moe_ep2(rank, world, info):
     # bf16 wire for bf16 tokens: the same bytes as Megatron's all_to_all, so the same numbers, bit for bit.
     assert res["bf16_combine"]["loss_rel"] == 0 and res["bf16_combine"]["grad_rel_l2"] == 0, res["bf16_combine"]
     base = C.run(OVERLAP, None, moe=True)
-    for tag, hooks in (("moe_ep2_all_hooks", dict(ALL_DDP, moe_dispatch=True)),
-                       ("moe_ep2_all_hooks_fp8_combine", dict(ALL_DDP, moe_dispatch=True, moe_combine="fp8"))):
+    for tag, hooks in (
+        ("moe_ep2_all_hooks", dict(ALL_DDP, moe_dispatch=True)),
+        ("moe_ep2_all_hooks_fp8_combine", dict(ALL_DDP, moe_dispatch=True, moe_combine="fp8")),
+    ):
         f8 = C.run(OVERLAP, hooks, moe=True)
         C.check_parity(base, f8, info, tag)
         for h in ("grad_reduce_scatter", "param_all_gather", "moe_dispatch") + (
-                ("moe_combine",) if "moe_combine" in hooks else ()):
+            ("moe_combine",) if "moe_combine" in hooks else ()
+        ):
             assert f8["hooks"][h]["fp8_calls"] > 0, f8["hooks"]
         # Expert-parallel buckets have a data-parallel group of one rank here: passed through, never quantized.
         assert f8["hooks"]["grad_reduce_scatter"]["passthrough_calls"] > 0, f8["hooks"]
     a, b = info["moe_ep2_all_hooks"], info["moe_ep2_all_hooks_fp8_combine"]
-    info["fp8_combine_loss_delta"] = {"final_loss_native_combine": a["loss_fp8"][1],
-                                      "final_loss_fp8_combine": b["loss_fp8"][1],
-                                      "max_loss_rel_vs_baseline": [a["max_loss_rel"], b["max_loss_rel"]]}
+    info["fp8_combine_loss_delta"] = {
+        "final_loss_native_combine": a["loss_fp8"][1],
+        "final_loss_fp8_combine": b["loss_fp8"][1],
+        "max_loss_rel_vs_baseline": [a["max_loss_rel"], b["max_loss_rel"]],
+    }
 
 
 def moe_ep2_allgather(rank, world, info):

@@ -1,6 +1,7 @@
 """Pipeline parallelism (PP=2 x DP=2 on 4 gloo ranks): FP8 gradient reduce-scatter and parameter all-gather with
 Megatron's 1F1B schedule (p2p activations over gloo isend/irecv), the distributed optimizer and overlapped grad
 reduce and param gather, against the same run without fp8comm."""
+
 from __future__ import annotations
 
 import mcore_checks as C

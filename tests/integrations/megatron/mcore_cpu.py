@@ -6,6 +6,7 @@ checks, and MoE split sizes that only become host lists on CUDA. These shims stu
 DDP buckets, distributed optimizer and MoE dispatcher that fp8comm hooks into run unmodified. Never import this
 module from library code: it rewrites devices process-wide.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,9 @@ class _CpuDeviceMode(TorchFunctionMode):
             # distrib_optimizer / optimizer / clip_grads accept only 'torch.cuda.*Tensor' parameters.
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if name == "to" and args and isinstance(args[0], torch.Tensor):
-            args = tuple("cpu" if i and _is_cuda_device(a) and not isinstance(a, int) else a
-                         for i, a in enumerate(args))
+            args = tuple(
+                "cpu" if i and _is_cuda_device(a) and not isinstance(a, int) else a for i, a in enumerate(args)
+            )
         return func(*args, **kwargs)
 
 

@@ -4,6 +4,7 @@ Megatron-Core takes ~10 s of CPU to import per process, so each scenario group i
 checks. Each rank appends a JSON line per check as it goes (a hang or crash still names the check); the parent
 owns the TCPStore (port 0: no port races) and kills the launch at a hard timeout.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,13 @@ CHECK_MODULES = ("mcore_checks", "mcore_checks_ef", "mcore_checks_moe", "mcore_c
 
 def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list[str]) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % int(env.get(
-        "LOCAL_WORLD_SIZE", world))), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % int(env.get("LOCAL_WORLD_SIZE", world))),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron.core's __version__ would otherwise run git
     warnings.filterwarnings("ignore")  # Megatron's deprecation warnings drown the report
     sys.path.insert(0, str(Path(__file__).parent))
@@ -30,10 +36,9 @@ def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list
     import dist_harness
 
     out = dist_harness.join(rank, world, port, outdir, 120.0, PG_TIMEOUT_S)
+    import mcore_cpu
     import torch
     import torch.distributed as dist
-
-    import mcore_cpu
 
     mcore_cpu.install()
     import importlib
@@ -47,7 +52,7 @@ def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list
         try:
             next(getattr(m, name) for m in modules if hasattr(m, name))(rank, world, info)
             rec = {"ok": True}
-        except BaseException as e:  # noqa: BLE001 - every failure is reported by name
+        except BaseException as e:
             rec = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
         finally:
             import fp8comm.integrations.megatron as fm
@@ -71,24 +76,17 @@ def launch(world: int, names: list[str], outdir: Path, env: dict | None = None, 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
     import dist_harness
 
-    return dist_harness.launch(world, outdir, env=env, names=names, timeout=timeout, target=worker,
-                               store_timeout_s=120.0)
+    return dist_harness.launch(
+        world, outdir, env=env, names=names, timeout=timeout, target=worker, store_timeout_s=120.0
+    )
 
 
 def failures(run: dict, names: list[str]) -> list[str]:
     """Failed checks (by rank), checks that never ran or never finished, bad exit codes, a timeout."""
-    msgs = []
-    for r, recs in run["results"].items():
-        done = {x["check"]: x for x in recs if x.get("state") == "done"}
-        for n in names:
-            if n not in done:
-                msgs.append(f"rank {r}: {n} did not finish ({'timeout' if run['timed_out'] else 'crash/stop'})")
-            elif not done[n]["ok"]:
-                msgs.append(f"rank {r}: {n}: {done[n]['error']}\n{done[n].get('trace', '')}")
-    if run["timed_out"]:
-        msgs.append("launch timed out")
-    msgs += [f"rank {r} exited with {c}" for r, c in enumerate(run["exitcodes"]) if c != 0]
-    return msgs
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
+    import dist_harness
+
+    return dist_harness.failures(run, names)
 
 
 def info(run: dict, name: str, rank: int = 0) -> dict:

@@ -3,6 +3,7 @@
 Everything is real megatron-core (GPTModel, Float16Module, DistributedDataParallel, get_megatron_optimizer,
 the forward-backward schedule, finalize_model_grads); only CUDA-only calls are stubbed (mcore_cpu).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,33 +20,56 @@ def init_parallel(tp: int = 1, ep: int = 1, pp: int = 1) -> None:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp
+    )
     model_parallel_cuda_manual_seed(1234)
 
 
 def transformer_config(moe: bool = False, **over):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-              hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
-              pipeline_dtype=torch.bfloat16, init_method_std=0.02, bias_activation_fusion=False,
-              masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-              gradient_accumulation_fusion=False, apply_rope_fusion=False)
+    kw = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        init_method_std=0.02,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
     if moe:
         from megatron.core import parallel_state as ps
 
-        kw.update(expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), num_moe_experts=4,
-                  moe_router_topk=2, moe_token_dispatcher_type="alltoall",
-                  moe_aux_loss_coeff=0.0, ffn_hidden_size=128, moe_ffn_hidden_size=128,
-                  moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_dtype="fp32",
-                  add_bias_linear=False)  # expert bias + TP=1 hits an in-place-on-custom-Function-view error
+        kw.update(
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_token_dispatcher_type="alltoall",
+            moe_aux_loss_coeff=0.0,
+            ffn_hidden_size=128,
+            moe_ffn_hidden_size=128,
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_dtype="fp32",
+            add_bias_linear=False,
+        )  # expert bias + TP=1 hits an in-place-on-custom-Function-view error
     kw.update(over)
     return TransformerConfig(**kw)
 
 
 def build(ddp_kw: dict, moe: bool = False, seed: int = 1234, opt_kw: dict | None = None, **cfg_over):
     """A fresh model with identical initial weights for the same seed: [DDP(Float16Module(GPT))], optimizer."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -54,8 +78,6 @@ def build(ddp_kw: dict, moe: bool = False, seed: int = 1234, opt_kw: dict | None
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    from megatron.core import parallel_state as ps
-
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     pp = ps.get_pipeline_model_parallel_world_size()
@@ -63,16 +85,29 @@ def build(ddp_kw: dict, moe: bool = False, seed: int = 1234, opt_kw: dict | None
         cfg_over.setdefault("pipeline_model_parallel_size", pp)
     config = transformer_config(moe=moe, **cfg_over)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                   position_embedding_type="rope", pre_process=ps.is_pipeline_first_stage(),
-                   post_process=ps.is_pipeline_last_stage())
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
     model = Float16Module(config, gpt) if config.bf16 else gpt
     ddp_config = DistributedDataParallelConfig(**ddp_kw)
     model = DistributedDataParallel(config, ddp_config, model)
     if ddp_config.use_distributed_optimizer:
         model.broadcast_params()
-    okw = dict(optimizer="adam", lr=3e-3, weight_decay=0.0, bf16=config.bf16, params_dtype=config.params_dtype,
-               use_distributed_optimizer=ddp_config.use_distributed_optimizer, clip_grad=1.0)
+    okw = dict(
+        optimizer="adam",
+        lr=3e-3,
+        weight_decay=0.0,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        clip_grad=1.0,
+    )
     okw.update(opt_kw or {})
     opt = get_megatron_optimizer(OptimizerConfig(**okw), [model])
     config.grad_scale_func = opt.scale_loss
@@ -117,8 +152,17 @@ def forward_step(data_iterator, model):
     return out, loss_func
 
 
-def train(model, opt, config, iters: int, micro: int = 2, num_micro: int = 2, start: int = 0,
-          after_backward=None, allow_skip: bool = False) -> dict:
+def train(
+    model,
+    opt,
+    config,
+    iters: int,
+    micro: int = 2,
+    num_micro: int = 2,
+    start: int = 0,
+    after_backward=None,
+    allow_skip: bool = False,
+) -> dict:
     """Megatron's train_step loop on synthetic tokens: per-iteration global loss and grad norm.
 
     start: first iteration (its data; a resumed run continues the same data stream). after_backward(i): called
@@ -131,14 +175,21 @@ def train(model, opt, config, iters: int, micro: int = 2, num_micro: int = 2, st
     fb = get_forward_backward_func()
     pp = ps.get_pipeline_model_parallel_world_size()
     dp = ps.get_data_parallel_rank()
-    data = batches((start + iters) * num_micro, micro, dp)[start * num_micro:]
+    data = batches((start + iters) * num_micro, micro, dp)[start * num_micro :]
     it = iter(data)
     losses, norms, skipped = [], [], []
     for i in range(start, start + iters):
         model.zero_grad_buffer()
         opt.zero_grad()
-        out = fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=num_micro,
-                 seq_length=SEQ, micro_batch_size=micro, forward_only=False)
+        out = fb(
+            forward_step_func=forward_step,
+            data_iterator=it,
+            model=[model],
+            num_microbatches=num_micro,
+            seq_length=SEQ,
+            micro_batch_size=micro,
+            forward_only=False,
+        )
         if after_backward is not None:
             after_backward(i)
         ok, gnorm, _ = opt.step()
@@ -165,8 +216,13 @@ def ddp_kwargs(**over) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     names = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
-    kw = dict(use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-              overlap_param_gather=False, bucket_size=4096)
+    kw = dict(
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        bucket_size=4096,
+    )
     kw.update(over)
     assert set(kw) <= names, set(kw) - names
     return kw

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 tests/integrations/megatron/pretrain_gpt_cpu.py <pretrain_gpt arguments>
 Test and benchmark use only: mcore_cpu rewrites CUDA device requests process-wide (see its docstring).
 """
+
 import os
 import sys
 import warnings

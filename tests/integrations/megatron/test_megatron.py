@@ -4,6 +4,7 @@ The single-process tests need only `import megatron.core`; the two launches (2 a
 checks in mcore_checks*.py (DP/TP/hierarchical and the plugin, error feedback, MoE dispatchers, pipeline), each
 printing its measured deviations and byte counts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,9 +16,9 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (see docs/megatron.md: install)")
 
-import importlib  # noqa: E402
+import importlib
 
-import fp8comm.integrations.megatron as fm  # noqa: E402
+import fp8comm.integrations.megatron as fm
 
 inst = importlib.import_module("fp8comm.integrations.megatron.install")  # the module (the package exports the function)
 
@@ -49,8 +50,12 @@ def _ddp(**kw):
 
 
 def _moe_tc(**kw):
-    base = dict(params_dtype=torch.bfloat16, num_moe_experts=4, moe_token_dispatcher_type="alltoall",
-                expert_model_parallel_size=2)
+    base = dict(
+        params_dtype=torch.bfloat16,
+        num_moe_experts=4,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=2,
+    )
     return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -74,10 +79,15 @@ def test_every_patched_name_exists_and_is_still_used():
 
 def _install_kwargs_for(feature: str) -> dict:
     """install() keywords that need the patch points of `feature` (see install._features)."""
-    return {"ddp": dict(grad_reduce=True), "grad": dict(grad_reduce=True), "param": dict(param_gather=True),
-            "ef": dict(grad_reduce=True, error_feedback=True), "moe": dict(moe_dispatch=True),
-            "moe_ag": dict(moe_dispatch=True, transformer_config=_moe_tc(moe_token_dispatcher_type="allgather")),
-            "flex": dict(moe_dispatch=True, transformer_config=None)}[feature]
+    return {
+        "ddp": dict(grad_reduce=True),
+        "grad": dict(grad_reduce=True),
+        "param": dict(param_gather=True),
+        "ef": dict(grad_reduce=True, error_feedback=True),
+        "moe": dict(moe_dispatch=True),
+        "moe_ag": dict(moe_dispatch=True, transformer_config=_moe_tc(moe_token_dispatcher_type="allgather")),
+        "flex": dict(moe_dispatch=True, transformer_config=None),
+    }[feature]
 
 
 @pytest.mark.parametrize("point", inst.PATCH_POINTS, ids=lambda p: p.name)
@@ -120,8 +130,17 @@ def test_unsupported_version_is_refused_unless_allowed(monkeypatch):
 def test_install_patches_and_uninstall_restores_everything():
     before = _snapshot()
     # No transformer_config: the dispatcher type is unknown, so both hooked dispatchers and the flex refusal go in.
-    cfg = fm.install(ddp_config=_ddp(), grad_reduce=True, param_gather=True, moe_dispatch=True, moe_combine="fp8",
-                     error_feedback=True, fmt="e5m2", scaling="e8m0", block_size=64)
+    cfg = fm.install(
+        ddp_config=_ddp(),
+        grad_reduce=True,
+        param_gather=True,
+        moe_dispatch=True,
+        moe_combine="fp8",
+        error_feedback=True,
+        fmt="e5m2",
+        scaling="e8m0",
+        block_size=64,
+    )
     after = _snapshot()
     assert all(after[k] is not before[k] for k in before), "every patch point is replaced"
     assert (cfg.fmt, cfg.scaling, cfg.block_size) == ("e5m2", "e8m0", 64)
@@ -155,28 +174,43 @@ def test_one_log_line_says_what_is_active(capsys):
 
 
 # ------------------------------------------------------------------------------------- invalid combinations
-@pytest.mark.parametrize("kwargs, ddp_kw, match", [
-    (dict(grad_reduce=True), dict(use_distributed_optimizer=False), "needs --use-distributed-optimizer"),
-    (dict(param_gather=True), dict(use_distributed_optimizer=False), "only it all-gathers"),
-    (dict(grad_reduce=True), dict(num_distributed_optimizer_instances=2), "several distributed optimizer"),
-    (dict(param_gather=True), dict(fp8_param_gather=True), "Transformer Engine"),
-    (dict(param_gather=True, params_dtype=torch.float32), {}, "master weights"),
-    (dict(grad_reduce=True), dict(use_megatron_fsdp=True), "not FSDP"),
-    (dict(moe_dispatch=True, transformer_config=_moe_tc(num_moe_experts=None)), {}, "without MoE layers"),
-    (dict(moe_dispatch=True, transformer_config=_moe_tc(moe_token_dispatcher_type="flex")), {},
-     "flex dispatcher runs DeepEP/HybridEP .*supported dispatchers: alltoall, allgather"),
-    (dict(moe_combine="fp8", transformer_config=_moe_tc(moe_token_dispatcher_type="flex")), {},
-     "--fp8comm-moe-combine fp8 with --moe-token-dispatcher-type flex"),
-    (dict(moe_dispatch=True, transformer_config=_moe_tc(expert_model_parallel_size=1)), {}, "never leave"),
-    (dict(moe_combine="bf16", transformer_config=_moe_tc(moe_token_dispatcher_type="allgather",
-                                                         expert_model_parallel_size=1)), {}, "tensor x expert"),
-    (dict(moe_combine="fp8", transformer_config=_moe_tc(num_moe_experts=None)), {}, "combine fp8 without MoE"),
-    (dict(param_gather=True, error_feedback=True), {}, "--fp8comm-error-feedback needs --fp8comm-grad-reduce"),
-    (dict(grad_reduce=True, error_feedback_dtype="bf16"), {}, "would do nothing"),
-    (dict(error_feedback=True), {}, "--fp8comm-error-feedback needs --fp8comm-grad-reduce"),  # nothing else on
-    (dict(hierarchical=True), {}, "neither is on"),
-    (dict(moe_dispatch=True, transformer_config=_moe_tc(), hierarchical=True), {}, "neither is on"),
-])
+@pytest.mark.parametrize(
+    "kwargs, ddp_kw, match",
+    [
+        (dict(grad_reduce=True), dict(use_distributed_optimizer=False), "needs --use-distributed-optimizer"),
+        (dict(param_gather=True), dict(use_distributed_optimizer=False), "only it all-gathers"),
+        (dict(grad_reduce=True), dict(num_distributed_optimizer_instances=2), "several distributed optimizer"),
+        (dict(param_gather=True), dict(fp8_param_gather=True), "Transformer Engine"),
+        (dict(param_gather=True, params_dtype=torch.float32), {}, "master weights"),
+        (dict(grad_reduce=True), dict(use_megatron_fsdp=True), "not FSDP"),
+        (dict(moe_dispatch=True, transformer_config=_moe_tc(num_moe_experts=None)), {}, "without MoE layers"),
+        (
+            dict(moe_dispatch=True, transformer_config=_moe_tc(moe_token_dispatcher_type="flex")),
+            {},
+            "flex dispatcher runs DeepEP/HybridEP .*supported dispatchers: alltoall, allgather",
+        ),
+        (
+            dict(moe_combine="fp8", transformer_config=_moe_tc(moe_token_dispatcher_type="flex")),
+            {},
+            "--fp8comm-moe-combine fp8 with --moe-token-dispatcher-type flex",
+        ),
+        (dict(moe_dispatch=True, transformer_config=_moe_tc(expert_model_parallel_size=1)), {}, "never leave"),
+        (
+            dict(
+                moe_combine="bf16",
+                transformer_config=_moe_tc(moe_token_dispatcher_type="allgather", expert_model_parallel_size=1),
+            ),
+            {},
+            "tensor x expert",
+        ),
+        (dict(moe_combine="fp8", transformer_config=_moe_tc(num_moe_experts=None)), {}, "combine fp8 without MoE"),
+        (dict(param_gather=True, error_feedback=True), {}, "--fp8comm-error-feedback needs --fp8comm-grad-reduce"),
+        (dict(grad_reduce=True, error_feedback_dtype="bf16"), {}, "would do nothing"),
+        (dict(error_feedback=True), {}, "--fp8comm-error-feedback needs --fp8comm-grad-reduce"),  # nothing else on
+        (dict(hierarchical=True), {}, "neither is on"),
+        (dict(moe_dispatch=True, transformer_config=_moe_tc(), hierarchical=True), {}, "neither is on"),
+    ],
+)
 def test_invalid_combination_is_refused_with_the_reason(kwargs, ddp_kw, match):
     before = _snapshot()
     with pytest.raises(fm.Fp8CommMegatronError, match=match):
@@ -202,11 +236,16 @@ def test_fp32_param_buffer_is_refused_at_runtime():
 
 
 def test_bad_option_values_are_refused():
-    for kw, match in ((dict(fmt="e3m4"), "fmt"), (dict(block_size=0), "block_size"), (dict(check="sometimes"), "check"),
-                      (dict(moe_grad_wire="fp4"), "moe_grad_wire"), (dict(scaling="int8"), "scaling"),
-                      (dict(moe_combine="fp4"), r"moe_combine='fp4' is not one of \('native', 'bf16', 'fp8'\)"),
-                      (dict(error_feedback_dtype="fp16"), r"error_feedback_dtype='fp16' is not one of \('fp32'"),
-                      (dict(error_feedback="yes"), "error_feedback must be True or False")):
+    for kw, match in (
+        (dict(fmt="e3m4"), "fmt"),
+        (dict(block_size=0), "block_size"),
+        (dict(check="sometimes"), "check"),
+        (dict(moe_grad_wire="fp4"), "moe_grad_wire"),
+        (dict(scaling="int8"), "scaling"),
+        (dict(moe_combine="fp4"), r"moe_combine='fp4' is not one of \('native', 'bf16', 'fp8'\)"),
+        (dict(error_feedback_dtype="fp16"), r"error_feedback_dtype='fp16' is not one of \('fp32'"),
+        (dict(error_feedback="yes"), "error_feedback must be True or False"),
+    ):
         with pytest.raises(fm.Fp8CommMegatronError, match=match):
             fm.install(ddp_config=_ddp(), grad_reduce=True, **kw)
 
@@ -215,12 +254,19 @@ def test_dispatchers_patch_what_they_use():
     """alltoall patches only the alltoall names, allgather only its two mappings and methods; combine alone too."""
     before = _snapshot()
     for tc, combine, expect in (
-            (_moe_tc(), "native", {"all_to_all", "MoEAlltoAllTokenDispatcher.token_dispatch"}),
-            (_moe_tc(), "fp8", {"all_to_all", "MoEAlltoAllTokenDispatcher.token_combine"}),
-            (_moe_tc(moe_token_dispatcher_type="allgather"), "native",
-             {"gather_from_sequence_parallel_region", "MoEAllGatherTokenDispatcher.token_dispatch"}),
-            (_moe_tc(moe_token_dispatcher_type="allgather"), "bf16",
-             {"reduce_scatter_to_sequence_parallel_region", "MoEAllGatherTokenDispatcher.token_combine"})):
+        (_moe_tc(), "native", {"all_to_all", "MoEAlltoAllTokenDispatcher.token_dispatch"}),
+        (_moe_tc(), "fp8", {"all_to_all", "MoEAlltoAllTokenDispatcher.token_combine"}),
+        (
+            _moe_tc(moe_token_dispatcher_type="allgather"),
+            "native",
+            {"gather_from_sequence_parallel_region", "MoEAllGatherTokenDispatcher.token_dispatch"},
+        ),
+        (
+            _moe_tc(moe_token_dispatcher_type="allgather"),
+            "bf16",
+            {"reduce_scatter_to_sequence_parallel_region", "MoEAllGatherTokenDispatcher.token_combine"},
+        ),
+    ):
         fm.install(ddp_config=_ddp(), transformer_config=tc, moe_dispatch=combine == "native", moe_combine=combine)
         after = _snapshot()
         assert {k for k in before if after[k] is not before[k]} == expect, (tc, combine)
@@ -256,20 +302,57 @@ def test_add_args_defaults_match_the_config_and_parse():
     p = fm.add_args(argparse.ArgumentParser())
     args = p.parse_args([])
     assert fm.Fp8CommMegatronConfig.from_args(args) == fm.Fp8CommMegatronConfig()
-    args = p.parse_args(["--fp8comm-grad-reduce", "--fp8comm-param-gather", "--fp8comm-moe-dispatch",
-                         "--fp8comm-format", "e5m2", "--fp8comm-grad-format", "e5m2", "--fp8comm-block-size", "32",
-                         "--fp8comm-scaling", "pow2", "--fp8comm-rounding", "stochastic", "--fp8comm-hierarchical",
-                         "--fp8comm-check", "always", "--fp8comm-moe-grad-wire", "fp8", "--fp8comm-moe-combine", "fp8",
-                         "--fp8comm-error-feedback", "--fp8comm-error-feedback-dtype", "bf16"])
+    args = p.parse_args(
+        [
+            "--fp8comm-grad-reduce",
+            "--fp8comm-param-gather",
+            "--fp8comm-moe-dispatch",
+            "--fp8comm-format",
+            "e5m2",
+            "--fp8comm-grad-format",
+            "e5m2",
+            "--fp8comm-block-size",
+            "32",
+            "--fp8comm-scaling",
+            "pow2",
+            "--fp8comm-rounding",
+            "stochastic",
+            "--fp8comm-hierarchical",
+            "--fp8comm-check",
+            "always",
+            "--fp8comm-moe-grad-wire",
+            "fp8",
+            "--fp8comm-moe-combine",
+            "fp8",
+            "--fp8comm-error-feedback",
+            "--fp8comm-error-feedback-dtype",
+            "bf16",
+        ]
+    )
     cfg = fm.Fp8CommMegatronConfig.from_args(args)
-    assert cfg == fm.Fp8CommMegatronConfig(grad_reduce=True, param_gather=True, moe_dispatch=True, fmt="e5m2", grad_fmt="e5m2",
-                                   block_size=32, scaling="pow2", rounding="stochastic", hierarchical=True,
-                                   check="always", moe_grad_wire="fp8", moe_combine="fp8", error_feedback=True,
-                                   error_feedback_dtype="bf16")
+    assert cfg == fm.Fp8CommMegatronConfig(
+        grad_reduce=True,
+        param_gather=True,
+        moe_dispatch=True,
+        fmt="e5m2",
+        grad_fmt="e5m2",
+        block_size=32,
+        scaling="pow2",
+        rounding="stochastic",
+        hierarchical=True,
+        check="always",
+        moe_grad_wire="fp8",
+        moe_combine="fp8",
+        error_feedback=True,
+        error_feedback_dtype="bf16",
+    )
     d = cfg.describe()
     assert "MoE dispatch, MoE combine" in d and "error feedback bf16 residuals" in d and "MoE backward fp8" in d, d
-    for bad in (["--fp8comm-format", "int8"], ["--fp8comm-moe-combine", "fp16"], ["--fp8comm-error-feedback-dtype",
-                                                                                  "fp8"]):
+    for bad in (
+        ["--fp8comm-format", "int8"],
+        ["--fp8comm-moe-combine", "fp16"],
+        ["--fp8comm-error-feedback-dtype", "fp8"],
+    ):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
 
@@ -306,8 +389,19 @@ def _launch(world, names, tmp_path, env=None, timeout=300):
 @pytest.mark.slow
 def test_two_ranks_dp2_error_feedback_moe_ep2_and_plugin(tmp_path):
     # gpt_dp2 first: its overlap-on baseline is reused by gpt_dp2_error_feedback (mcore_checks.run).
-    _launch(2, ["gpt_dp2", "gpt_dp2_error_feedback", "gpt_dp2_guard", "gpt_dp2_fp32_accumulation", "moe_ep2",
-                "moe_ep2_allgather", "plugin_end_to_end"], tmp_path)
+    _launch(
+        2,
+        [
+            "gpt_dp2",
+            "gpt_dp2_error_feedback",
+            "gpt_dp2_guard",
+            "gpt_dp2_fp32_accumulation",
+            "moe_ep2",
+            "moe_ep2_allgather",
+            "plugin_end_to_end",
+        ],
+        tmp_path,
+    )
 
 
 @pytest.mark.dist
