@@ -9,46 +9,105 @@
 or call fp8comm.integrations.deepspeed.initialize(...) with the same arguments. See docs/deepspeed.md for every
 option, what each hook replaces, the supported versions and how to check that FP8 is really on.
 """
+
 from __future__ import annotations
 
 from fp8comm.deprecation import renamed
 from fp8comm.errors import Fp8CommConfigError, Fp8CommError, Fp8CommStateError, Fp8CommUnsupportedError
 
 from .compat import SUPPORTED_BELOW, SUPPORTED_MIN
-from .config import Fp8CommDeepSpeedConfig, TrafficConfig, defaults, parse
-from .engine import enable_config_flag, initialize, install, state, uninstall
+from .config import Fp8CommDeepSpeedConfig, GradientConfig, GuardConfig, TrafficConfig, defaults, parse
+from .engine import EngineState, enable_config_flag, engine_state, engines, initialize, install, uninstall
+from .patching import PASSTHROUGH
 
 
 def is_installed() -> bool:
-    return state() is not None
+    """True while fp8comm's dispatchers are in DeepSpeed (from the first fp8_comm engine until uninstall())."""
+    from .engine import _HOOKS
+
+    return len(_HOOKS) > 0
 
 
-def hook_stats() -> dict:
+def _merge(stats: list[dict]) -> dict:
+    out: dict = {}
+    for s in stats:
+        for role, v in s.items():
+            if role == "hooks":
+                h = out.setdefault("hooks", {})
+                for k, c in v.items():
+                    h[k] = h.get(k, 0) + c
+            elif role == "error_feedback":
+                e = out.setdefault(role, {"residual_bytes": 0, "residuals": 0, "skipped_step_resets": 0})
+                for k in e:
+                    e[k] += v[k]
+            else:
+                o = out.setdefault(role, {"calls": 0, "fp8_calls": 0, "wire_bytes": 0, "dtype_bytes": 0})
+                for k in ("calls", "fp8_calls", "wire_bytes", "dtype_bytes"):
+                    o[k] += v[k]
+                o["ratio"] = o["dtype_bytes"] / o["wire_bytes"] if o["wire_bytes"] else float("nan")
+    return out
+
+
+def hook_stats(engine=None) -> dict:
     """Per traffic kind ("weights", "gradients", "moe.dispatch", "moe.combine", "moe.backward"): calls, fp8_calls,
-    wire_bytes (sent to other ranks), dtype_bytes (what DeepSpeed's own collective moves) and their ratio."""
-    st = state()
-    return {} if st is None else st.acct.snapshot()
+    wire_bytes (sent to other ranks), dtype_bytes (what DeepSpeed's own collective moves) and their ratio; "hooks":
+    calls per code path; "error_feedback": residual memory. Of `engine`, or summed over every fp8comm engine."""
+    if engine is not None:
+        es = engine_state(engine)
+        return {} if es is None else es.hook_stats()
+    return _merge([es.hook_stats() for es in engines()])
 
 
-def reset_hook_stats() -> None:
-    st = state()
-    if st is not None:
-        st.acct.reset()
+def reset_hook_stats(engine=None) -> None:
+    for es in [engine_state(engine)] if engine is not None else engines():
+        if es is not None:
+            es.acct.reset()
 
 
-def summary() -> str:
-    """The one-line description of what is active ('' when nothing is installed)."""
-    st = state()
-    return "" if st is None else st.summary
+def passthrough_stats() -> dict:
+    """Calls the dispatchers handed to DeepSpeed's original because they belong to no fp8comm engine, per path."""
+    return PASSTHROUGH.snapshot().get("hooks", {})
+
+
+def summary(engine=None) -> str:
+    """The one-line description of what is active for `engine` (None: the most recently built one; '' if none)."""
+    es = engine_state(engine)
+    return "" if es is None else es.summary
 
 
 enable_config_flag()
 
-__all__ = ["initialize", "install", "uninstall", "is_installed", "hook_stats", "reset_hook_stats", "summary",
-           "parse", "defaults", "Fp8CommDeepSpeedConfig", "TrafficConfig", "Fp8CommError", "Fp8CommConfigError",
-           "Fp8CommUnsupportedError", "Fp8CommStateError",
-           "enable_config_flag", "SUPPORTED_MIN", "SUPPORTED_BELOW"]
+__all__ = [
+    "initialize",
+    "install",
+    "uninstall",
+    "is_installed",
+    "hook_stats",
+    "reset_hook_stats",
+    "summary",
+    "engine_state",
+    "engines",
+    "EngineState",
+    "passthrough_stats",
+    "parse",
+    "defaults",
+    "Fp8CommDeepSpeedConfig",
+    "TrafficConfig",
+    "GradientConfig",
+    "GuardConfig",
+    "Fp8CommError",
+    "Fp8CommConfigError",
+    "Fp8CommUnsupportedError",
+    "Fp8CommStateError",
+    "enable_config_flag",
+    "SUPPORTED_MIN",
+    "SUPPORTED_BELOW",
+]
 
-__getattr__ = renamed(__name__, {"Fp8CommConfig": ("Fp8CommDeepSpeedConfig", Fp8CommDeepSpeedConfig),
-                                 "UnsupportedError": ("fp8comm.errors.Fp8CommUnsupportedError",
-                                                      Fp8CommUnsupportedError)})
+__getattr__ = renamed(
+    __name__,
+    {
+        "Fp8CommConfig": ("Fp8CommDeepSpeedConfig", Fp8CommDeepSpeedConfig),
+        "UnsupportedError": ("fp8comm.errors.Fp8CommUnsupportedError", Fp8CommUnsupportedError),
+    },
+)

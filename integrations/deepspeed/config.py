@@ -8,22 +8,25 @@ and bad value is an error that names the key path and lists what is valid (with 
         "mode": "fp8",                        # "measure": hooks only count DeepSpeed's own bytes, change nothing
         "log": true,                          # the one-line summary on rank 0
         "weights":   {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest"},
-        "gradients": {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest"},
+        "gradients": {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
+                      "error_feedback": false, "residual_dtype": "fp32", "allow_unpartitioned_residuals": false},
         "moe":       {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128,
                       "combine": "native", "grad": "native"},
         "gemm":      {"enabled": true, "recipe": "blockwise", "skip_first_blocks": 0, "skip_last_blocks": 0,
                       "min_features": 16, "backend": "auto", "quant_backend": "auto"},
+        "guard":     {"enabled": false, "threshold": 0.001, "patience": 3, "cooldown": 50},
         "check": null                         # cross-rank metadata check per collective; null: FP8COMM_CHECK (on)
     }
 
 A sub-section may also be written as a bare boolean ("gemm": false).
 """
+
 from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass, field
 
-from fp8comm.comm import FORMATS, KERNEL_BACKENDS, ROUNDINGS, SCALE_ENCODINGS, WIRES, WireConfig
+from fp8comm.comm import FORMATS, KERNEL_BACKENDS, ROUNDINGS, SCALE_ENCODINGS, WIRES, GuardPolicy, WireConfig
 from fp8comm.errors import Fp8CommConfigError
 from fp8comm.gemm import BACKENDS as GEMM_BACKENDS
 from fp8comm.gemm import RECIPES
@@ -47,11 +50,51 @@ class TrafficConfig:
 
     def wire(self, check: bool | None) -> WireConfig:
         """The fp8comm.comm WireConfig of this traffic (check: the section's metadata-check setting)."""
-        return WireConfig(fmt=self.fmt, scaling=self.scaling, block_size=self.block_size, rounding=self.rounding,
-                          check=check)
+        return WireConfig(
+            fmt=self.fmt, scaling=self.scaling, block_size=self.block_size, rounding=self.rounding, check=check
+        )
 
     def describe(self) -> str:
         return self.wire(None).describe()
+
+
+RESIDUAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # key value -> WireConfig.residual_dtype (4 or 2 bytes)
+
+
+@dataclass(frozen=True)
+class GradientConfig(TrafficConfig):
+    """Gradient traffic: optional error feedback, each rank's FP8 quantization residual re-sent on the next step.
+
+    The residual covers this rank's whole gradient (every parameter, every owner's slice): under ZeRO-2/3 that
+    undoes gradient partitioning, so those stages need allow_unpartitioned_residuals (see docs/deepspeed.md)."""
+
+    error_feedback: bool = False
+    residual_dtype: str = "fp32"
+    allow_unpartitioned_residuals: bool = False
+
+    def wire(self, check: bool | None) -> WireConfig:
+        return (
+            super()
+            .wire(check)
+            .replace(error_feedback=self.error_feedback, residual_dtype=RESIDUAL_DTYPES[self.residual_dtype])
+        )
+
+    def describe(self) -> str:
+        return self.wire(None).describe()
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The numerics guard (fp8comm.comm.Guard): a bucket whose saturated-or-underflowed fraction stays above
+    `threshold` for `patience` steps sends BF16 (DeepSpeed's own collective) for `cooldown` steps."""
+
+    enabled: bool = False
+    threshold: float = 1e-3
+    patience: int = 3
+    cooldown: int = 50
+
+    def policy(self) -> GuardPolicy:
+        return GuardPolicy(threshold=self.threshold, patience=self.patience, cooldown=self.cooldown)
 
 
 @dataclass(frozen=True)
@@ -84,9 +127,10 @@ class Fp8CommDeepSpeedConfig:
     log: bool = True
     check: bool | None = None
     weights: TrafficConfig = field(default_factory=TrafficConfig)
-    gradients: TrafficConfig = field(default_factory=TrafficConfig)
+    gradients: GradientConfig = field(default_factory=GradientConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     gemm: GemmConfig = field(default_factory=GemmConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -105,20 +149,61 @@ def _nonneg(v) -> str | None:
     return None if v >= 0 else "must be >= 0"
 
 
-_WIRE = {"enabled": (bool, None, None), "fmt": (str, FORMATS, None), "scaling": (str, SCALE_ENCODINGS, None),
-         "block_size": (int, None, _positive_pow2), "rounding": (str, ROUNDINGS, None)}
+def _positive(v) -> str | None:
+    return None if v >= 1 else "must be >= 1 (steps)"
+
+
+def _fraction(v) -> str | None:
+    return None if 0 < v < 1 else "must be a fraction in (0, 1)"
+
+
+_WIRE = {
+    "enabled": (bool, None, None),
+    "fmt": (str, FORMATS, None),
+    "scaling": (str, SCALE_ENCODINGS, None),
+    "block_size": (int, None, _positive_pow2),
+    "rounding": (str, ROUNDINGS, None),
+}
+_GRAD = {
+    **_WIRE,
+    "error_feedback": (bool, None, None),
+    "residual_dtype": (str, tuple(RESIDUAL_DTYPES), None),
+    "allow_unpartitioned_residuals": (bool, None, None),
+}
+_GUARD = {
+    "enabled": (bool, None, None),
+    "threshold": ((float, int), None, _fraction),
+    "patience": (int, None, _positive),
+    "cooldown": (int, None, _positive),
+}
 _MOE = {**_WIRE, "combine": (str, MOE_WIRES, None), "grad": (str, MOE_WIRES, None)}
-_GEMM = {"enabled": (bool, None, None), "recipe": (str, None, None),
-         "skip_first_blocks": (int, None, _nonneg), "skip_last_blocks": (int, None, _nonneg),
-         "min_features": (int, None, _nonneg), "backend": (str, GEMM_BACKENDS, None),
-         "quant_backend": (str, KERNEL_BACKENDS, None)}
-_TOP = {"enabled": (bool, None, None), "mode": (str, MODES, None), "log": (bool, None, None),
-        "check": ((bool, type(None)), None, None)}
-_SECTIONS = {"weights": (_WIRE, TrafficConfig), "gradients": (_WIRE, TrafficConfig), "moe": (_MOE, MoeConfig),
-             "gemm": (_GEMM, GemmConfig)}
+_GEMM = {
+    "enabled": (bool, None, None),
+    "recipe": (str, None, None),
+    "skip_first_blocks": (int, None, _nonneg),
+    "skip_last_blocks": (int, None, _nonneg),
+    "min_features": (int, None, _nonneg),
+    "backend": (str, GEMM_BACKENDS, None),
+    "quant_backend": (str, KERNEL_BACKENDS, None),
+}
+_TOP = {
+    "enabled": (bool, None, None),
+    "mode": (str, MODES, None),
+    "log": (bool, None, None),
+    "check": ((bool, type(None)), None, None),
+}
+_SECTIONS: dict[str, tuple[dict, type]] = {
+    "weights": (_WIRE, TrafficConfig),
+    "gradients": (_GRAD, GradientConfig),
+    "moe": (_MOE, MoeConfig),
+    "gemm": (_GEMM, GemmConfig),
+    "guard": (_GUARD, GuardConfig),
+}
 
 
 def _type_name(t) -> str:
+    if t == (float, int):
+        return "a number"
     if isinstance(t, tuple):
         return " or ".join("null" if x is type(None) else x.__name__ for x in t)
     return {bool: "true/false", int: "an integer", str: "a string"}.get(t, t.__name__)
@@ -127,13 +212,14 @@ def _type_name(t) -> str:
 def _unknown(key: str, where: str, valid) -> Fp8CommConfigError:
     hint = difflib.get_close_matches(key, list(valid), n=1)
     did = f" (did you mean {hint[0]!r}?)" if hint else ""
-    return Fp8CommConfigError(f"unknown key '{where}{key}'{did}; valid keys in {where.rstrip('.') or SECTION}: "
-                              f"{', '.join(valid)}")
+    return Fp8CommConfigError(
+        f"unknown key '{where}{key}'{did}; valid keys in {where.rstrip('.') or SECTION}: {', '.join(valid)}"
+    )
 
 
 def _check_value(path: str, v, spec) -> None:
     typ, allowed, extra = spec
-    ok = isinstance(v, typ) and not (typ is int and isinstance(v, bool))
+    ok = isinstance(v, typ) and not (typ in (int, (float, int)) and isinstance(v, bool))
     if not ok:
         raise Fp8CommConfigError(f"{path} must be {_type_name(typ)}, got {v!r}")
     if allowed is not None and v not in allowed:
@@ -179,6 +265,22 @@ def parse(ds_config: dict | None) -> Fp8CommDeepSpeedConfig:
     cfg = Fp8CommDeepSpeedConfig(**kw)
     if cfg.gemm.enabled:
         _check_recipe(cfg.gemm.recipe)
+    g = cfg.gradients
+    if g.error_feedback and not g.enabled:
+        raise Fp8CommConfigError(
+            f"{SECTION}.gradients.error_feedback needs {SECTION}.gradients.enabled (error "
+            "feedback re-sends the FP8 gradient quantization error)"
+        )
+    if cfg.guard.enabled and cfg.measure_only:
+        raise Fp8CommConfigError(
+            f"{SECTION}.guard with mode 'measure': measure mode quantizes nothing, so there is "
+            "nothing to guard; drop one of them"
+        )
+    if g.error_feedback and cfg.measure_only:
+        raise Fp8CommConfigError(
+            f"{SECTION}.gradients.error_feedback with mode 'measure': measure mode quantizes "
+            "nothing, so there is no error to feed back; drop one of them"
+        )
     return cfg
 
 
@@ -186,11 +288,9 @@ def _check_recipe(name: str) -> None:
     if name not in RECIPES:
         hint = difflib.get_close_matches(name, list(RECIPES), n=1)
         did = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise Fp8CommConfigError(f"{SECTION}.gemm.recipe = {name!r} is not a recipe{did}; valid: "
-                                 f"{', '.join(RECIPES)}")
+        raise Fp8CommConfigError(f"{SECTION}.gemm.recipe = {name!r} is not a recipe{did}; valid: {', '.join(RECIPES)}")
 
 
 def defaults() -> dict:
     """Every option with its default (docs and tests use this, so the two never drift apart)."""
     return Fp8CommDeepSpeedConfig(enabled=True).as_dict()
-

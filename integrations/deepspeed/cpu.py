@@ -4,10 +4,12 @@ DeepSpeed's torch comm backend JIT-compiles a shared-memory op (deepspeed_shm_co
 first time, an error without a C++ compiler. Only the inference all-reduce uses it; training never does. A config
 "optimizer" section JIT-builds cpu fused Adam (~200 s); pass a torch.optim optimizer instead.
 """
+
 from __future__ import annotations
 
 import os
 import sys
+
 from fp8comm.errors import Fp8CommRuntimeError
 
 
@@ -21,6 +23,7 @@ def prepare(skip_shm_op: bool = True) -> None:
         # sys.modules to reach DeepSpeed's own module.
         mod = sys.modules["deepspeed.comm.torch"]
         if not hasattr(mod, "build_shm_op"):
-            raise Fp8CommRuntimeError("deepspeed.comm.torch.build_shm_op not found; this DeepSpeed release builds its CPU "
-                               "comm op elsewhere")
-        mod.build_shm_op = lambda: None
+            raise Fp8CommRuntimeError(
+                "deepspeed.comm.torch.build_shm_op not found; this DeepSpeed release builds its CPU comm op elsewhere"
+            )
+        setattr(mod, "build_shm_op", lambda: None)  # noqa: B010 (mypy: not a declared attribute)

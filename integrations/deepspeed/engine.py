@@ -1,58 +1,142 @@
-"""Turning the config flag into installed hooks: deepspeed.initialize wrapper, engine guard, install/uninstall.
+"""Turning the config flag into per-engine hooks: deepspeed.initialize wrapper, engine guard, install/uninstall.
 
-Order inside initialize(): validate the fp8_comm section -> check the DeepSpeed version, every hook target and the
-config combination -> patch -> convert linears (gemm) -> build the engine (DeepSpeed builds its optimizer here, so
-every hook is already in place) -> check the built engine (ZeRO stage, master weights separate from the gathered
-copy) -> one log line. Any failure undoes the patches before the error propagates.
+Order inside initialize(): validate the fp8_comm section -> check the DeepSpeed version, the hook targets and the
+config combination -> install the process-wide dispatchers (once) -> convert linears (gemm) -> build the engine ->
+check it (ZeRO stage, master weights separate from the gathered copy) -> attach: tag what DeepSpeed calls the hooks
+with (parameters, flat buffers, MoE layers) and wrap this engine's optimizer instance -> one log line.
 
-The hooks are process-wide (DeepSpeed looks the patched names up at call time), so one process runs engines with
-ONE fp8_comm setting at a time: building an engine with a different (or no) fp8_comm section while hooks are
-installed is an error, not a silent mix. uninstall() restores everything, deepspeed.initialize included.
+Scope is per engine: every engine gets exactly what its own config says. The dispatchers (DeepSpeed looks the
+patched names up at call time, without engine context) route each call to the EngineState it belongs to and
+call DeepSpeed's original for everything else, so engines with different sections, or none, share a process
+(RLHF actor/critic/reference/reward). One model (parameters) cannot follow two settings: that is an error.
 """
+
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
+import os
+import weakref
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from . import compat, moe, zero3, zero12
-from fp8comm.comm import default_check_policy
-from fp8comm.errors import Fp8CommStateError, Fp8CommUnsupportedError
+from fp8comm.comm import Guard, GuardBucket, default_check_policy
+from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError, Fp8CommUnsupportedError
 from fp8comm.gemm import Fp8Linear, convert_to_fp8
 
+from . import compat, moe, zero3, zero12
 from .config import SECTION, Fp8CommDeepSpeedConfig, parse
-from .patching import Accounting, Patcher, log
-from fp8comm.errors import Fp8CommRuntimeError
+from .patching import PASSTHROUGH, TAG, Accounting, Patcher, log, tag, wrap_method
+from .residuals import CHECKPOINT_FORMAT, Residuals, checkpoint_file
 
 
-class State:
-    """What is installed: the validated settings, patches, byte accounting, master-weight storages, gemm hooks."""
+class EngineState:
+    """One engine's fp8comm: validated settings, byte accounting, per-object hooks, residuals, master storages.
+
+    Hooks reach it through tags (patching.owner); detach() removes everything it put on DeepSpeed's objects."""
+
+    _count = 0
 
     def __init__(self, cfg: Fp8CommDeepSpeedConfig) -> None:
+        EngineState._count += 1
+        self.number = EngineState._count
         self.cfg = cfg
-        self.patcher = Patcher()
         self.acct = Accounting()
         self.masters: set[int] = set()  # untyped-storage pointers of fp32 master partitions
         self.handles: list = []  # hook handles (forward pre-hooks, optimizer step hooks)
-        self.undo: list = []  # callables restoring per-object patches (ZeRO-3 parameter wrappers)
+        self.undo: list = []  # callables removing tags and per-instance wrappers
         self.generation = 0  # bumped whenever the engine changes weights (step, checkpoint load)
-        self.conversion = None  # fp8comm.gemm ConversionReport
+        self.conversion: Any = None  # fp8comm.gemm ConversionReport
         self.summary: str = ""
+        self.names: dict[int, str] = {}  # id(parameter) -> its name in engine.module (residual and guard keys)
+        g = cfg.gradients
+        self.residuals = Residuals(g.residual_dtype) if g.enabled and g.error_feedback else None
+        self.guard = Guard(cfg.guard.policy()) if cfg.guard.enabled else None
+        self.moe_keys: dict[int, str] = {}  # id(MOELayer) -> its guard key "moe.<i>"
+        self.attached = False
+        self._engine: weakref.ref | None = None
+
+    @property
+    def engine(self):
+        return None if self._engine is None else self._engine()
+
+    def name_of(self, p) -> str:
+        n = self.names.get(id(p))
+        if n is None:
+            raise Fp8CommStateError(
+                f"fp8comm engine {self.number}: a parameter of shape {tuple(p.shape)} is not in "
+                "engine.module (added after the engine was built?); error feedback keys residuals "
+                "by parameter name"
+            )
+        return n
+
+    def route(self, key: str, device) -> tuple[str, GuardBucket | None]:
+        """("fp8", the guard bucket to count into, or None without a guard) or ("bf16", None) while the guard has
+        `key` falling back: the hook then runs DeepSpeed's own collective (counted: hooks "guard.<key>.bf16")."""
+        g = self.guard
+        if g is None:
+            return "fp8", None
+        if g.wire(key) == "bf16":
+            self.acct.hit(f"guard.{key}.bf16")
+            return "bf16", None
+        return "fp8", g.bucket(key, device)
 
     def check_not_master(self, t: torch.Tensor, what: str) -> None:
         if self.masters and t.untyped_storage().data_ptr() in self.masters:
-            raise Fp8CommRuntimeError(f"fp8comm {what}: the gather output is the fp32 master weights' storage; a lossy FP8 "
-                               "gather would overwrite the master copy. Set fp8_comm.weights false for this setup.")
+            raise Fp8CommRuntimeError(
+                f"fp8comm {what}: the gather output is the fp32 master weights' storage; a lossy "
+                "FP8 gather would overwrite the master copy. Set fp8_comm.weights false for "
+                "this setup."
+            )
+
+    def hook_stats(self) -> dict:
+        out = self.acct.snapshot()
+        if self.residuals is not None:
+            out["error_feedback"] = {
+                "residual_bytes": self.residuals.nbytes(),
+                "residuals": len(self.residuals.store),
+                "dtype": self.cfg.gradients.residual_dtype,
+                "skipped_step_resets": self.residuals.skipped_step_resets,
+            }
+        if self.guard is not None:
+            out["guard"] = self.guard.summary()
+        return out
+
+    def detach(self) -> None:
+        """Remove this engine's tags, wrappers and hooks: from now on it runs DeepSpeed's own collectives."""
+        self.attached = False
+        for h in self.handles:
+            h.remove()
+        for fn in reversed(self.undo):
+            fn()
+        self.handles.clear()
+        self.undo.clear()
 
 
-_STATE: State | None = None
+_HOOKS = Patcher()  # the process-wide dispatchers (installed once per traffic role, shared by every engine)
+_ROLES: set[str] = set()
+_ENGINES: list[EngineState] = []  # attached engines
+_LAST: list = [None]  # the most recently installed EngineState (summary())
+_BUILDING: contextvars.ContextVar = contextvars.ContextVar("fp8comm_building", default=None)
 _FLAG = Patcher()  # the config-flag patches (deepspeed.initialize, DeepSpeedEngine.__init__)
 _ORIG_INIT = None
 
 
-def state() -> State | None:
-    return _STATE
+def engine_state(engine=None) -> EngineState | None:
+    """The EngineState of `engine` (None: the most recently installed one); None when it has no fp8comm."""
+    if engine is None:
+        return _LAST[0]
+    es = getattr(engine, TAG, None)
+    return es if es is not None and es.attached else None
+
+
+def engines() -> list[EngineState]:
+    """Every attached engine's state, in build order (engines garbage-collected since drop out)."""
+    _ENGINES[:] = [es for es in _ENGINES if es.attached and es.engine is not None]
+    return list(_ENGINES)
 
 
 def _ds_config(bound: inspect.BoundArguments) -> dict | None:
@@ -70,87 +154,183 @@ def _ds_config(bound: inspect.BoundArguments) -> dict | None:
 
 
 # ----------------------------------------------------------------------------------------------- install
-def install(ds_config: dict, model: torch.nn.Module | None = None) -> State | None:
-    """Validate `ds_config`'s fp8_comm section and install its hooks; with `model`, also convert its linears (gemm).
+def _install_dispatchers(cfg: Fp8CommDeepSpeedConfig) -> None:
+    """Check and install the dispatchers of every traffic role `cfg` needs that is not installed yet."""
+    want = [r for r in ("weights", "gradients", "moe") if getattr(cfg, r).enabled and r not in _ROLES]
+    for role in want:
+        compat.check_role(role)
+    n = len(_HOOKS)
+    try:
+        for role in want:
+            for mod in (zero3, zero12, moe):
+                mod.install(_HOOKS, role)
+            _ROLES.add(role)
+    except BaseException:
+        _HOOKS.restore(keep=n)
+        raise
 
-    Returns None (installs nothing) when the section is absent or disabled. Call before building the engine (for
-    zero.Init users: before building the model too). deepspeed.initialize calls this for you."""
-    global _STATE
+
+def install(ds_config: dict, model: torch.nn.Module | None = None) -> EngineState | None:
+    """Validate `ds_config`'s fp8_comm section, install the dispatchers it needs and, with `model`, convert its
+    linears (gemm); returns the EngineState for the engine about to be built (None: section absent or disabled).
+
+    deepspeed.initialize calls this for you and attaches the state to the built engine."""
     cfg = parse(ds_config)
     if not cfg.enabled:
         return None
-    if _STATE is not None and _STATE.cfg != cfg:
-        raise Fp8CommStateError("fp8comm hooks are already installed with different fp8_comm settings; call "
-                                "fp8comm.integrations.deepspeed.uninstall() first")
     version = compat.check_version()
     combo = compat.check_combination(ds_config, cfg, model)
-    st = _STATE
-    if st is None:
-        compat.check_targets(cfg)
-        st = State(cfg)
-        try:
-            for mod in (zero3, zero12, moe):
-                mod.install(st.patcher, st)
-        except BaseException:
-            st.patcher.restore()
-            raise
-        st.acct.reset()
-        _STATE = st
+    _install_dispatchers(cfg)
+    es = EngineState(cfg)
     if model is not None and cfg.gemm.enabled:
         g = cfg.gemm
         # ZeRO-3 holds a full weight only while it is gathered: keep no FP8 copy beyond its GEMM (Fp8Linear)
-        st.conversion = convert_to_fp8(model, g.recipe, skip_first_blocks=g.skip_first_blocks,
-                                       skip_last_blocks=g.skip_last_blocks, min_features=g.min_features,
-                                       backend=g.backend, quant_backend=g.quant_backend,
-                                       weight_cache="gathered" if combo["stage"] == 3 else "step")
-    st.summary = _describe(cfg, version, combo, model, st.conversion)
-    return st
+        es.conversion = convert_to_fp8(
+            model,
+            g.recipe,
+            skip_first_blocks=g.skip_first_blocks,
+            skip_last_blocks=g.skip_last_blocks,
+            min_features=g.min_features,
+            backend=g.backend,
+            quant_backend=g.quant_backend,
+            weight_cache="gathered" if combo["stage"] == 3 else "step",
+        )
+    es.summary = _describe(cfg, version, combo, model, es.conversion)
+    _LAST[0] = es
+    return es
 
 
-def uninstall() -> None:
-    """Remove every hook and restore DeepSpeed (deepspeed.initialize included); a no-op when nothing is in."""
-    global _STATE
-    st, _STATE = _STATE, None
-    if st is not None:
-        _undo_objects(st)
-        for w in st.patcher.restore():
-            log.warning(w)
+def uninstall(engine=None) -> None:
+    """With `engine`: detach that engine only (it runs DeepSpeed's own collectives from then on). Without: detach
+    every engine and restore DeepSpeed entirely (deepspeed.initialize included); a no-op when nothing is in."""
+    if engine is not None:
+        es = engine_state(engine)
+        if es is not None:
+            es.detach()
+            engine.__dict__.pop(TAG, None)
+        engines()
+        return
+    for es in list(_ENGINES):
+        es.detach()
+        e = es.engine
+        if e is not None:
+            e.__dict__.pop(TAG, None)
+    _ENGINES.clear()
+    _LAST[0] = None
+    _remove_dispatchers()
     for w in _FLAG.restore():
         log.warning(w)
 
 
-def _undo_objects(st: State) -> None:
-    for h in st.handles:
-        h.remove()
-    for fn in reversed(st.undo):
-        fn()
-    st.handles.clear()
-    st.undo.clear()
+def _remove_dispatchers() -> None:
+    for w in _HOOKS.restore():
+        log.warning(w)
+    _ROLES.clear()
+    PASSTHROUGH.reset()
 
 
 # ------------------------------------------------------------------------------------------- after the build
-def _after_build(st: State, engine) -> None:
-    """Checks on the built engine, master-weight registry, weight-change tracking for Fp8Linear caches."""
-    cfg = st.cfg
+def _check_model_free(model, cfg: Fp8CommDeepSpeedConfig) -> None:
+    """A parameter is gathered and reduced by ONE engine's hooks: refuse a model attached to another fp8comm engine."""
+    if model is None:
+        return
+    for p in model.parameters():
+        other = getattr(p, TAG, None)
+        if other is not None and other.attached and other.engine is None and other in _ENGINES:
+            other.detach()  # its engine was garbage-collected: the model is free again
+        if other is not None and other.attached:
+            raise Fp8CommStateError(
+                f"this model's parameters already belong to fp8comm engine {other.number}; a parameter follows one "
+                f"engine's fp8_comm section ({'this config has its own' if cfg.enabled else 'this config has none'}). "
+                "Build the second engine on a separate model copy, or call "
+                "fp8comm.integrations.deepspeed.uninstall(other_engine) first."
+            )
+
+
+def _after_build(es: EngineState, engine) -> None:
+    """Checks on the built engine, master-weight registry, per-engine tags and wrappers, weight-change tracking."""
+    cfg = es.cfg
     opt = engine.optimizer
     stage = engine.zero_optimization_stage()
+    es._engine = weakref.ref(engine)
+    es.names = {id(p): n for n, p in engine.module.named_parameters()}
+    es.attached = True
+    tag(es, engine)
+    for p in engine.module.parameters():
+        tag(es, p)
     if cfg.weights.enabled or cfg.gradients.enabled:
-        masters = getattr(opt, "fp32_partitioned_groups_flat", None) if stage == 3 else \
-            getattr(opt, "single_partition_of_fp32_groups", None)
+        masters = (
+            getattr(opt, "fp32_partitioned_groups_flat", None)
+            if stage == 3
+            else getattr(opt, "single_partition_of_fp32_groups", None)
+        )
         if masters is None:
-            raise Fp8CommUnsupportedError(f"fp8comm: ZeRO-{stage} optimizer {type(opt).__name__} has no fp32 master "
-                                          "partitions where expected; this optimizer is not supported")
-        st.masters |= {m.untyped_storage().data_ptr() for m in masters if m.numel()}
-        if stage == 3 and cfg.weights.enabled and not cfg.measure_only:
-            zero3.wrap_params(st, engine.module)
-        if stage in (1, 2) and cfg.weights.enabled:
-            for flat in opt.bit16_groups_flat:
-                st.check_not_master(flat, "ZeRO-1/2 weight all-gather")
+            raise Fp8CommUnsupportedError(
+                f"fp8comm: ZeRO-{stage} optimizer {type(opt).__name__} has no fp32 master "
+                "partitions where expected; this optimizer is not supported"
+            )
+        es.masters |= {m.untyped_storage().data_ptr() for m in masters if m.numel()}
+        if stage == 3:
+            zero3.attach(es, engine)
+        else:
+            if cfg.weights.enabled:
+                for flat in opt.bit16_groups_flat:
+                    es.check_not_master(flat, "ZeRO-1/2 weight all-gather")
+            zero12.attach(es, engine)
+    if cfg.moe.enabled:
+        moe.attach(es, engine.module)
+    if es.guard is not None:
+        _guard_buckets(es, engine)
+    if es.residuals is not None or es.guard is not None:
+        _after_step(es, engine)
     if cfg.gemm.enabled:
-        _track_weight_changes(st, engine)
+        _track_weight_changes(es, engine)
+    if es.residuals is not None or es.guard is not None or cfg.gemm.enabled:
+        _wrap_checkpoints(es, engine)
+    _ENGINES.append(es)
 
 
-def _track_weight_changes(st: State, engine) -> None:
+def _guard_buckets(es: EngineState, engine) -> None:
+    """The guard decides over the engine's data-parallel group; its buckets are registered here, in one fixed order
+    on every rank: "weights", "gradients", then "moe.<i>" per MoE layer (module order)."""
+    g = es.guard
+    assert g is not None
+    g.group = getattr(engine.optimizer, "dp_process_group", None)
+    device = next(engine.module.parameters()).device
+    cfg = es.cfg
+    for key, on in (("weights", cfg.weights.enabled), ("gradients", cfg.gradients.enabled)):
+        if on:
+            g.bucket(key, device)
+    for key in es.moe_keys.values():
+        g.bucket(key, device)
+
+
+def _after_step(es: EngineState, engine) -> None:
+    """After each optimizer step (DeepSpeed's overflow check has run and synchronized the ranks): a step DeepSpeed
+    skipped (inf/NaN, fp16 overflow) zeroes every residual; the guard takes its per-step decision."""
+    opt = engine.optimizer
+
+    def make(step):
+        @functools.wraps(step)
+        def wrapped(*a, **k):
+            out = step(*a, **k)
+            if es.residuals is not None and getattr(opt, "overflow", False):
+                es.residuals.reset()
+                es.acct.hit("error_feedback.skipped_step_reset")
+            if es.guard is not None:
+                before = sum(s.switches for s in es.guard.states.values())
+                es.guard.step()
+                switched = sum(s.switches for s in es.guard.states.values()) - before
+                if switched:
+                    es.acct.hit("guard.switches", switched)
+            return out
+
+        return wrapped
+
+    wrap_method(es, opt, "step", make)
+
+
+def _track_weight_changes(es: EngineState, engine) -> None:
     """Make Fp8Linear re-quantize its weight after every optimizer step and checkpoint load.
 
     Fp8Linear caches its FP8 weight keyed on (version counter, data_ptr). DeepSpeed updates weights through
@@ -158,37 +338,101 @@ def _track_weight_changes(st: State, engine) -> None:
     parameter's own version counter, so the cache would go stale; a generation counter closes that gap."""
     basic = getattr(engine, "basic_optimizer", None)
     if not isinstance(basic, torch.optim.Optimizer):
-        raise Fp8CommUnsupportedError(f"fp8_comm.gemm needs a torch.optim.Optimizer underneath DeepSpeed, got "
-                                      f"{type(basic).__name__}")
+        raise Fp8CommUnsupportedError(
+            f"fp8_comm.gemm needs a torch.optim.Optimizer underneath DeepSpeed, got {type(basic).__name__}"
+        )
 
     def bump(*_):
-        st.generation += 1
+        es.generation += 1
 
-    st.handles.append(basic.register_step_post_hook(bump))
+    es.handles.append(basic.register_step_post_hook(bump))
 
     def pre(m, _inputs):
-        if getattr(m, "_fp8comm_generation", None) != st.generation:
+        if getattr(m, "_fp8comm_generation", None) != es.generation:
             m.invalidate_weight_cache()
-            m._fp8comm_generation = st.generation
+            m._fp8comm_generation = es.generation
 
     for m in engine.module.modules():
         if isinstance(m, Fp8Linear):
-            st.handles.append(m.register_forward_pre_hook(pre))
-    load = engine.load_checkpoint
+            es.handles.append(m.register_forward_pre_hook(pre))
 
-    @functools.wraps(load)
-    def load_checkpoint(*a, **k):
-        try:
-            return load(*a, **k)
-        finally:
-            bump()
 
-    engine.load_checkpoint = load_checkpoint
+def _wrap_checkpoints(es: EngineState, engine) -> None:
+    """save_checkpoint/load_checkpoint carry this rank's residuals (and guard state) in a per-rank file next to
+    DeepSpeed's (residuals differ by rank); a load also invalidates FP8 GEMM weight caches."""
+
+    def make_save(save):
+        @functools.wraps(save)
+        def save_checkpoint(save_dir, tag=None, *a, **k):
+            tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+            out = save(save_dir, tag, *a, **k)
+            state = _checkpoint_state(es)
+            if state:
+                path = checkpoint_file(save_dir, tag, dist.get_rank())
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(state, path)
+            return out
+
+        return save_checkpoint
+
+    def make_load(load):
+        @functools.wraps(load)
+        def load_checkpoint(load_dir, tag=None, *a, **k):
+            try:
+                out = load(load_dir, tag, *a, **k)
+            finally:
+                es.generation += 1
+            # DeepSpeed's order after tag: load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+            # load_module_only
+            optim = k.get("load_optimizer_states", a[1] if len(a) > 1 else True)
+            module_only = k.get("load_module_only", a[3] if len(a) > 3 else False)
+            if out is not None and out[0] is not None and optim and not module_only:
+                if tag is None:
+                    with open(os.path.join(load_dir, "latest")) as f:
+                        tag = f.read().strip()
+                _load_state(es, checkpoint_file(load_dir, tag, dist.get_rank()))
+            return out
+
+        return load_checkpoint
+
+    if es.residuals is not None or es.guard is not None:
+        wrap_method(es, engine, "save_checkpoint", make_save)
+    wrap_method(es, engine, "load_checkpoint", make_load)
+
+
+def _checkpoint_state(es: EngineState) -> dict:
+    state = {}
+    if es.residuals is not None:
+        state["error_feedback"] = es.residuals.state_dict()
+    if es.guard is not None:
+        state["guard"] = es.guard.state_dict()
+    return {"format": CHECKPOINT_FORMAT, **state} if state else {}
+
+
+def _load_state(es: EngineState, path: str) -> None:
+    if es.residuals is None and es.guard is None:
+        return
+    if not os.path.exists(path):
+        # Not an error (a checkpoint saved without error feedback or guard), but never silent.
+        es.acct.hit("checkpoint.no_fp8comm_state")
+        log.warning(f"fp8comm: {path} not found; error-feedback residuals start at zero and the guard from scratch")
+        if es.residuals is not None:
+            es.residuals.store.clear()
+        return
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if es.residuals is not None:
+        if "error_feedback" not in state:
+            raise Fp8CommStateError(
+                f"fp8comm: {path} holds no error-feedback residuals, but this engine has "
+                "fp8_comm.gradients.error_feedback on"
+            )
+        es.residuals.load_state_dict(state["error_feedback"])
+    if es.guard is not None and "guard" in state:
+        es.guard.load_state_dict(state["guard"])
+    es.acct.hit("checkpoint.fp8comm_state_loaded")
 
 
 def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, conversion) -> str:
-    import torch.distributed as dist
-
     world = dist.get_world_size() if dist.is_initialized() else "?"
     head = f"fp8comm: DeepSpeed {version}, ZeRO-{combo['stage']} {combo['dtype']}, {world} ranks"
     if cfg.measure_only:
@@ -204,9 +448,18 @@ def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, con
         parts.append(f"MoE dispatch FP8 (MoE layers: {n}; combine {cfg.moe.combine}, backward {cfg.moe.grad})")
     if cfg.gemm.enabled and conversion is not None:
         parts.append(f"GEMMs FP8 {conversion.recipe} ({len(conversion.converted)} linears)")
+    if cfg.guard.enabled:
+        g = cfg.guard
+        parts.append(
+            f"guard on (BF16 for {g.cooldown} steps after {g.patience} steps over {g.threshold:.2%} "
+            "saturated or underflowed)"
+        )
     if cfg.check is None:
-        check = {"first": "on the first calls per group", "always": "on every call (FP8COMM_CHECK=always)",
-                 "never": "off (FP8COMM_CHECK=never)"}[default_check_policy()]
+        check = {
+            "first": "on the first calls per group",
+            "always": "on every call (FP8COMM_CHECK=always)",
+            "never": "off (FP8COMM_CHECK=never)",
+        }[default_check_policy()]
     else:
         check = "on every call" if cfg.check else "off"
     return head + ": " + ("; ".join(parts) or "nothing enabled") + f"; metadata check {check}"
@@ -221,34 +474,27 @@ def initialize(*args, **kwargs):
     bound = inspect.signature(orig).bind(*args, **kwargs)
     ds_config = _ds_config(bound)
     cfg = parse(ds_config)
+    _check_model_free(bound.arguments.get("model"), cfg)
     if not cfg.enabled:
-        if _STATE is not None:
-            raise Fp8CommStateError(_MIXED)
-        return orig(*args, **kwargs)
+        return orig(*args, **kwargs)  # DeepSpeed alone: the dispatchers pass this engine's calls through
     # dist must be up before the checks (ranks in the log line, DeepSpeed's group helpers); DeepSpeed would do
     # exactly this first thing inside initialize anyway.
     _init_dist(bound)
-    fresh = _STATE is None
-    st = install(ds_config, bound.arguments.get("model"))
+    es = install(ds_config, bound.arguments.get("model"))
+    token = _BUILDING.set(es)
     try:
         result = orig(*args, **kwargs)
-        _after_build(st, result[0])
+        _after_build(es, result[0])
     except BaseException:
-        if fresh:
-            _uninstall_hooks()
+        es.detach()
+        if not engines():
+            _remove_dispatchers()  # nothing else uses them: DeepSpeed as before the failed build
         raise
+    finally:
+        _BUILDING.reset(token)
     if cfg.log:
-        _log_rank0(st.summary)
+        _log_rank0(f"{es.summary} [engine {es.number}]")
     return result
-
-
-def _uninstall_hooks() -> None:
-    """Remove the comm hooks but keep deepspeed.initialize honouring the flag."""
-    global _STATE
-    st, _STATE = _STATE, None
-    if st is not None:
-        _undo_objects(st)
-        st.patcher.restore()
 
 
 def _init_dist(bound) -> None:
@@ -256,8 +502,10 @@ def _init_dist(bound) -> None:
     from deepspeed.accelerator import get_accelerator
 
     a = bound.arguments
-    kw = {"dist_backend": get_accelerator().communication_backend_name(),
-          "dist_init_required": a.get("dist_init_required")}
+    kw = {
+        "dist_backend": get_accelerator().communication_backend_name(),
+        "dist_init_required": a.get("dist_init_required"),
+    }
     if "distributed_port" in a:
         kw["distributed_port"] = a["distributed_port"]
     deepspeed.init_distributed(**kw)
@@ -272,11 +520,6 @@ def _log_rank0(msg: str) -> None:
     log.info(msg)
 
 
-_MIXED = ("fp8comm hooks are installed (process-wide) for another engine, and this engine's config has no enabled "
-          "fp8_comm section: it would silently get FP8 communication. Call "
-          "fp8comm.integrations.deepspeed.uninstall() before building it.")
-
-
 # ------------------------------------------------------------------------------------------- config flag
 def enable_config_flag() -> None:
     """Make deepspeed.initialize honour "fp8_comm" and guard every engine build against a bypassed flag."""
@@ -285,15 +528,35 @@ def enable_config_flag() -> None:
 
     if len(_FLAG):
         return
-    compat.check_target(compat.Target("initialize", "deepspeed", "initialize", (
-        "args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "distributed_port",
-        "mpu", "dist_init_required", "collate_fn", "config", "mesh_param", "config_params")))
+    compat.check_target(
+        compat.Target(
+            "initialize",
+            "deepspeed",
+            "initialize",
+            (
+                "args",
+                "model",
+                "optimizer",
+                "model_parameters",
+                "training_data",
+                "lr_scheduler",
+                "distributed_port",
+                "mpu",
+                "dist_init_required",
+                "collate_fn",
+                "config",
+                "mesh_param",
+                "config_params",
+            ),
+        )
+    )
     _ORIG_INIT = deepspeed.initialize
 
     def make_init(orig):
         @functools.wraps(orig)
         def wrapped(*args, **kwargs):
             return initialize(*args, **kwargs)
+
         return wrapped
 
     _FLAG.set("deepspeed", "initialize", make_init)
@@ -301,7 +564,7 @@ def enable_config_flag() -> None:
 
 
 def _guarded_engine_init(orig):
-    """Refuse an engine whose config and the installed hooks disagree (see the module docstring)."""
+    """Refuse an engine whose config enables fp8_comm but that is not being built by initialize() (no hooks)."""
 
     @functools.wraps(orig)
     def __init__(self, *args, **kwargs):
@@ -309,14 +572,14 @@ def _guarded_engine_init(orig):
         raw = getattr(cc, "_param_dict", None) if cc is not None else kwargs.get("config")
         if isinstance(raw, dict):
             cfg = parse(raw)
-            if cfg.enabled and (_STATE is None or _STATE.cfg != cfg):
+            building = _BUILDING.get()
+            if cfg.enabled and (building is None or building.cfg != cfg):
                 raise Fp8CommStateError(
                     f"this engine's config enables {SECTION}, but its hooks are not installed: the engine was built "
                     "through a deepspeed.initialize bound before `import fp8comm.integrations.deepspeed` (e.g. "
                     "`from deepspeed import initialize`), or after uninstall(). Use "
-                    "fp8comm.integrations.deepspeed.initialize(...).")
-            if not cfg.enabled and _STATE is not None:
-                raise Fp8CommStateError(_MIXED)
+                    "fp8comm.integrations.deepspeed.initialize(...)."
+                )
         return orig(self, *args, **kwargs)
 
     return __init__

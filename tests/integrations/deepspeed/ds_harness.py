@@ -1,4 +1,5 @@
 """Launch one scenario of ds_worker.py with torchrun (2 gloo ranks, CPU DeepSpeed) and collect its results."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,17 @@ def launch(scenario: str, outdir: Path, ranks: int = 2, timeout: float = 300.0, 
     """{"returncode", "timed_out", "results": {rank: [records]}, "log": tail of the output}."""
     outdir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           str(HERE / "ds_worker.py"), scenario, str(outdir), ",".join(only or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        str(HERE / "ds_worker.py"),
+        scenario,
+        str(outdir),
+        ",".join(only or []),
+    ]
     log = outdir / "log.txt"
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
@@ -60,11 +70,29 @@ def summary(run: dict) -> str:
         if x.get("state") != "done":
             continue
         info = x.get("info", {})
-        keys = ("rel", "tol", "ratio_w", "ratio_g", "ratio_dispatch", "ratio_combine", "ratio_backward",
-                "fp8_linears", "min_weight_quantizations", "hpz_secondary_gathers", "grad_rel_err_max",
-                "local_grad_rel_err_median")
-        extra = " ".join(f"{k}={info[k]:.4g}" if isinstance(info[k], float) else f"{k}={info[k]}"
-                         for k in keys if k in info)
+        keys = (
+            "rel",
+            "tol",
+            "ratio_w",
+            "ratio_g",
+            "ratio_dispatch",
+            "ratio_combine",
+            "ratio_backward",
+            "fp8_linears",
+            "min_weight_quantizations",
+            "hpz_secondary_gathers",
+            "grad_rel_err_max",
+            "local_grad_rel_err_median",
+            "rel_vs_moe_ep2_dispatch_fp8",
+            "step_sqnr_db_mean",
+            "sum_sqnr_db",
+            "plain_sum_sqnr_db",
+            "exact",
+            "owned_elements",
+        )
+        extra = " ".join(
+            f"{k}={info[k]:.4g}" if isinstance(info[k], float) else f"{k}={info[k]}" for k in keys if k in info
+        )
         if "comm_stats" in info:
             extra += " comm_stats ratio " + ",".join(f"{k}={v}" for k, v in info["comm_stats"].items())
         lines.append(f"  {x['check']:<36} {'ok' if x['ok'] else 'FAIL'} {x['seconds']:6.1f}s {extra}")

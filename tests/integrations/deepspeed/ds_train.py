@@ -3,6 +3,7 @@
 Every run of a configuration sees the same initial weights and the same batches (seeded by step and rank), so a
 baseline and an FP8 run differ only by what fp8comm changes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +14,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import deepspeed
 import fp8comm.integrations.deepspeed as fd
 from fp8comm.tools.gpt import GPT, GPTConfig
 
@@ -38,8 +38,8 @@ DATA, VOCAB = corpus()
 def batch(step: int, rank: int, batch_size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100_003 * step + rank)
     ix = torch.randint(len(DATA) - BLOCK - 1, (batch_size,), generator=g)
-    x = torch.stack([DATA[i:i + BLOCK] for i in ix])
-    return x, torch.stack([DATA[i + 1:i + 1 + BLOCK] for i in ix])
+    x = torch.stack([DATA[i : i + BLOCK] for i in ix])
+    return x, torch.stack([DATA[i + 1 : i + 1 + BLOCK] for i in ix])
 
 
 def tiny_gpt(n_layer: int = 2, n_embd: int = 64) -> nn.Module:
@@ -57,8 +57,16 @@ class MoEModel(nn.Module):
         self.wpe = nn.Embedding(BLOCK, hidden)
         expert = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
         # capacity_factor 2 + min_capacity: few tokens dropped, and a fixed capacity (padding) per expert.
-        self.moe = MoE(hidden, expert, num_experts=num_experts, ep_size=ep_size, k=1, capacity_factor=2.0,
-                       min_capacity=8, use_rts=False)
+        self.moe = MoE(
+            hidden,
+            expert,
+            num_experts=num_experts,
+            ep_size=ep_size,
+            k=1,
+            capacity_factor=2.0,
+            min_capacity=8,
+            use_rts=False,
+        )
         self.ln = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, VOCAB)
 
@@ -70,8 +78,14 @@ class MoEModel(nn.Module):
 
 
 def ds_config(stage: int, dtype: str, fp8: dict | None = None, **zero) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
-           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, **zero}, "wall_clock_breakdown": False}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, **zero},
+        "wall_clock_breakdown": False,
+    }
     if stage == 3:  # gather every parameter through the hook (DeepSpeed keeps tiny ones resident otherwise)
         cfg["zero_optimization"].setdefault("stage3_param_persistence_threshold", 0)
     if dtype == "bf16":
@@ -98,7 +112,8 @@ def build(cfg: dict, model_fn=tiny_gpt, seed: int = 0, init=None):
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
         params = split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(model.parameters()), "name": "params"})
+            {"params": list(model.parameters()), "name": "params"}
+        )
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     engine, *_ = (init or fd.initialize)(model=model, optimizer=opt, config=cfg)
     return engine, model
@@ -118,7 +133,7 @@ def train(engine, steps: range, on_step=None) -> Run:
         dist.all_reduce(mean)
         run.losses.append(mean.item() / dist.get_world_size())
     run.skipped = int(getattr(engine, "skipped_steps", 0))
-    run.stats = fd.hook_stats()
+    run.stats = fd.hook_stats(engine)
     return run
 
 
@@ -150,6 +165,7 @@ def full_params_digest(engine) -> str:
         def grab(m, _inp):
             for n, p in m.named_parameters(recurse=False):
                 seen[f"{name}.{n}"] = p.detach().clone()
+
         return grab
 
     hooks = [m.register_forward_pre_hook(grabber(name)) for name, m in engine.module.named_modules()]

@@ -4,6 +4,7 @@
 
 After a failed check the ranks stop (collectives may be out of step); the parent reports which check it was.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,123 +16,20 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fp8comm.integrations.deepspeed import cpu  # noqa: E402
+from fp8comm.integrations.deepspeed import cpu
 
 cpu.prepare()
 
+import deepspeed  # noqa: E402
+import ds_train as T  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from ds_checks_grad import zero1_fp32_error_feedback, zero2_bf16_fp32_accumulation  # noqa: E402
+from ds_checks_guard import guard_fallback  # noqa: E402
+from ds_checks_scope import engines_per_scope  # noqa: E402
+from ds_common import SMALL_BUCKET, SQNR, SQNR_STEPS, STEPS, TOL_COMM, TOL_GEMM, GradSqnr, baseline, check_ratio, parity  # noqa: E402
 
-import deepspeed  # noqa: E402
-import fp8comm.comm as fc  # noqa: E402
 import fp8comm.integrations.deepspeed as fd  # noqa: E402
-import ds_train as T  # noqa: E402
-
-STEPS = 30
-# Loss parity: |mean of the last 10 step losses, FP8 vs baseline| / baseline. Stated in docs/deepspeed.md; the
-# measured values are reported by every check (info["rel"]). Trajectories drift apart chaotically at the 0.1-1%
-# level from any perturbation (even DeepSpeed's own state from earlier engines in the process moves the baseline
-# by ~0.3%), so the exact check of the reduction itself is grad_check below, not this.
-TOL_COMM = 0.02
-SMALL_BUCKET = 20000  # elements: several ZeRO-1/2 reduce buckets per step (the tiny GPT has ~110k parameters)
-TOL_GEMM = 0.02
-# Per-tensor relative error of a reduced step-0 gradient: 2 x the unit roundoff of e4m3 (3 mantissa bits: 2^-4),
-# room for FP8 gradients plus FP8-gathered weights in the forward (ZeRO-3) on top of bf16.
-GRAD_BOUND = 2 * 2.0 ** -4
-
-
-def expected_ratio(itemsize: int, block: int, algorithm_factor: int = 1) -> float:
-    """Bytes saved by FP8 + one fp32 scale per block, vs `itemsize` bytes per element (x2 where DeepSpeed
-    all-reduces what fp8comm reduce-scatters)."""
-    return algorithm_factor * itemsize / (1 + 4 / block)
-
-
-_BASELINES: dict = {}  # baseline losses per DeepSpeed config: several checks compare against the same run
-
-
-def baseline(cfg: dict, steps: int = STEPS, model_fn=T.tiny_gpt) -> list:
-    key = json.dumps([cfg, steps, model_fn.__name__], sort_keys=True)
-    if key not in _BASELINES:
-        eng, _ = T.build(cfg, model_fn=model_fn)
-        _BASELINES[key] = T.train(eng, range(steps)).losses
-        T.destroy(eng)
-    return _BASELINES[key]
-
-
-_REFERENCE: dict = {}
-
-
-def reference_grads() -> dict:
-    """Exact step-0 gradients: a plain fp32 copy of the model, each rank's batch, averaged over ranks."""
-    if not _REFERENCE:
-        torch.manual_seed(0)
-        model = T.tiny_gpt()
-        _, loss = model(*T.batch(0, dist.get_rank()))
-        loss.backward()
-        for n, p in model.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            _REFERENCE[n] = (g / dist.get_world_size(), p.grad.clone())
-    return _REFERENCE
-
-
-def grad_check(engine, info: dict) -> None:
-    """Reduced step-0 gradients vs the exact average. A reduction that lost other ranks' contributions would
-    look like this rank's own gradient: its error is computed too and must be far outside the bound."""
-    from deepspeed.utils import safe_get_full_grad
-
-    ref = reference_grads()
-    errs, local = [], []
-    for n, p in engine.module.named_parameters():
-        g = safe_get_full_grad(p).float()  # collective under ZeRO-3: every rank, same order
-        avg, own = ref[n]
-        errs.append(((g - avg).norm() / avg.norm()).item())
-        local.append(((own - avg).norm() / avg.norm()).item())
-    info["grad_rel_err_max"], info["local_grad_rel_err_median"] = max(errs), sorted(local)[len(local) // 2]
-    assert max(errs) <= GRAD_BOUND, f"reduced gradient off by {max(errs):.3f} > {GRAD_BOUND} (relative)"
-    assert info["local_grad_rel_err_median"] > 2 * GRAD_BOUND, "the gradient check could not tell a missing " \
-                                                               "reduction apart"
-
-
-def parity(info: dict, stage: int, dtype: str, fp8: dict | None = None, tol: float = TOL_COMM, init=None,
-           env: dict | None = None, **zero) -> T.Run:
-    # qgZ cannot run on CPU without fp8comm (int4 CUDA kernels): its baseline is the plain reduce-scatter.
-    base = T.Run(losses=baseline(T.ds_config(stage, dtype, **{k: v for k, v in zero.items()
-                                                                if k != "zero_quantized_gradients"})))
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    fc.reset_comm_stats()
-    try:
-        eng, _ = T.build(T.ds_config(stage, dtype, fp8 if fp8 is not None else {"gemm": False}, **zero), init=init)
-        run = T.train(eng, range(STEPS), on_step=lambda step: step == 0 and grad_check(eng, info))
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    comm = fc.comm_stats()  # the collectives' own counters, independent of the integration's accounting
-    digests = T.rank_digests(T.full_params_digest(eng))
-    rel = T.rel_diff(run.losses, base.losses)
-    info["comm_stats"] = {op: round(v["ratio"], 3) for op, v in comm.items() if v["wire_bytes"]}
-    moved = [op for op in ("all_gather", "reduce_scatter", "all_to_all") if comm.get(op, {}).get("wire_bytes")]
-    assert len(moved) >= 2, f"fp8comm.comm_stats() shows no FP8 weight + gradient traffic: {comm}"
-    info.update(stage=stage, dtype=dtype, rel=round(rel, 5), tol=tol, base_final=round(base.losses[-1], 4),
-                fp8_final=round(run.losses[-1], 4), stats=run.stats, summary=fd.summary())
-    assert len(set(digests)) == 1, f"parameters differ across ranks: {digests}"
-    assert run.losses != base.losses, "FP8 run is bit-identical to the baseline: the hooks changed nothing"
-    for r in (base, run):  # both actually trained
-        assert sum(r.losses[-10:]) / 10 < sum(r.losses[:5]) / 5, r.losses
-    assert rel <= tol, f"loss mean over the last 10 steps differs by {rel:.4f} > {tol} ({run.losses[-10:]} vs " \
-                       f"{base.losses[-10:]})"
-    T.destroy(eng)
-    return run
-
-
-def check_ratio(stats: dict, role: str, itemsize: int, block: int = 128, factor: int = 1) -> float:
-    s = stats[role]
-    assert s["fp8_calls"] > 0 and s["wire_bytes"] > 0, f"no FP8 {role} traffic: {s}"
-    want = expected_ratio(itemsize, block, factor)
-    # Slack for the 16-byte alignment of each chunk's scales and for padding rows (small buckets).
-    assert s["ratio"] >= 0.9 * want, f"{role}: bytes ratio {s['ratio']:.3f} < 0.9 x {want:.3f}"
-    return s["ratio"]
 
 
 # --------------------------------------------------------------------------------------------- scenario: zero
@@ -145,7 +43,8 @@ def zero3_bf16_flag(info):
     info["ratio_g"] = check_ratio(run.stats, "gradients", 2)
     fd.uninstall()
     assert deepspeed.initialize is orig and not fd.is_installed()
-    from deepspeed.runtime.zero import partition_parameters as pp, stage3
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from deepspeed.runtime.zero import stage3
 
     assert not getattr(pp._dist_allgather_fn, "_fp8comm_hook", False)
     assert not getattr(stage3.reduce_scatter_coalesced, "_fp8comm_hook", False)
@@ -153,7 +52,11 @@ def zero3_bf16_flag(info):
 
 def _zero(stage, dtype, factor, **zero):
     def check(info):
-        run = parity(info, stage, dtype, **zero)
+        sq = GradSqnr(SQNR_STEPS) if (stage, dtype) == (1, "fp32") else None  # zero1_fp32_error_feedback uses it
+        run = parity(info, stage, dtype, on_step=sq, **zero)
+        if sq is not None:
+            SQNR["zero1_fp32"] = sq
+            info.update(step_sqnr_db_mean=sum(sq.step_db) / len(sq.step_db), sum_sqnr_db=sq.sum_db[-1])
         size = 2 if dtype == "bf16" else 4
         info["ratio_w"] = check_ratio(run.stats, "weights", size)
         info["ratio_g"] = check_ratio(run.stats, "gradients", size, factor=factor)
@@ -194,10 +97,16 @@ def zero3_bf16_qgz(info):
 
 
 # ------------------------------------------------------------------------------------------- scenario: safety
+EF_OPT_IN = {"error_feedback": True, "allow_unpartitioned_residuals": True}  # ZeRO-2/3: the memory accepted
+
+
 def _masters(engine):
     opt = engine.optimizer
-    return opt.fp32_partitioned_groups_flat if engine.zero_optimization_stage() == 3 \
+    return (
+        opt.fp32_partitioned_groups_flat
+        if engine.zero_optimization_stage() == 3
         else opt.single_partition_of_fp32_groups
+    )
 
 
 def _inf_run(cfg, inject_step: int, steps: int = 6):
@@ -214,7 +123,8 @@ def _inf_run(cfg, inject_step: int, steps: int = 6):
         return g
 
     w.register_hook(hook)
-    changed, losses = [], []
+    changed, losses, norms = [], [], []
+    es = fd.engine_state(eng)
     for step in range(steps):
         state["step"] = step
         before = T._digest(_masters(eng))
@@ -224,46 +134,82 @@ def _inf_run(cfg, inject_step: int, steps: int = 6):
         eng.step()
         changed.append(T._digest(_masters(eng)) != before)
         losses.append(loss.item())
+        if es is not None and es.residuals is not None:
+            norms.append(es.residuals.norm())
     flags = torch.tensor([float(c) for c in changed])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # "changed" only if every rank's master moved
-    out = {"skipped": int(eng.skipped_steps), "changed": [bool(f) for f in flags], "losses": losses}
+    out = {
+        "skipped": int(eng.skipped_steps),
+        "changed": [bool(f) for f in flags],
+        "losses": losses,
+        "residual_norms": norms,
+    }
     T.destroy(eng)
     return out
 
 
-def _inf(stage, dtype):
+def _inf(stage, dtype, ef: bool = False):
+    """An inf at step 2 skips that step exactly as without fp8comm. With error feedback (ef): the skipped step
+    zeroes every residual on every rank (its gradients are dropped, and their quantization error with them), and
+    the next step builds them up again."""
+
     def check(info):
         base = _inf_run(T.ds_config(stage, dtype), 2)
-        fp8 = _inf_run(T.ds_config(stage, dtype, {"gemm": False}), 2)
+        section = {"gemm": False, "gradients": {"error_feedback": True}} if ef else {"gemm": False}
+        fp8 = _inf_run(T.ds_config(stage, dtype, section), 2)
         info.update(base=base, fp8=fp8)
         assert not base["changed"][2], f"DeepSpeed itself did not skip the step with an inf gradient: {base}"
         assert fp8["skipped"] == base["skipped"] and fp8["changed"] == base["changed"], (base, fp8)
         assert all(x == x and abs(x) != float("inf") for x in fp8["losses"]), fp8["losses"]
+        if ef:
+            norms = torch.tensor(fp8["residual_norms"])
+            every = [torch.empty_like(norms) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, norms)
+            for r, n in enumerate(every):
+                assert n[2] == 0 and all(n[i] > 0 for i in (0, 1, 3, 4)), f"rank {r} residual norms per step: {n}"
         fd.uninstall()
 
-    check.__name__ = f"inf_skip_zero{stage}_{dtype}"
+    check.__name__ = f"inf_skip_zero{stage}_{dtype}" + ("_error_feedback" if ef else "")
     return check
 
 
-def _checkpoint(stage, dtype, fp8):
+def _checkpoint(stage, dtype, fp8, latest: bool = False):
+    """save_checkpoint at step 4, load into a fresh engine (other initial weights): the resumed steps 4-8 equal the
+    uninterrupted ones bit for bit. With error feedback the residuals (non-zero at the save) travel in a per-rank
+    file next to DeepSpeed's; without them the resumed run would differ. latest: load with tag=None."""
+
     def check(info):
         cfg = T.ds_config(stage, dtype, fp8)
         ck = Path(os.environ["FP8COMM_TEST_OUT"]) / f"ckpt_{stage}_{dtype}"
         eng, _ = T.build(cfg)
         T.train(eng, range(0, 4))
+        es = fd.engine_state(eng)
+        norm = es.residuals.norm() if es.residuals is not None else None
         eng.save_checkpoint(str(ck), tag="step4")
         cont = T.train(eng, range(4, 9))
+        guard_steps = es.guard.steps if es.guard is not None else None
         T.destroy(eng)
         eng2, _ = T.build(cfg, seed=123)  # different initial weights: everything must come from the checkpoint
-        eng2.load_checkpoint(str(ck), tag="step4")
+        eng2.load_checkpoint(str(ck), tag=None if latest else "step4")
         resumed = T.train(eng2, range(4, 9))
-        info.update(continued=cont.losses, resumed=resumed.losses, stats=resumed.stats)
+        info.update(continued=cont.losses, resumed=resumed.losses, stats=resumed.stats, residual_norm_at_save=norm)
         assert resumed.losses == cont.losses, "resumed training differs from uninterrupted training"
         assert resumed.stats["weights"]["fp8_calls"] > 0
+        if norm is not None:
+            assert norm > 0 and (ck / "step4" / f"fp8comm_rank{dist.get_rank():05d}.pt").exists()
+            assert resumed.stats["hooks"].get("checkpoint.fp8comm_state_loaded") == 1, resumed.stats["hooks"]
+        if guard_steps is not None:  # the guard's clock and per-bucket state came back with the checkpoint
+            assert fd.engine_state(eng2).guard.steps == guard_steps == 9, fd.engine_state(eng2).guard.steps
         T.destroy(eng2)
         fd.uninstall()
 
-    check.__name__ = f"checkpoint_zero{stage}_{dtype}" + ("_gemm" if fp8.get("gemm", True) else "")
+    ef = fp8.get("gradients", {}).get("error_feedback", False)
+    check.__name__ = (
+        f"checkpoint_zero{stage}_{dtype}"
+        + ("_gemm" if fp8.get("gemm", True) else "")
+        + (f"_error_feedback_{fp8['gradients'].get('residual_dtype', 'fp32')}" if ef else "")
+        + ("_guard" if fp8.get("guard") else "")
+    )
     return check
 
 
@@ -293,6 +239,7 @@ def _fp8_weight_census(layers, wshapes) -> tuple[int, int]:
     import gc
 
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
     from fp8comm.quant import Fp8Tensor
 
     gc.collect()
@@ -322,8 +269,10 @@ def _zero3_gemm_run(policy: str | None, steps: int = 3) -> dict:
     bs = 5  # 5 x 32 = 160 tokens: no activation or gradient operand is shaped like a weight (64, 192, 256 dims)
     assert all(bs * T.BLOCK not in s for s in wshapes), wshapes
     samples = {"after_forward": [], "in_backward": [], "after_step": []}
-    hooks = [m.register_full_backward_hook(lambda *_: samples["in_backward"].append(
-        _fp8_weight_census(layers, wshapes))) for m in layers]
+    hooks = [
+        m.register_full_backward_hook(lambda *_: samples["in_backward"].append(_fp8_weight_census(layers, wshapes)))
+        for m in layers
+    ]
     losses = []
     for step in range(steps):
         x, y = T.batch(step, dist.get_rank(), bs)
@@ -335,8 +284,13 @@ def _zero3_gemm_run(policy: str | None, steps: int = 3) -> dict:
         losses.append(loss.item())
     for h in hooks:
         h.remove()
-    out = {"losses": losses, "layers": len(layers), "chosen": sorted(chosen), "samples": samples,
-           "worst": {k: max(c - 2 * g for c, g in v) for k, v in samples.items()}}
+    out = {
+        "losses": losses,
+        "layers": len(layers),
+        "chosen": sorted(chosen),
+        "samples": samples,
+        "worst": {k: max(c - 2 * g for c, g in v) for k, v in samples.items()},
+    }
     T.destroy(eng)
     fd.uninstall()
     return out
@@ -348,14 +302,21 @@ def zero3_gemm_memory(info):
     and the loss is bit for bit what caching the FP8 weights gives."""
     lean = _zero3_gemm_run(None)
     info["samples"] = lean["samples"]
-    assert all(v <= 0 for v in lean["worst"].values()), \
+    assert all(v <= 0 for v in lean["worst"].values()), (
         f"FP8 weight copies beyond 2 per gathered layer (census (copies, gathered layers)): {lean['samples']}"
+    )
     cached = _zero3_gemm_run("step")
-    info.update(layers=lean["layers"], chosen=lean["chosen"], worst_excess=lean["worst"],
-                cached_worst_excess=cached["worst"], losses=lean["losses"],
-                cached_after_forward=cached["samples"]["after_forward"][-1])
-    assert all(v <= 0 for v in lean["worst"].values()), \
+    info.update(
+        layers=lean["layers"],
+        chosen=lean["chosen"],
+        worst_excess=lean["worst"],
+        cached_worst_excess=cached["worst"],
+        losses=lean["losses"],
+        cached_after_forward=cached["samples"]["after_forward"][-1],
+    )
+    assert all(v <= 0 for v in lean["worst"].values()), (
         f"FP8 weight copies beyond 2 per gathered layer: {lean['samples']}"
+    )
     assert lean["chosen"] == ["gathered"], f"the integration left weight_cache at {lean['chosen']} under ZeRO-3"
     # the census can fail: caching keeps every layer's W and W^T alive after the forward
     assert cached["worst"]["after_forward"] > 0, cached["samples"]
@@ -363,7 +324,13 @@ def zero3_gemm_memory(info):
 
 
 # ---------------------------------------------------------------------------------------------- scenario: moe
-def _moe(fp8_extra: dict, name: str):
+_MOE_LOSSES: dict = {}  # losses of earlier MoE checks in this launch, by check name
+
+
+def _moe(fp8_extra: dict, name: str, against: str | None = None):
+    """deepspeed.moe EP=2 under ZeRO-2 bf16 with FP8 dispatch (+ the `fp8_extra` wires) vs no fp8comm; against: an
+    earlier MoE check whose losses this one is also compared with (FP8 vs BF16 combine, everything else equal)."""
+
     def check(info):
         moe_cfg = {"gemm": False, "moe": fp8_extra}
         base = T.Run(losses=baseline(T.ds_config(2, "bf16"), model_fn=T.MoEModel))
@@ -383,6 +350,10 @@ def _moe(fp8_extra: dict, name: str):
         assert run.losses != base.losses
         assert sum(run.losses[-10:]) < sum(run.losses[:10]), run.losses
         assert rel <= TOL_COMM, f"MoE loss differs by {rel:.4f}"
+        _MOE_LOSSES[name] = run.losses
+        if against in _MOE_LOSSES:
+            info[f"rel_vs_{against}"] = d = T.rel_diff(run.losses, _MOE_LOSSES[against])
+            assert run.losses != _MOE_LOSSES[against] and d <= TOL_COMM, (d, run.losses, _MOE_LOSSES[against])
         T.destroy(eng)
         fd.uninstall()
 
@@ -391,13 +362,36 @@ def _moe(fp8_extra: dict, name: str):
 
 
 SCENARIOS = {
-    "zero": [zero3_bf16_flag, _zero(2, "bf16", 2, reduce_bucket_size=SMALL_BUCKET), _zero(1, "bf16", 2),
-             _zero(3, "fp32", 1), _zero(2, "fp32", 2), _zero(1, "fp32", 2),
-             _zero(3, "bf16", 1, zero_hpz_partition_size=2), zero3_bf16_measure_mode, zero3_bf16_qgz,
-             _gemm(3), _gemm(2, reduce_bucket_size=SMALL_BUCKET)],
-    "safety": [_inf(2, "bf16"), _inf(3, "bf16"), _inf(1, "fp32"), _checkpoint(3, "bf16", {"gemm": False}),
-               _checkpoint(2, "bf16", {"gemm": {"recipe": "blockwise"}}), zero3_gemm_memory],
-    "moe": [_moe({}, "moe_ep2_dispatch_fp8"), _moe({"combine": "fp8", "grad": "fp8"}, "moe_ep2_all_fp8")],
+    "zero": [
+        zero3_bf16_flag,
+        zero2_bf16_fp32_accumulation,
+        engines_per_scope,
+        _zero(2, "bf16", 2, reduce_bucket_size=SMALL_BUCKET),
+        _zero(1, "bf16", 2),
+        _zero(3, "fp32", 1),
+        _zero(2, "fp32", 2),
+        _zero(1, "fp32", 2),
+        zero1_fp32_error_feedback,
+        _zero(3, "bf16", 1, zero_hpz_partition_size=2),
+        zero3_bf16_measure_mode,
+        zero3_bf16_qgz,
+        _gemm(3),
+        _gemm(2, reduce_bucket_size=SMALL_BUCKET),
+    ],
+    "safety": [
+        _inf(2, "bf16"),
+        _inf(3, "bf16"),
+        _inf(1, "fp32", ef=True),
+        _checkpoint(3, "bf16", {"gemm": False, "gradients": {**EF_OPT_IN, "residual_dtype": "bf16"}}),
+        _checkpoint(2, "bf16", {"gemm": {"recipe": "blockwise"}, "gradients": EF_OPT_IN, "guard": True}, latest=True),
+        guard_fallback,
+        zero3_gemm_memory,
+    ],
+    "moe": [
+        _moe({}, "moe_ep2_dispatch_fp8"),  # combine: DeepSpeed's own all-to-all in bf16
+        _moe({"combine": "fp8"}, "moe_ep2_combine_fp8", against="moe_ep2_dispatch_fp8"),
+        _moe({"combine": "fp8", "grad": "fp8"}, "moe_ep2_all_fp8"),
+    ],
 }
 
 
@@ -418,7 +412,7 @@ def main() -> int:
         try:
             fn(info)
             rec = {"ok": True}
-        except BaseException as e:  # noqa: BLE001 - reported by name
+        except BaseException as e:
             rec = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
             fd.uninstall()
         rec.update(check=fn.__name__, state="done", seconds=round(time.perf_counter() - t0, 2), info=info)

@@ -2,6 +2,7 @@
 
 Nothing here needs torch.distributed: every error must fire before DeepSpeed starts anything.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,14 +47,20 @@ def test_defaults_and_enabled():
     assert config.parse(with_fp8({"gemm": False})).gemm.enabled is False
 
 
-@pytest.mark.parametrize("section, key, fragment", [
-    ({"enabeld": True}, "fp8_comm.enabeld", "did you mean 'enabled'"),
-    ({"weigths": {}}, "fp8_comm.weigths", "did you mean 'weights'"),
-    ({"weights": {"fromat": "e4m3"}}, "fp8_comm.weights.fromat", "did you mean 'fmt'"),
-    ({"gradients": {"blocksize": 64}}, "fp8_comm.gradients.blocksize", "did you mean 'block_size'"),
-    ({"moe": {"combin": "fp8"}}, "fp8_comm.moe.combin", "did you mean 'combine'"),
-    ({"gemm": {"recipie": "blockwise"}}, "fp8_comm.gemm.recipie", "did you mean 'recipe'"),
-])
+@pytest.mark.parametrize(
+    "section, key, fragment",
+    [
+        ({"enabeld": True}, "fp8_comm.enabeld", "did you mean 'enabled'"),
+        ({"weigths": {}}, "fp8_comm.weigths", "did you mean 'weights'"),
+        ({"weights": {"fromat": "e4m3"}}, "fp8_comm.weights.fromat", "did you mean 'fmt'"),
+        ({"gradients": {"blocksize": 64}}, "fp8_comm.gradients.blocksize", "did you mean 'block_size'"),
+        ({"moe": {"combin": "fp8"}}, "fp8_comm.moe.combin", "did you mean 'combine'"),
+        ({"gemm": {"recipie": "blockwise"}}, "fp8_comm.gemm.recipie", "did you mean 'recipe'"),
+        ({"gradients": {"error_feedbak": True}}, "fp8_comm.gradients.error_feedbak", "did you mean 'error_feedback'"),
+        ({"guard": {"treshold": 0.01}}, "fp8_comm.guard.treshold", "did you mean 'threshold'"),
+        ({"gaurd": {}}, "fp8_comm.gaurd", "did you mean 'guard'"),
+    ],
+)
 def test_unknown_key_is_named(section, key, fragment):
     with pytest.raises(fd.Fp8CommConfigError) as e:
         config.parse(with_fp8(section))
@@ -61,17 +68,28 @@ def test_unknown_key_is_named(section, key, fragment):
     assert key in msg and fragment in msg and "valid keys" in msg, msg
 
 
-@pytest.mark.parametrize("section, fragment", [
-    ({"weights": {"fmt": "e4m4"}}, "'e4m3', 'e5m2'"),
-    ({"gradients": {"scaling": "amax"}}, "'fp32', 'pow2', 'e8m0'"),
-    ({"weights": {"block_size": 100}}, "power of two"),
-    ({"weights": {"block_size": True}}, "an integer"),
-    ({"moe": {"grad": "fp16"}}, "'native', 'bf16', 'fp8'"),
-    ({"gemm": {"recipe": "blockwize"}}, "did you mean 'blockwise'"),
-    ({"mode": "dry"}, "'fp8', 'measure'"),
-    ({"enabled": "yes"}, "true/false"),
-    ({"weights": 3}, "an object or true/false"),
-])
+@pytest.mark.parametrize(
+    "section, fragment",
+    [
+        ({"gradients": {"residual_dtype": "fp16"}}, "'fp32', 'bf16'"),
+        ({"gradients": {"error_feedback": 1}}, "true/false"),
+        ({"guard": {"threshold": 1.5}}, "fraction in (0, 1)"),
+        ({"guard": {"threshold": "1e-3"}}, "a number"),
+        ({"guard": {"patience": 0}}, ">= 1"),
+        ({"guard": {"cooldown": 2.5}}, "an integer"),
+        ({"gradients": {"enabled": False, "error_feedback": True}}, "needs fp8_comm.gradients.enabled"),
+        ({"mode": "measure", "gradients": {"error_feedback": True}}, "no error to feed back"),
+        ({"weights": {"fmt": "e4m4"}}, "'e4m3', 'e5m2'"),
+        ({"gradients": {"scaling": "amax"}}, "'fp32', 'pow2', 'e8m0'"),
+        ({"weights": {"block_size": 100}}, "power of two"),
+        ({"weights": {"block_size": True}}, "an integer"),
+        ({"moe": {"grad": "fp16"}}, "'native', 'bf16', 'fp8'"),
+        ({"gemm": {"recipe": "blockwize"}}, "did you mean 'blockwise'"),
+        ({"mode": "dry"}, "'fp8', 'measure'"),
+        ({"enabled": "yes"}, "true/false"),
+        ({"weights": 3}, "an object or true/false"),
+    ],
+)
 def test_bad_value_lists_valid(section, fragment):
     with pytest.raises(fd.Fp8CommConfigError) as e:
         config.parse(with_fp8(section))
@@ -91,25 +109,54 @@ def test_typo_fails_through_deepspeed_initialize(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ unsupported combinations
-@pytest.mark.parametrize("over, fragment", [
-    ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage is 0"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights"),
-    ({"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}}, "all_reduce_for_fetch"),
-    ({"zero_optimization": {"stage": 2, "reduce_scatter": False}}, "reduce_scatter=false"),
-    ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}, "contiguous_gradients=false"),
-    ({"zero_optimization": {"stage": 1, "use_multi_rank_bucket_allreduce": False}}, "use_multi_rank_bucket"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload"),
-    ({"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
-])
+@pytest.mark.parametrize(
+    "over, fragment",
+    [
+        ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage is 0"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights"),
+        ({"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}}, "all_reduce_for_fetch"),
+        ({"zero_optimization": {"stage": 2, "reduce_scatter": False}}, "reduce_scatter=false"),
+        ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}, "contiguous_gradients=false"),
+        ({"zero_optimization": {"stage": 1, "use_multi_rank_bucket_allreduce": False}}, "use_multi_rank_bucket"),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+        ({"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
+    ],
+)
 def test_unsupported_combination(over, fragment):
     with pytest.raises(fd.Fp8CommUnsupportedError, match=fragment):
         fd.install(with_fp8({"gemm": False}, **over))
     assert not fd.is_installed()
 
 
+@pytest.mark.parametrize(
+    "stage, dtype, extra, fragment",
+    [
+        (2, "bf16", {}, r"WHOLE gradient \(4 bytes per parameter, fp32: 0.1 MiB for this model's 16,512"),
+        (3, "bf16", {"residual_dtype": "bf16"}, r"\(2 bytes per parameter, bf16"),
+        (1, "fp16", {}, "loss-scaled units"),
+        (None, "bf16", {"allow_unpartitioned_residuals": True}, None),  # opted in: ZeRO-2 accepted
+        (1, "bf16", {}, None),  # ZeRO-1 keeps full gradients anyway
+    ],
+)
+def test_error_feedback_memory_policy(stage, dtype, extra, fragment):
+    """Error feedback keeps the whole gradient's residual: ZeRO-2/3 refuse it (naming the cost) unless opted in."""
+    over = {
+        "zero_optimization": {"stage": stage or 2},
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16"},
+    }
+    section = {"gemm": False, "gradients": {"error_feedback": True, **extra}}
+    model = nn.Linear(128, 128)
+    if fragment is None:
+        assert fd.install(with_fp8(section, **over), model) is not None
+        assert "error feedback" in fd.summary()
+        return
+    with pytest.raises(fd.Fp8CommUnsupportedError, match=fragment):
+        fd.install(with_fp8(section, **over), model)
+
+
 def test_stage0_without_comm_is_fine():
-    st = fd.install(with_fp8({"weights": False, "gradients": False, "gemm": False},
-                             zero_optimization={"stage": 0}))
+    st = fd.install(with_fp8({"weights": False, "gradients": False, "gemm": False}, zero_optimization={"stage": 0}))
     assert st is not None and "MoE dispatch FP8" in fd.summary()
 
 
@@ -123,7 +170,8 @@ def test_version_range(monkeypatch):
 
 
 def test_changed_signature_is_an_error_and_patches_nothing(monkeypatch):
-    from deepspeed.runtime.zero import partition_parameters as pp, stage3
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from deepspeed.runtime.zero import stage3
 
     def reduce_scatter_coalesced(tensors, group=None, extra=None):  # a "new release" with another parameter
         raise AssertionError("never called")
@@ -149,20 +197,24 @@ def test_every_target_checks_out():
 # ------------------------------------------------------------------------------------------ install/uninstall
 def _current(t):
     """What the name a target patches holds now (the _AllToAll hook replaces the whole class)."""
-    attr = t.attr[:-len(".forward")] if t.attr == "_AllToAll.forward" else t.attr
+    attr = t.attr[: -len(".forward")] if t.attr == "_AllToAll.forward" else t.attr
     return fd.engine.Patcher._locate(t.module, attr)[2]
 
 
 def test_install_uninstall_restores_everything():
+    """Module-level names are replaced by dispatchers (methods wrapped per optimizer instance stay untouched at
+    class level); uninstall() puts DeepSpeed's originals back, deepspeed.initialize included."""
     targets = list(compat.TARGETS.values())
+    patched = [t for t in targets if t.patched]
     before = {t.key: _current(t) for t in targets}
     init_before = deepspeed.initialize
-    st = fd.install(with_fp8({"gemm": False}))
-    assert len(st.patcher) == len(targets)
+    fd.install(with_fp8({"gemm": False}))
+    assert len(fd.engine._HOOKS) == len(patched) and fd.is_installed()
     for t in targets:
         now = _current(t)
-        assert now is not before[t.key] and getattr(now, "_fp8comm_hook", False), t.key
+        assert (now is not before[t.key] and getattr(now, "_fp8comm_hook", False)) == t.patched, t.key
     fd.uninstall()
+    assert not fd.is_installed()
     for t in targets:
         assert _current(t) is before[t.key], t.key
     assert deepspeed.initialize is not init_before and deepspeed.initialize is fd.engine._ORIG_INIT
@@ -171,12 +223,30 @@ def test_install_uninstall_restores_everything():
     assert not getattr(DeepSpeedEngine.__dict__["__init__"], "_fp8comm_hook", False)
 
 
-def test_one_setting_per_process():
-    fd.install(with_fp8({"gemm": False}))
-    with pytest.raises(fd.Fp8CommStateError, match="different fp8_comm settings"):
-        fd.install(with_fp8({"gemm": False, "weights": {"fmt": "e5m2"}}))
-    with pytest.raises(fd.Fp8CommStateError, match="silently get FP8"):
-        deepspeed.initialize(model=nn.Linear(4, 4), config=BASE)
+def test_dispatchers_installed_per_role_once():
+    """Different sections share the dispatchers: a second install adds only roles the first did not need."""
+    fd.install(with_fp8({"gemm": False, "gradients": False, "moe": False}))
+    n = len(fd.engine._HOOKS)
+    assert fd.engine._ROLES == {"weights"}
+    fd.install(with_fp8({"gemm": False, "weights": {"fmt": "e5m2"}}))
+    assert fd.engine._ROLES == {"weights", "gradients", "moe"} and len(fd.engine._HOOKS) > n
+    m = len(fd.engine._HOOKS)
+    fd.install(with_fp8({"gemm": False, "gradients": {"fmt": "e5m2"}}))
+    assert len(fd.engine._HOOKS) == m
+
+
+def test_shared_parameters_are_refused():
+    """A model whose parameters belong to an fp8comm engine cannot be given to a second engine (one parameter is
+    gathered and reduced by one hook): a clear error before DeepSpeed starts, with or without a section."""
+    model = nn.Linear(4, 4)
+    es = fd.EngineState(config.parse(with_fp8({"gemm": False})))
+    es.attached = True
+    fd.engine.tag(es, model.weight)
+    for cfg in (BASE, with_fp8({"gemm": False, "weights": False})):
+        with pytest.raises(fd.Fp8CommStateError, match="already belong to fp8comm engine"):
+            deepspeed.initialize(model=model, config=cfg)
+    es.detach()
+    assert not hasattr(model.weight, "_fp8comm_engine")
 
 
 def test_engine_guard_catches_a_bypassed_flag():
@@ -205,8 +275,10 @@ def test_docs_list_every_option():
     for key, val in d.items():
         if isinstance(val, dict):
             for sub in val:
-                assert f"{key}.{sub}" in doc or (f"`{key}.fmt`, `.scaling`" in doc and sub in
-                                                 ("fmt", "scaling", "block_size", "rounding")) or \
-                    (sub.startswith("skip_") and "gemm.skip_first_blocks" in doc), f"{key}.{sub} not documented"
+                assert (
+                    f"{key}.{sub}" in doc
+                    or (f"`{key}.fmt`, `.scaling`" in doc and sub in ("fmt", "scaling", "block_size", "rounding"))
+                    or (sub.startswith("skip_") and "gemm.skip_first_blocks" in doc)
+                ), f"{key}.{sub} not documented"
         else:
             assert f"`{key}`" in doc, f"{key} not documented"

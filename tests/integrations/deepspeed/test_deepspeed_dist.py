@@ -1,18 +1,22 @@
 """Real DeepSpeed (CPU accelerator, gloo, 2 ranks) with fp8_comm on: one torchrun launch per scenario.
 
 zero:   ZeRO-1/2/3 x bf16/fp32 parity over 30 steps, identical parameters across ranks, FP8 bytes and ratio; the
-        flag through plain deepspeed.initialize and its uninstall; hpZ; measure mode; the qgZ path replaced.
-safety: an inf in one rank's gradient skips the step exactly as without fp8comm; checkpoint save/load resumes bit
-        for bit; FP8 GEMMs (convert_to_fp8) with ZeRO-2/3 re-quantize weights after every step.
-moe:    deepspeed.moe with expert parallelism 2: FP8 dispatch (and FP8 combine/backward) with loss parity.
+        flag through plain deepspeed.initialize and its uninstall; hpZ; measure mode; the qgZ path replaced; fp32
+        accumulation of the ZeRO-1/2 reduction, bit for bit; error feedback (summed-gradient SQNR); engines with
+        different or no sections in one process, each getting exactly its own.
+safety: an inf in one rank's gradient skips the step exactly as without fp8comm (with error feedback: residuals
+        zeroed); checkpoint save/load resumes bit for bit (residuals and guard state included); the numerics guard
+        falls a starved bucket back to BF16 on every rank at the same step; FP8 GEMMs keep ZeRO-3's memory promise.
+moe:    deepspeed.moe with expert parallelism 2: FP8 dispatch, FP8 vs BF16 combine, FP8 backward, loss parity.
 """
+
 from __future__ import annotations
 
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed not installed (pip install deepspeed==0.19.8 torch==2.13.0)")
 
-from ds_harness import failures, launch, summary  # noqa: E402
+from ds_harness import failures, launch, summary
 
 pytestmark = pytest.mark.dist
 

@@ -1,4 +1,5 @@
 """`fp8comm demo` end to end at a few steps: torchrun, both runs, the table, report.json and the PNGs."""
+
 from __future__ import annotations
 
 import argparse

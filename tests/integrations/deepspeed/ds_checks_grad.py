@@ -1,0 +1,117 @@
+"""Gradient-numerics checks (scenario "zero"): fp32 accumulation of the ZeRO-1/2 FP8 reduction, error feedback.
+
+Imported by ds_worker.py after cpu.prepare().
+"""
+
+from __future__ import annotations
+
+import ds_train as T
+import torch
+import torch.distributed as dist
+from ds_common import SMALL_BUCKET, SQNR, SQNR_STEPS, GradSqnr, parity
+
+import fp8comm.integrations.deepspeed as fd
+
+
+def zero2_bf16_fp32_accumulation(info):
+    """ZeRO-2 bf16 with fp32 gradient partitions: the owner's fp32 partition receives, bit for bit, the fp32 sum (in
+    rank order) of every sender's FP8 contribution decoded straight into fp32. Decoding into bf16 first (up to
+    be321a2) rounds each code x scale to 8 bits and fails this (measured: the two differ in most elements)."""
+    import fp8comm
+
+    cfg = T.ds_config(2, "bf16", {"gemm": False}, reduce_bucket_size=SMALL_BUCKET)
+    cfg["data_types"] = {"grad_accum_dtype": "fp32"}  # DeepSpeed's compact fp32 gradient partition: no merged slices
+    eng, _ = T.build(cfg)
+    opt, seen = eng.optimizer, []
+    inner = opt.allreduce_and_scatter
+
+    def spy(bucket, dtype, *a, **k):
+        ipg = opt.ipg_buckets[dtype]
+        base = ipg.buffer[ipg.index]
+        # (call, offset in the reduce bucket, owner, this rank's input, what landed in the fp32 partition)
+        items = [
+            (
+                len(seen),
+                (b[1].data_ptr() - base.data_ptr()) // b[1].element_size(),
+                next(iter(b[0])) if isinstance(b[0], frozenset) else b[0],
+                b[1].detach().clone(),
+                b[2],
+                None if b[2] is None else b[2].detach().clone(),
+            )
+            for b in bucket
+        ]
+        inner(bucket, dtype, *a, **k)
+        seen.append(
+            [(c, off, o, t, None if out is None else (out - before).view(-1)) for c, off, o, t, out, before in items]
+        )
+
+    opt.allreduce_and_scatter = spy
+    x, y = T.batch(0, dist.get_rank())
+    _, loss = eng(x, y)
+    eng.backward(loss)
+    del opt.allreduce_and_scatter
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [[(c, off, t) for c, off, _, t, _ in call] for call in seen])
+
+    def piece(calls, c, off, n):  # rank's input for bucket elements [off, off + n) of call c (slices may merge)
+        for _, o, t in calls[c]:
+            if o <= off and off + n <= o + t.numel():
+                return t[off - o : off - o + n]
+        raise AssertionError(f"no slice covers [{off}, {off + n}) of call {c}")
+
+    me, exact, bf16_decode, checked = dist.get_rank(), 0, 0, 0
+    for call in seen:
+        for c, off, owner, t, got in call:
+            if owner != me:
+                continue
+            assert got is not None and got.dtype == torch.float32, "owned slice without an fp32 partition slice"
+            dec = [
+                fp8comm.quantize(piece(calls, c, off, t.numel()), "e4m3", 128).dequantize(torch.float32)
+                for calls in everyone
+            ]
+            want = dec[0].clone()
+            for d in dec[1:]:
+                want += d  # rank order, fp32
+            rounded = sum(d.to(torch.bfloat16).float() for d in dec)
+            checked += got.numel()
+            exact += int((got == want).sum())
+            bf16_decode += int((rounded != want).sum())
+    info.update(owned_elements=checked, exact=exact, differ_if_decoded_in_bf16=bf16_decode)
+    assert checked > 0 and seen, "no owned slice was reduced through the hook"
+    assert bf16_decode > checked // 4, "this data cannot tell a bf16 decode from an fp32 one"
+    assert exact == checked, (
+        f"{checked - exact} of {checked} owned elements differ from the fp32 sum of the "
+        "FP8 contributions decoded in fp32"
+    )
+    T.destroy(eng)
+    fd.uninstall()
+
+
+def zero1_fp32_error_feedback(info):
+    """ZeRO-1 fp32 with error feedback: over the first SQNR_STEPS steps the running sum of the reduced gradients
+    tracks the exact sum at least 6 dB closer than without it (each step re-sends the previous step's quantization
+    error); loss within tolerance of the baseline; residual memory as the docs state: 4 bytes per parameter."""
+    plain = SQNR.get("zero1_fp32")
+    if plain is None:  # run alone (`only`): measure the run without error feedback here
+        plain = GradSqnr(SQNR_STEPS)
+        parity({}, 1, "fp32", on_step=plain)
+        fd.uninstall()
+    sq = GradSqnr(SQNR_STEPS)
+    run = parity(info, 1, "fp32", {"gemm": False, "gradients": {"error_feedback": True}}, on_step=sq)
+    ef = run.stats["error_feedback"]
+    n = sum(p.numel() for p in run.engine.module.parameters())
+    info.update(
+        step_sqnr_db_mean=sum(sq.step_db) / len(sq.step_db),
+        sum_sqnr_db=sq.sum_db[-1],
+        plain_step_sqnr_db_mean=sum(plain.step_db) / len(plain.step_db),
+        plain_sum_sqnr_db=plain.sum_db[-1],
+        residual_bytes=ef["residual_bytes"],
+        params=n,
+        summary=fd.summary(),
+    )
+    assert "error feedback (float32 residuals)" in info["summary"], info["summary"]
+    assert ef["residual_bytes"] == 4 * n, (ef, n)
+    assert sq.sum_db[-1] >= plain.sum_db[-1] + 6, (
+        f"error feedback: summed-gradient SQNR {sq.sum_db[-1]:.1f} dB vs {plain.sum_db[-1]:.1f} dB without"
+    )
+    fd.uninstall()
