@@ -23,6 +23,7 @@ import shutil
 import socket
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -204,6 +205,29 @@ def _mpi_comm():
             f"MASTER_ADDR/MASTER_PORT are not both set: {e}"
         ) from None
     return MPI
+
+
+def link_bytes(ifname: str = "eth0") -> tuple[int, int] | None:
+    """(tx, rx) bytes `ifname` has moved, as this process's network namespace sees it; None: no such interface.
+
+    Read from /proc/net/dev, which is per network namespace; /sys/class/net is the namespace of whoever mounted
+    sysfs, so inside a simulated-cluster node it would show the host's interface of the same name."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == ifname:
+            f = rest.split()
+            return int(f[8]), int(f[0])
+    return None
+
+
+def link_ifname() -> str | None:
+    """The interface whose counters measure this node's link: FP8COMM_LINK_IFNAME, GLOO_SOCKET_IFNAME or
+    NCCL_SOCKET_IFNAME (the first that names an interface of this namespace); None: not measured."""
+    for var in ("FP8COMM_LINK_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        name = os.environ.get(var, "").split(",")[0].strip()
+        if name and link_bytes(name) is not None:
+            return name
+    return None
 
 
 def _iface_addr(ifname: str) -> str | None:

@@ -24,13 +24,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fp8comm.comm import comm_stats, format_comm_stats, reset_comm_stats
+from fp8comm.distributed import link_bytes, link_ifname
 from fp8comm.integrations.megatron import add_args, error_feedback_nbytes, hook_stats, install, uninstall
 
 
@@ -51,19 +51,9 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _link_ifname() -> str | None:
-    """The network interface whose counters measure this node's link (None: not measured)."""
-    for var in ("FP8COMM_LINK_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        name = os.environ.get(var, "").split(",")[0].strip()
-        if name and (Path("/sys/class/net") / name / "statistics").is_dir():
-            return name
-    return None
-
-
 def _link_tx_bytes(ifname: str | None) -> int | None:
-    if ifname is None:
-        return None
-    return int((Path("/sys/class/net") / ifname / "statistics" / "tx_bytes").read_text())
+    counters = None if ifname is None else link_bytes(ifname)
+    return None if counters is None else counters[0]
 
 
 def _sync() -> None:
@@ -100,6 +90,26 @@ def model_provider(args, config):
 def _fields_from_args(cls, args) -> dict:
     # What Megatron-LM's own builders do: copy every arg whose name is a field of the config class.
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+
+
+# DistributedDataParallelConfig fields whose Megatron-LM argument has another name (megatron.training's
+# get_megatron_ddp_config maps them; that module needs Python >= 3.12, so the mapping is repeated here).
+_DDP_RENAMED = {
+    "grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",  # True for --bf16 unless --grad-reduce-in-bf16
+    "check_for_nan_in_grad": "check_for_nan_in_loss_and_grad",
+    "num_buckets": "ddp_num_buckets",
+    "bucket_size": "ddp_bucket_size",
+    "pad_buckets_for_high_nccl_busbw": "ddp_pad_buckets_for_high_nccl_busbw",
+    "average_in_collective": "ddp_average_in_collective",
+}
+
+
+def ddp_config_kwargs(args, cls) -> dict:
+    """The DistributedDataParallelConfig Megatron-LM's own trainer builds from `args` (same names, then renamed)."""
+    kw = _fields_from_args(cls, args)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw.update({f: getattr(args, a) for f, a in _DDP_RENAMED.items() if f in fields and hasattr(args, a)})
+    return kw
 
 
 def _batches(args, dp_rank: int):
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
             model.cuda(torch.cuda.current_device())
         if args.bf16 or args.fp16:
             model = Float16Module(config, model)
-        ddp_config = DistributedDataParallelConfig(**_fields_from_args(DistributedDataParallelConfig, args))
+        ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(args, DistributedDataParallelConfig))
         model = DistributedDataParallel(config, ddp_config, model)
         model.broadcast_params()
         opt_cfg = OptimizerConfig(**_fields_from_args(OptimizerConfig, args))
@@ -181,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
         data = _batches(args, ps.get_data_parallel_rank())
         fb = get_forward_backward_func()
         history: dict[str, Any] = {"loss": [], "grad_norm": [], "step_s": [], "link_tx_bytes": []}
-        ifname = _link_ifname()
+        ifname = link_ifname()
         reset_comm_stats()
         for it in range(args.train_iters):
             dist.barrier()  # every step starts together: its time and link bytes are this step's
@@ -216,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
                 )
         if ddp_config.overlap_param_gather:
             model.start_param_sync(force_sync=True)  # the last step's gather, dispatched lazily otherwise
+        history["grad_reduce_in_fp32"] = ddp_config.grad_reduce_in_fp32
         history["comm_stats"] = comm_stats()
         history["hook_stats"] = hook_stats()
         history["error_feedback_bytes"] = error_feedback_nbytes()
@@ -239,6 +250,7 @@ def _summary(h: dict, args, ifname: str | None) -> dict:
             for k in ("grad_reduce", "param_gather", "moe_dispatch", "moe_combine", "error_feedback")
         },
         "world": dist.get_world_size(),
+        "grad_buckets": "fp32" if h["grad_reduce_in_fp32"] else "params dtype",
         "steps": len(h["loss"]),
         "step_time_s_median": round(statistics.median(h["step_s"][later]), 4),
         "link": ifname,

@@ -20,8 +20,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from fp8comm.distributed import init_distributed
-    from fp8comm.tools.bench.scaling import link_bytes
+    from fp8comm.distributed import init_distributed, link_bytes
 
     torch.set_num_threads(1)
     outdir, names = Path(sys.argv[1]), sys.argv[2:] or None
@@ -31,9 +30,9 @@ def main() -> int:
 
     rank, world = info.rank, info.world_size
     out = open(outdir / f"rank{rank}.jsonl", "w", buffering=1)
-    tx0, rx0 = link_bytes()
+    tx0, rx0 = link_bytes() or (0, 0)
     dist_harness.run_checks(dist_checks, rank, world, out, names)
-    tx1, rx1 = link_bytes()
+    tx1, rx1 = link_bytes() or (0, 0)
     out.write(
         json.dumps(
             {

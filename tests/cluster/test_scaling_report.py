@@ -48,9 +48,3 @@ def test_report_ratios_and_tables(tmp_path):
     assert "| 2 | 32 | 123 | - | - |" in text  # codec table
     assert "| 2 | all_gather | 1.0 |" not in text  # sizes below 16 MiB stay out of the speedup table
     assert "1gbit" in text and "0.1 0.1 0.1" in text
-
-
-def test_link_bytes_reads_this_namespace():
-    tx, rx = scaling.link_bytes("lo")
-    assert tx >= 0 and rx >= 0
-    assert scaling.link_bytes("no-such-if") == (0, 0)

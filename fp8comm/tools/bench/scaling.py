@@ -23,6 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
+from ...distributed import link_bytes
+
 HIDDEN = 4096  # MoE token width for the all-to-all rows
 
 # (key, op, description). FP8 rows quantize inside the timed region: the quantization cost is included.
@@ -81,14 +83,8 @@ FP8_OUT = {"ag.fp8_out", "a2a.fp8_out"}
 BUCKETS = 4
 
 
-def link_bytes(ifname: str = "eth0") -> tuple[int, int]:
-    """(tx, rx) bytes of `ifname` in this process's network namespace (/proc/net/dev is per namespace)."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name.strip() == ifname:
-            f = rest.split()
-            return int(f[8]), int(f[0])
-    return 0, 0
+def _tx(ifname: str = "eth0") -> int:
+    return (link_bytes(ifname) or (0, 0))[0]
 
 
 # ------------------------------------------------------------------------------------------------- worker
@@ -233,12 +229,12 @@ def worker(a) -> int:
             lb = torch.zeros(len(names), dtype=torch.float64)
             for k in order:
                 dist.barrier()
-                tx0 = link_bytes()[0]
+                tx0 = _tx()
                 t0 = time.perf_counter()
                 fns[k]()
                 dt[names.index(k)] = time.perf_counter() - t0
                 dist.barrier()  # every rank done: this node's link counter holds the whole op (+ one barrier)
-                lb[names.index(k)] = link_bytes()[0] - tx0
+                lb[names.index(k)] = _tx() - tx0
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if r >= a.warmup:
                 for i, k in enumerate(names):

@@ -273,6 +273,8 @@ def plugin_end_to_end(rank, world, info):
     assert hist["error_feedback_bytes"] > 0, "the --fp8comm-error-feedback flag did not reach the gradient hook"
     assert hist["hook_stats"]["param_all_gather"]["fp8_calls"] > 0, hist["hook_stats"]
     assert hist["loss"][-1] < hist["loss"][0], hist["loss"]
+    # --bf16 without --grad-reduce-in-bf16: Megatron-LM's trainer reduces gradients in fp32 buckets; so must its example
+    assert hist["grad_reduce_in_fp32"] is True, "the example built bf16 gradient buckets where Megatron-LM uses fp32"
     assert _fm().active_config() is None, "the example must uninstall on exit"
     # Invalid combinations: the parsed args reach install(), which refuses with the reason.
     from megatron.training.arguments import parse_args
