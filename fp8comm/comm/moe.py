@@ -22,6 +22,7 @@ from .collectives import start_call
 from .config import WireSpec
 from .core import Call, Pieces, _slices, guarded, quantize_input, update_residual
 from .feedback import ErrorFeedback
+from .guard import GuardBucket
 from .pieces import row_part
 from .state import CommState
 
@@ -40,6 +41,7 @@ class _Spec:
     state: CommState  # the forward's buffer state: the backward leases, counts and seeds through it too
     bwd_hint: int | None = None  # size hint (see Call.size_hint) for the backward's reverse all-to-all
     ef: ErrorFeedback | None = None  # the forward's error feedback (FP8 wire)
+    guard: GuardBucket | None = None  # the forward's guard bucket: an FP8 backward counts into it too
 
 
 def all_to_all(
@@ -68,6 +70,7 @@ def all_to_all(
     DeepEP's Buffer keeps its receive buffers; no autograd edge either (the tokens must not require grad).
     error_feedback (wire="fp8"): this rank's quantization residual, laid out like the tokens, is added before
     quantizing and updated after (the call travels in one piece); for gradient traffic such as ZeRO-1/2's.
+    guard (a numerics-guard bucket): counts what the forward packs in FP8 and, with grad_wire="fp8", the backward.
     """
     rank, world = group_rank_size(group)
     meta = Meta("all_to_all", dtype=getattr(tensor, "dtype", None), shape=tuple(getattr(tensor, "shape", ())))
@@ -123,7 +126,7 @@ def all_to_all(
         call.size_hint = bwd = tensor.numel()
     else:
         bwd = None
-    s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, call.state, bwd, error_feedback)
+    s = _Spec(tuple(outs), tuple(ins), group, grad_wire, grad_spec, call.state, bwd, error_feedback, call.guard)
     if fp8_out or out is not None:  # no autograd edge: FP8 codes out, or a caller's preallocated output
         h = guarded(
             call,
@@ -303,6 +306,7 @@ def _backward(ctx_spec: _Spec, g: torch.Tensor, rank: int, world: int) -> torch.
         s.state.next_seed(None, rank, s.grad_spec.rounding),
         size_hint=s.bwd_hint,
         state=s.state,
+        guard=s.guard,
     )
     try:
         # Reverse direction: what we received (out_splits) goes back to where it came from.

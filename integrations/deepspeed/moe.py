@@ -122,7 +122,7 @@ def _make_all_to_all(orig_cls):
                     wire=wire,
                     grad_wire=cfg.grad,
                     config=cfg.wire(es.cfg.check),
-                    guard=gb if wire == "fp8" else None,
+                    guard=gb,  # counts what this call packs in FP8 (forward on the fp8 wire, backward on fp8 grads)
                 )
             if track:
                 out = _Mark.apply(out, box, True, es, cfg.grad == "fp8")

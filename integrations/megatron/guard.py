@@ -1,10 +1,11 @@
 """The numerics guard for Megatron's FP8 buckets: one fp8comm Guard, a stable key per bucket, decided per step.
 
-Buckets are keyed by kind and first-call order ("grad0", "param2", ...): Megatron issues its bucket collectives in
-the same order on every rank, so every rank builds the same table. The optimizer's step() (wrapped, like error
-feedback's skipped-step reset) ends each step with Guard.step(); a bucket the guard sends to BF16 calls
-Megatron's own collective (the bucket's own dtype) until its cooldown ends. guard_state_dict() /
-load_guard_state_dict() carry the guard's state through a checkpoint (the same on every rank).
+Buckets are keyed by kind and first-call order ("grad0", "param2", ...; "moe0" for the first MoE layer's token
+traffic): Megatron issues these collectives in the same order on every rank of a pipeline stage, so those ranks
+build the same table; the guard decides over them (tensor x data x context parallel group), each stage on its own.
+The optimizer's step() (wrapped, like error feedback's skipped-step reset) ends each step with Guard.step(); a
+bucket the guard sends to BF16 calls Megatron's own collective (the bucket's own dtype) until its cooldown ends.
+guard_state_dict() / load_guard_state_dict() carry the guard's state through a checkpoint (the same on every rank).
 """
 
 from __future__ import annotations
@@ -37,21 +38,37 @@ def active() -> Guard | None:
     return _GUARD[0] if _GUARD else None
 
 
-def route(kind: str, buffer: torch.Tensor) -> tuple[str, GuardBucket | None]:
+def route(kind: str, owner, device: torch.device | None = None) -> tuple[str, GuardBucket | None]:
     """("fp8", the bucket to count into) or ("bf16", None) for this bucket's next collective; ("fp8", None)
-    without a guard. kind: "grad" or "param"; buffer: the bucket's persistent Megatron buffer."""
+    without a guard. kind: "grad" or "param" (owner: the bucket's persistent Megatron buffer) or "moe" (owner:
+    the MoE layer's token dispatcher, whose dispatch and combine share one bucket; device: the tokens')."""
     g = active()
     if g is None:
         return "fp8", None
-    ident = (kind, id(buffer))
+    if g.group is None:
+        g.group = _stage_group()
+    ident = (kind, id(owner))
     entry = _KEYS.get(ident)
-    if entry is None or entry[0]() is not buffer:
-        entry = _KEYS[ident] = (weakref.ref(buffer), f"{kind}{sum(1 for k in _KEYS if k[0] == kind)}")
+    if entry is None or entry[0]() is not owner:
+        entry = _KEYS[ident] = (weakref.ref(owner), f"{kind}{sum(1 for k in _KEYS if k[0] == kind)}")
     key = entry[1]
     if g.wire(key) == "bf16":
         count("guard", f"{kind}_bf16_calls")
         return "bf16", None
-    return "fp8", g.bucket(key, buffer.device)
+    return "fp8", g.bucket(key, owner.device if device is None else device)
+
+
+def _stage_group():
+    """The ranks the guard decides over: every rank of this pipeline stage (tensor x data x context parallel).
+
+    They hold the same layers, hence the same bucket table, and every bucket collective (DP buckets, expert-DP
+    buckets) runs inside it; other stages have other buckets under the same keys, so a world-wide guard would sum
+    unrelated counts (or refuse: different bucket counts). None (the world) without Megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
 
 def on_step() -> None:

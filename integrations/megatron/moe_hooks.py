@@ -21,6 +21,7 @@ import torch
 
 from fp8comm import comm as fcomm
 
+from . import guard
 from .config import HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError, count
 
 _tls = threading.local()
@@ -44,11 +45,12 @@ def _check(cfg: Fp8CommMegatronConfig, key) -> bool:
 
 
 def _marking(orig, slot: str, pick):
-    """Wrap a dispatcher method so that `pick(args)` (the tensor it will send) is marked in _tls.<slot>."""
+    """Wrap a dispatcher method so that `pick(args)` (what it will send) is marked in _tls.<slot>, with the
+    dispatcher (one per MoE layer: the numerics guard's bucket)."""
 
     def fp8comm_marked(self, *args, **kwargs):
         prev = getattr(_tls, slot, None)
-        setattr(_tls, slot, pick(self, args, kwargs))
+        setattr(_tls, slot, (pick(self, args, kwargs), self))
         try:
             return orig(self, *args, **kwargs)
         finally:
@@ -61,6 +63,15 @@ def _marking(orig, slot: str, pick):
 
 def _first_arg(name):
     return lambda self, args, kwargs: args[0] if args else kwargs.get(name)
+
+
+def _take(slot: str, obj):
+    """The dispatcher that marked `obj` in _tls.<slot> (the mark is used up), or None when `obj` is not marked."""
+    mark = getattr(_tls, slot, None)
+    if mark is None or mark[0] is not obj:
+        return None
+    setattr(_tls, slot, None)
+    return mark[1]
 
 
 # ------------------------------------------------------------------------------------------------ alltoall
@@ -78,16 +89,20 @@ def make_all_to_all(orig, cfg: Fp8CommMegatronConfig):
     """Megatron's all_to_all(group, input_, output_splits, input_splits) with the marked tensors via fp8comm."""
 
     def fp8comm_all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, **kwargs):
-        if cfg.moe_dispatch and getattr(_tls, "tokens", None) is input_:
-            _tls.tokens = None  # the tokens go once; the probs that follow take Megatron's path
+        # the tokens go once; the probs that follow (and other callers) take Megatron's path
+        layer = _take("tokens", input_) if cfg.moe_dispatch else None
+        if layer is not None:
             hook, wire = "moe_dispatch", "fp8"
-        elif cfg.moe_combine != "native" and getattr(_tls, "combine", None) is input_:
-            _tls.combine = None
-            hook, wire = "moe_combine", cfg.moe_combine
         else:
-            return orig(group, input_, output_split_sizes_, input_split_sizes, **kwargs)
+            layer = _take("combine", input_) if cfg.moe_combine != "native" else None
+            if layer is None:
+                return orig(group, input_, output_split_sizes_, input_split_sizes, **kwargs)
+            hook, wire = "moe_combine", cfg.moe_combine
         if group.size() == 1:  # EP=1: Megatron's all_to_all is an identity, nothing to quantize
             count(hook, "passthrough_calls")
+            return orig(group, input_, output_split_sizes_, input_split_sizes, **kwargs)
+        route, bucket = guard.route("moe", layer, input_.device)
+        if route == "bf16":  # the guard: Megatron's own all-to-all (both ways) for this layer, for now
             return orig(group, input_, output_split_sizes_, input_split_sizes, **kwargs)
         count(hook, "fp8_calls" if wire == "fp8" else "bf16_calls")
         count(hook, "elements", input_.numel())
@@ -99,6 +114,7 @@ def make_all_to_all(orig, cfg: Fp8CommMegatronConfig):
             wire=wire,
             grad_wire=cfg.moe_grad_wire,
             config=cfg.wire("moe", _check(cfg, (hook, id(group)))),
+            guard=bucket,
         )
 
     fp8comm_all_to_all.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -130,23 +146,25 @@ def _token_block(cfg: Fp8CommMegatronConfig, hidden: int) -> int:
     return math.gcd(hidden, cfg.block_size)
 
 
-def _grad_wire_reduce_scatter(g: torch.Tensor, group, cfg: Fp8CommMegatronConfig, orig_rs) -> torch.Tensor:
+def _grad_wire_reduce_scatter(g: torch.Tensor, group, cfg: Fp8CommMegatronConfig, orig_rs, bucket) -> torch.Tensor:
     """Sum over `group` of g [W*T, H], this rank's T rows, on cfg.moe_grad_wire (fp8: fp32 accumulation)."""
     if cfg.moe_grad_wire == "fp8":
         wire = cfg.wire("grad", _check(cfg, ("moe_grad_rs", id(group))), _token_block(cfg, g.shape[-1]))
         return fcomm.reduce_scatter(
-            g.contiguous(), group, "sum", config=wire.replace(rounding="nearest", error_feedback=False)
+            g.contiguous(), group, "sum", config=wire.replace(rounding="nearest", error_feedback=False), guard=bucket
         )
     if cfg.moe_grad_wire == "bf16" and g.dtype != torch.bfloat16:
         return orig_rs(g.to(torch.bfloat16), group).to(g.dtype)
     return orig_rs(g, group)
 
 
-def _grad_wire_all_gather(g: torch.Tensor, group, cfg: Fp8CommMegatronConfig, orig_ag) -> torch.Tensor:
+def _grad_wire_all_gather(g: torch.Tensor, group, cfg: Fp8CommMegatronConfig, orig_ag, bucket) -> torch.Tensor:
     """Concatenation over `group` of g [T, H] on cfg.moe_grad_wire."""
     if cfg.moe_grad_wire == "fp8":
         wire = cfg.wire("grad", _check(cfg, ("moe_grad_ag", id(group))), _token_block(cfg, g.shape[-1]))
-        return fcomm.all_gather(g.contiguous(), group, config=wire.replace(rounding="nearest", error_feedback=False))
+        return fcomm.all_gather(
+            g.contiguous(), group, config=wire.replace(rounding="nearest", error_feedback=False), guard=bucket
+        )
     if cfg.moe_grad_wire == "bf16" and g.dtype != torch.bfloat16:
         return orig_ag(g.to(torch.bfloat16), group).to(g.dtype)
     return orig_ag(g, group)
@@ -156,28 +174,28 @@ class _Fp8GatherTokens(torch.autograd.Function):
     """Forward: FP8 all-gather of tokens along dim 0. Backward: reduce-scatter of their gradient (grad wire)."""
 
     @staticmethod
-    def forward(ctx, x, group, cfg, orig_rs, check):
-        ctx.group, ctx.cfg, ctx.orig_rs = group, cfg, orig_rs
-        return fcomm.all_gather(x.contiguous(), group, config=cfg.wire("moe", check, _token_block(cfg, x.shape[-1])))
+    def forward(ctx, x, group, cfg, orig_rs, check, bucket):
+        ctx.group, ctx.cfg, ctx.orig_rs, ctx.bucket = group, cfg, orig_rs, bucket
+        wire = cfg.wire("moe", check, _token_block(cfg, x.shape[-1]))
+        return fcomm.all_gather(x.contiguous(), group, config=wire, guard=bucket)
 
     @staticmethod
     def backward(ctx, g):
-        return _grad_wire_reduce_scatter(g, ctx.group, ctx.cfg, ctx.orig_rs), None, None, None, None
+        return _grad_wire_reduce_scatter(g, ctx.group, ctx.cfg, ctx.orig_rs, ctx.bucket), None, None, None, None, None
 
 
 class _Fp8ReduceScatterTokens(torch.autograd.Function):
     """Forward: FP8 reduce-scatter (fp32 accumulation) along dim 0. Backward: all-gather (grad wire)."""
 
     @staticmethod
-    def forward(ctx, x, group, cfg, orig_ag, check):
-        ctx.group, ctx.cfg, ctx.orig_ag = group, cfg, orig_ag
-        return fcomm.reduce_scatter(
-            x.contiguous(), group, "sum", config=cfg.wire("moe", check, _token_block(cfg, x.shape[-1]))
-        )
+    def forward(ctx, x, group, cfg, orig_ag, check, bucket):
+        ctx.group, ctx.cfg, ctx.orig_ag, ctx.bucket = group, cfg, orig_ag, bucket
+        wire = cfg.wire("moe", check, _token_block(cfg, x.shape[-1]))
+        return fcomm.reduce_scatter(x.contiguous(), group, "sum", config=wire, guard=bucket)
 
     @staticmethod
     def backward(ctx, g):
-        return _grad_wire_all_gather(g, ctx.group, ctx.cfg, ctx.orig_ag), None, None, None, None
+        return _grad_wire_all_gather(g, ctx.group, ctx.cfg, ctx.orig_ag, ctx.bucket), None, None, None, None, None
 
 
 def _megatron_rs(g, group):
@@ -198,16 +216,21 @@ def make_gather_from_sequence_parallel_region(orig, cfg: Fp8CommMegatronConfig):
     def fp8comm_gather_from_sequence_parallel_region(
         input_, tensor_parallel_output_grad=True, group=None, output_split_sizes=None, use_global_buffer=False
     ):
-        marked = getattr(_tls, "ag_tokens", None) is input_
-        if not marked or not tensor_parallel_output_grad or output_split_sizes is not None or group is None:
+        if not tensor_parallel_output_grad or output_split_sizes is not None or group is None:
             return orig(input_, tensor_parallel_output_grad, group, output_split_sizes, use_global_buffer)
-        _tls.ag_tokens = None
+        layer = _take("ag_tokens", input_)
+        if layer is None:
+            return orig(input_, tensor_parallel_output_grad, group, output_split_sizes, use_global_buffer)
         if group.size() == 1:
             count("moe_dispatch", "passthrough_calls")
             return orig(input_, tensor_parallel_output_grad, group, output_split_sizes, use_global_buffer)
+        route, bucket = guard.route("moe", layer, input_.device)
+        if route == "bf16":  # the guard: Megatron's own gather (and its backward) for this layer, for now
+            return orig(input_, tensor_parallel_output_grad, group, output_split_sizes, use_global_buffer)
         count("moe_dispatch", "fp8_calls")
         count("moe_dispatch", "elements", input_.numel())
-        return _Fp8GatherTokens.apply(input_, group, cfg, _megatron_rs, _check(cfg, ("moe_dispatch", id(group))))
+        check = _check(cfg, ("moe_dispatch", id(group)))
+        return _Fp8GatherTokens.apply(input_, group, cfg, _megatron_rs, check, bucket)
 
     fp8comm_gather_from_sequence_parallel_region.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_gather_from_sequence_parallel_region
@@ -219,19 +242,22 @@ def make_reduce_scatter_to_sequence_parallel_region(orig, cfg: Fp8CommMegatronCo
     def fp8comm_reduce_scatter_to_sequence_parallel_region(
         input_, group=None, input_split_sizes=None, use_global_buffer=False
     ):
-        marked = group is not None and getattr(_tls, "ag_combine", None) is group
-        if not marked or input_split_sizes is not None:
+        layer = _take("ag_combine", group) if group is not None and input_split_sizes is None else None
+        if layer is None:
             return orig(input_, group, input_split_sizes, use_global_buffer)
-        _tls.ag_combine = None
         if group.size() == 1:
             count("moe_combine", "passthrough_calls")
+            return orig(input_, group, input_split_sizes, use_global_buffer)
+        route, bucket = guard.route("moe", layer, input_.device)
+        if route == "bf16":  # the guard: Megatron's own reduce-scatter for this layer, for now
             return orig(input_, group, input_split_sizes, use_global_buffer)
         count("moe_combine", "elements", input_.numel())
         if cfg.moe_combine == "bf16":  # Megatron's reduce-scatter on a bf16 wire (summed in bf16 by the backend)
             count("moe_combine", "bf16_calls")
             return orig(input_.to(torch.bfloat16), group, None, False).to(input_.dtype)
         count("moe_combine", "fp8_calls")
-        return _Fp8ReduceScatterTokens.apply(input_, group, cfg, _megatron_ag, _check(cfg, ("moe_combine", id(group))))
+        check = _check(cfg, ("moe_combine", id(group)))
+        return _Fp8ReduceScatterTokens.apply(input_, group, cfg, _megatron_ag, check, bucket)
 
     fp8comm_reduce_scatter_to_sequence_parallel_region.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_reduce_scatter_to_sequence_parallel_region

@@ -603,6 +603,21 @@ def check_guard(ctx: Ctx) -> None:
     assert bf16_steps == 3 and guard.summary()["outliers"]["switches"] == 2
     assert guard.history[1]["outliers"] > 0.9 / W  # rank 0's blocks: 127 of 128 elements underflowed
     expect_error(lambda: fc.reduce_scatter(randn((W * 128,), 1), guard="outliers"), fc.Fp8CommError, "GuardBucket")
+    # The MoE all-to-all: its bucket counts the forward's tokens and, on the FP8 grad wire, the backward's gradient
+    # (one outlier per 1x128 block of it: 127 of 128 elements underflow); a bf16 backward adds nothing.
+    for grad_wire in ("fp8", "bf16"):
+        moe = guard.bucket(f"moe.{grad_wire}", dev)
+        tokens = randn((W * 4, 256), 1790 + r).requires_grad_()
+        out = fc.all_to_all(tokens, guard=moe, grad_wire=grad_wire)
+        assert moe.elements == tokens.numel() and int(moe.counters.sum()) == 0, (moe.elements, moe.counters)
+        g = randn(tuple(out.shape), 1795 + r)
+        g[:, ::128] = 1e12
+        out.backward(g)
+        if grad_wire == "fp8":
+            assert moe.elements == 2 * tokens.numel(), f"the FP8 backward was not counted: {moe.elements}"
+            assert int(moe.counters[1]) == g.numel() * 127 // 128, moe.counters.tolist()
+        else:
+            assert moe.elements == tokens.numel() and int(moe.counters.sum()) == 0, moe.counters.tolist()
 
 
 CHECKS_GRAD = [

@@ -113,3 +113,44 @@ def guard_fallback(info):
     assert all(s["switches"] == 0 for s in healthy["stats"]["guard"].values()), healthy["stats"]["guard"]
     assert not [k for k in healthy["stats"]["hooks"] if k.startswith("guard.")], healthy["stats"]["hooks"]
     assert torch.isfinite(torch.tensor(guarded["losses"])).all()
+
+
+def moe_guard_fallback(info):
+    """The MoE layer's bucket ("moe.0", deepspeed.moe EP=2, FP8 dispatch, combine and grad wire): its tokens stop
+    fitting FP8 from step 3 on (forced): the layer falls back to DeepSpeed's own all-to-all on every rank at the
+    same step (both directions), the weights and gradients buckets stay FP8, and training goes on."""
+    section = {"gemm": False, "moe": {"combine": "fp8", "grad": "fp8"}, "guard": GUARD}
+    eng, _ = T.build(T.ds_config(2, "bf16", section), model_fn=T.MoEModel)
+    es = fd.engine_state(eng)
+    orig, step_now, forced = fc.all_to_all, [-1], [0]
+    bad = Scaling(1, 128, "fp32", margin=20)
+
+    def all_to_all(*a, **k):
+        g = k.get("guard")
+        if g is not None and g.key == "moe.0" and step_now[0] >= 3:
+            k["config"] = k["config"].replace(scaling=bad)
+            forced[0] += 1
+        return orig(*a, **k)
+
+    fc.all_to_all, wires, losses = all_to_all, [], []
+    try:
+        for step in range(STEPS):
+            step_now[0] = step
+            wires.append(es.guard.wire("moe.0"))
+            losses += T.train(eng, range(step, step + 1)).losses
+    finally:
+        fc.all_to_all = orig
+    stats = fd.hook_stats(eng)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, wires)
+    info.update(wires=wires, forced=forced[0], guard=stats["guard"], moe=stats["moe.dispatch"], losses=losses)
+    assert all(w == wires for w in every), f"ranks decided differently: {every}"
+    assert "bf16" in wires and wires.index("bf16") > 3, wires  # patience 2 + one step of lag after step 3
+    assert stats["guard"]["moe.0"]["switches"] >= 1, stats["guard"]
+    assert all(stats["guard"][k]["switches"] == 0 for k in ("weights", "gradients")), stats["guard"]
+    assert stats["hooks"].get("guard.moe.0.bf16", 0) >= 1, stats["hooks"]
+    d = stats["moe.dispatch"]
+    assert 0 < d["fp8_calls"] < d["calls"], d  # the BF16 steps ran DeepSpeed's own all-to-all, counted
+    assert torch.isfinite(torch.tensor(losses)).all() and sum(losses[-3:]) < sum(losses[:3]), losses
+    T.destroy(eng)
+    fd.uninstall()

@@ -25,7 +25,7 @@ import ds_train as T  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from ds_checks_grad import zero1_fp32_error_feedback, zero2_bf16_fp32_accumulation  # noqa: E402
-from ds_checks_guard import guard_fallback  # noqa: E402
+from ds_checks_guard import guard_fallback, moe_guard_fallback  # noqa: E402
 from ds_checks_scope import engines_per_scope  # noqa: E402
 from ds_common import SMALL_BUCKET, SQNR, SQNR_STEPS, STEPS, TOL_COMM, TOL_GEMM, GradSqnr, baseline, check_ratio, parity  # noqa: E402
 
@@ -391,6 +391,7 @@ SCENARIOS = {
         _moe({}, "moe_ep2_dispatch_fp8"),  # combine: DeepSpeed's own all-to-all in bf16
         _moe({"combine": "fp8"}, "moe_ep2_combine_fp8", against="moe_ep2_dispatch_fp8"),
         _moe({"combine": "fp8", "grad": "fp8"}, "moe_ep2_all_fp8"),
+        moe_guard_fallback,
     ],
 }
 

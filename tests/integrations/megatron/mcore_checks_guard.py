@@ -25,33 +25,38 @@ START = 2  # first iteration whose bucket "grad1" no longer fits
 
 
 class Injection:
-    """Wraps fp8comm.comm.reduce_scatter_into (what the hook calls): bucket `key` gets a 2^20 scale margin from
-    iteration START on (the guard's key when a guard runs, else the second gradient bucket met)."""
+    """Wraps fp8comm.comm.<fn> (what the hook calls: reduce_scatter_into for gradient buckets, all_to_all for MoE
+    tokens): bucket `key` gets a 2^20 scale margin from iteration START on (the guard's key when a guard runs,
+    else the same bucket found by call order: the n-th gradient buffer met, or MoE layers taking turns)."""
 
-    def __init__(self, key: str = "grad1") -> None:
-        self.key, self.iteration, self.calls, self.injected = key, 0, {}, 0
-        self.orig = fcomm.reduce_scatter_into
+    def __init__(self, key: str = "grad1", fn: str = "reduce_scatter_into", moe_layers: int = 2) -> None:
+        self.key, self.fn, self.moe_layers = key, fn, moe_layers
+        self.iteration, self.calls, self.injected = 0, {}, 0
+        self.orig = getattr(fcomm, fn)
 
     def __enter__(self):
-        def wrapped(output, input, group=None, op="sum", **kw):
+        def wrapped(*a, **kw):
             bucket = kw.get("guard")
-            key = bucket.key if bucket is not None else self._key(input)
+            key = bucket.key if bucket is not None else self._key(a)
             if key == self.key and self.iteration >= START:
                 kw["config"] = kw["config"].replace(scaling=Scaling(1, 128, "fp32", margin=20))
                 self.injected += 1
-            return self.orig(output, input, group, op, **kw)
+            return self.orig(*a, **kw)
 
-        fcomm.reduce_scatter_into = wrapped
+        setattr(fcomm, self.fn, wrapped)
         return self
 
-    def _key(self, buf) -> str:
-        return self.calls.setdefault(id(buf), f"grad{len(self.calls)}")
+    def _key(self, args) -> str:
+        if self.fn == "all_to_all":  # fresh tokens each call: one dispatch per layer per micro-batch, in layer order
+            n = self.calls["dispatches"] = self.calls.get("dispatches", 0) + 1
+            return f"moe{(n - 1) % self.moe_layers}"
+        return self.calls.setdefault(id(args[1]), f"grad{len(self.calls)}")
 
     def after_backward(self, i: int) -> None:
         self.iteration = i + 1
 
     def __exit__(self, *exc):
-        fcomm.reduce_scatter_into = self.orig
+        setattr(fcomm, self.fn, self.orig)
 
 
 def _run(hooks: dict, inject: bool, log_lines: list | None = None) -> dict:

@@ -26,3 +26,32 @@ def gpt_pp2_dp2(rank, world, info):
     C.check_bytes(f8, "reduce_scatter", 4, tag)  # fp32 gradient buckets
     C.check_bytes(f8, "all_gather", 2, tag)  # bf16 parameter buffers
     C.check_replicas_identical(f8["params"], tag)  # the DP group of this stage
+
+
+def gpt_pp2_dp2_guard(rank, world, info):
+    """The numerics guard under PP=2 x DP=2: each pipeline stage decides over its own ranks. Stage 0's bucket
+    "grad1" stops fitting FP8 (the injection of mcore_checks_guard): it falls back on both of stage 0's ranks at the
+    same step, while stage 1, whose buckets carry the same keys ("grad0", "grad1", ...), never falls back."""
+    import mcore_checks_guard as G
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    T.init_parallel(tp=1, pp=2)
+    stage = ps.get_pipeline_model_parallel_rank()
+    kw = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+    with G.Injection("grad1" if stage == 0 else "none") as inj:
+        tk = {"micro": 1, "num_micro": 4, "after_backward": inj.after_backward}
+        run = C.run(kw, dict(G.HOOKS, **G.GUARD), train_kw=tk)
+    summary = run["hooks"].get("guard", {})
+    switched = run["comm"].get("guard.to_bf16", {}).get("calls", 0)
+    info[f"stage{stage}"] = dict(guard=summary, to_bf16=switched, injected=inj.injected)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (stage, summary))
+    assert all(s == summary for st, s in everyone if st == stage), f"stage {stage}'s ranks disagree: {everyone}"
+    if stage == 0:
+        assert inj.injected > 0 and switched == 1, (inj.injected, run["comm"])
+        assert summary.get("grad_bf16_calls", 0) >= C.ITERS - G.START - 3, summary
+    else:
+        assert switched == 0 and not summary.get("grad_bf16_calls"), f"stage 1 fell back with healthy data: {summary}"
+    assert run["hooks"]["grad_reduce_scatter"]["fp8_calls"] > 0, run["hooks"]
+    C.check_replicas_identical(run["params"], "pp2_dp2_guard")

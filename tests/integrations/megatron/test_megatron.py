@@ -397,6 +397,7 @@ def test_two_ranks_dp2_error_feedback_moe_ep2_and_plugin(tmp_path):
             "gpt_dp2_guard",
             "gpt_dp2_fp32_accumulation",
             "moe_ep2",
+            "moe_ep2_guard",
             "moe_ep2_allgather",
             "plugin_end_to_end",
         ],
@@ -408,4 +409,9 @@ def test_two_ranks_dp2_error_feedback_moe_ep2_and_plugin(tmp_path):
 @pytest.mark.slow
 def test_four_ranks_tp2_dp2_pp2_dp2_and_hierarchical(tmp_path):
     # 4 ranks = 2 simulated nodes x 2 (LOCAL_WORLD_SIZE) for the hierarchical check.
-    _launch(4, ["gpt_tp2_dp2", "gpt_pp2_dp2", "gpt_dp4_hierarchical"], tmp_path, env={"LOCAL_WORLD_SIZE": "2"})
+    _launch(
+        4,
+        ["gpt_tp2_dp2", "gpt_pp2_dp2", "gpt_pp2_dp2_guard", "gpt_dp4_hierarchical"],
+        tmp_path,
+        env={"LOCAL_WORLD_SIZE": "2"},
+    )
