@@ -70,6 +70,13 @@ def agreement_rows(device, quick: bool) -> list[dict]:
                         rows.append(dict(check="agreement", case=case, status="n/a", detail=_err(e)))
                     except Exception as e:
                         rows.append(dict(check="agreement", case=case, status="FAIL", detail=_err(e)))
+    # which block-scaled layout the probe trusted per operand pair (fp8comm/gemm/block_scaled_mm.py, docs/gemm.md)
+    for pair in ("block128x128", "block1x128"):
+        lay = backends.blockwise_layout(device, pair) if device.type == "cuda" else None
+        detail = lay.name if lay is not None else "no layout agreed with the emulation (WARNING lines say why)"
+        rows.append(
+            dict(check="blockwise_layout", case=f"1x128 x {pair[5:]}", status="ok" if lay else "n/a", detail=detail)
+        )
     return rows
 
 
@@ -274,14 +281,41 @@ def gemm_section(quick: bool = False, device: torch.device | str | None = None) 
     return rows
 
 
+def result_rows(rows: list[dict], device_name: str) -> list[dict]:
+    """The full-size timings as docs/results/gpu.json rows (the names the GPU-speed work defines)."""
+    from gpu_results import result_row
+
+    def speedup(case: str):
+        return next((r["speedup"] for r in rows if r["case"] == case and "speedup" in r), None)
+
+    out = []
+    blk = [v for v in (speedup(f"fp8 blockwise {be} 8192^3") for be in ("scaled_mm", "triton")) if v is not None]
+    if blk:
+        unit = "x bf16 matmul (best of scaled_mm, triton)"
+        out.append(result_row("gemm_blockwise_vs_bf16_8192", round(max(blk), 3), 1.5, unit, device_name))
+    for name in ("blockwise", "rowwise", "tensorwise"):
+        v = speedup(f"Fp8Linear {name} fwd+bwd 16384x8192->8192")
+        if v is not None:
+            unit = "x nn.Linear bf16 fwd+bwd, weight re-quantized every iteration"
+            out.append(result_row(f"linear_{name}_vs_bf16", round(v, 3), 1.3, unit, device_name))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small shapes (also runs on CPU)")
     p.add_argument("--device", default=None)
     p.add_argument("--train", action="store_true", help="also run the tiny-GPT training table on the device")
     p.add_argument("--train-args", default="", help="extra arguments for examples/train_gpt.py")
+    p.add_argument("--no-write", action="store_true", help="do not merge rows into docs/results/gpu.json")
     a = p.parse_args()
     rows = gemm_section(a.quick, a.device)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not a.quick and not a.no_write:  # full sizes only: the rows name them
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_results import merge
+
+        merge(result_rows(rows, torch.cuda.get_device_name(device)))
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "device_check_gemm.json"), "w") as f:

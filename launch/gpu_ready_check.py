@@ -30,6 +30,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "launch"))
+from gpu_results import commit, merge, result_row  # noqa: E402
+
 ROWS: list[dict] = []
 SECTIONS: list = []
 
@@ -39,31 +42,9 @@ def section(fn):
     return fn
 
 
-def commit() -> str:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            or "unknown"
-        )
-    except Exception:
-        return "unknown"
-
-
 def row(name: str, value, target=None, unit: str = "") -> None:
-    """One machine-readable result (the docs/results/gpu.json schema of the GPU-speed work)."""
-    ROWS.append(
-        {
-            "name": name,
-            "value": value,
-            "target": target,
-            "unit": unit,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": COMMIT,
-            "device": DEVICE,
-        }
-    )
+    """One machine-readable result (launch/gpu_results.py: the docs/results/gpu.json schema)."""
+    ROWS.append(result_row(name, value, target, unit, DEVICE))
     print(f"  {name} = {value} {unit}" + (f" (target {target})" if target is not None else ""), flush=True)
 
 
@@ -521,12 +502,7 @@ def main(argv=None) -> int:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_ready.json").write_text(json.dumps(doc, indent=1, default=str))
     if not a.no_write:
-        path = ROOT / "docs" / "results" / "gpu.json"
-        old = json.loads(path.read_text()) if path.exists() else []
-        names = {r["name"] for r in ROWS}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps([r for r in old if r["name"] not in names] + ROWS, indent=1) + "\n")
-        print(f"wrote {len(ROWS)} rows into {path}")
+        merge(ROWS)
     bad = [k for k, v in results.items() if v["status"] in ("fail", "error")]
     print(f"== overall: {'FAIL: ' + ', '.join(bad) if bad else 'ok'}")
     return 1 if bad else 0

@@ -16,11 +16,11 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import Fp8CommError, Fp8CommNotImplementedError
-from ..quant import Fp8Tensor, Scaling, quantize
-from .operands import check_operands, row_scales, scale_kind, transpose
+from ..quant import Fp8Tensor
+from . import block_scaled_mm
+from .operands import check_operands, pad_to, round_up, row_scales, scale_kind, transpose
 from .routing import ROUTING, log
 
 __all__ = [
@@ -52,8 +52,8 @@ def emulate(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.float32) 
     kblk = math.gcd(min(ca, k), min(cb, k))
     nk = -(-k // kblk)
     # [nk, rows, kblk] stacks of K blocks (zero codes pad a partial last block: they add exactly nothing)
-    a3 = _pad_to(a.data, m, nk * kblk).float().view(m, nk, kblk).transpose(0, 1)
-    b3 = _pad_to(b.data, n, nk * kblk).float().view(n, nk, kblk).permute(1, 2, 0)
+    a3 = pad_to(a.data, m, nk * kblk).float().view(m, nk, kblk).transpose(0, 1)
+    b3 = pad_to(b.data, n, nk * kblk).float().view(n, nk, kblk).permute(1, 2, 0)
     # scales per K block: [nk, m, 1] and [nk, 1, n] (a scale column spans ca // kblk K blocks)
     sa_t = (sa if ca == kblk else sa.repeat_interleave(ca // kblk, 1)[:, :nk]).t().unsqueeze(2)
     sb_t = (sb if cb == kblk else sb.repeat_interleave(cb // kblk, 1)[:, :nk]).t().unsqueeze(1)
@@ -78,53 +78,13 @@ def emulate_f64(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- scaled_mm
-def _pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
-    r, c = t.shape
-    if r == rows and c == cols:
-        return t
-    if t.dtype.itemsize == 1 and t.dtype.is_floating_point:  # float8: pad the raw bytes (0x00 is +0)
-        return F.pad(t.view(torch.uint8), (0, cols - c, 0, rows - r)).view(t.dtype)
-    return F.pad(t, (0, cols - c, 0, rows - r), value=value)
-
-
-def _up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _blockwise_layouts(device: torch.device):
-    """Find (once per device) a scale layout torch._scaled_mm accepts for 1x128 x 128x128 blocks, checked against
-    the emulation; None when this torch/GPU has no blockwise _scaled_mm."""
-    key = str(device)
-    if key in ROUTING.blockwise_probe:
-        return ROUTING.blockwise_probe[key] or None
-    candidates = {
-        "as-is": lambda s: s.contiguous(),
-        "outer-major": lambda s: s.t().contiguous().t(),
-    }
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(256, 384, generator=g).to(device)
-    w = torch.randn(256, 384, generator=g).to(device)
-    qa = quantize(x, "e4m3", scaling=Scaling(1, 128), backend="reference")
-    qb = quantize(w, "e4m3", scaling=Scaling(128, 128), backend="reference")
-    want = emulate(qa, qb, torch.float32)
-    found = None
-    for name, fa in candidates.items():
-        for nameb, fb in candidates.items():
-            try:
-                got = torch._scaled_mm(qa.data, qb.data.t(), fa(qa.scale), fb(qb.scale.t()), out_dtype=torch.bfloat16)
-                err = (got.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-            except Exception as e:
-                log.debug("blockwise _scaled_mm probe %s/%s failed: %s", name, nameb, e)
-                continue
-            if err < 1e-2:
-                found = (fa, fb)
-                log.info("blockwise _scaled_mm available on %s (scale layouts %s, %s)", device, name, nameb)
-                break
-            log.warning("blockwise _scaled_mm probe %s/%s disagrees with emulation (rel err %.3g)", name, nameb, err)
-        if found:
-            break
-    ROUTING.blockwise_probe[key] = found or False
-    return found
+def blockwise_layout(device: torch.device, pair: str) -> block_scaled_mm.Layout | None:
+    """The block-scaled GEMM layout for 1x128 x `pair` ("block128x128" or "block1x128") on `device`, probed once
+    per device and pair against the emulation (block_scaled_mm); None when no layout agrees or runs."""
+    key = f"{device}/{pair}"
+    if key not in ROUTING.blockwise_probe:
+        ROUTING.blockwise_probe[key] = block_scaled_mm.probe(device, pair, emulate) or False
+    return ROUTING.blockwise_probe[key] or None
 
 
 def scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -137,29 +97,26 @@ def scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat1
     ka, kb_ = scale_kind(a), scale_kind(b)
     m, k = a.shape
     n = b.shape[0]
-    blockwise = ka == "block1x128" and kb_ in ("block128x128", "block1x128")
+    blockwise = ka == "block1x128" and kb_ in block_scaled_mm.PAIRS
     if not ((ka == kb_ and ka in ("tensor", "row")) or blockwise):
         raise Fp8CommNotImplementedError(f"_scaled_mm takes tensorwise, rowwise or 1x128 blocks, not {ka} x {kb_}")
-    kmult = 128 if blockwise else 16
-    mp, np_, kp = _up(max(m, 1), 16), _up(max(n, 1), 16), _up(max(k, 1), kmult)
+    if blockwise:
+        lay = blockwise_layout(a.data.device, kb_)
+        if lay is None:
+            raise Fp8CommNotImplementedError(f"this torch/GPU has no block-scaled GEMM for 1x128 x {kb_[5:]}")
+        if (round_up(m, 16), round_up(n, 16), round_up(k, lay.kmult)) != (m, n, k):
+            ROUTING.count("gemm.scaled_mm.pad")
+        return block_scaled_mm.matmul(lay, a, b, kb_, out_dtype)
+    mp, np_, kp = round_up(max(m, 1), 16), round_up(max(n, 1), 16), round_up(max(k, 1), 16)
     if (mp, np_, kp) != (m, n, k):
         ROUTING.count("gemm.scaled_mm.pad")
-    ad = _pad_to(a.data.contiguous(), mp, kp)
-    bd = _pad_to(b.data.contiguous(), np_, kp)
+    ad = pad_to(a.data.contiguous(), mp, kp)
+    bd = pad_to(b.data.contiguous(), np_, kp)
     if ka == "tensor":
         sa, sb = a.scale.reshape(1, 1).float(), b.scale.reshape(1, 1).float()
-    elif ka == "row":
-        sa = _pad_to(a.scale.float(), mp, 1, 1.0).contiguous()
-        sb = _pad_to(b.scale.float(), np_, 1, 1.0).reshape(1, np_).contiguous()
     else:
-        layouts = _blockwise_layouts(a.data.device)
-        if layouts is None:
-            raise Fp8CommNotImplementedError("this torch/GPU has no blockwise torch._scaled_mm")
-        fa, fb = layouts
-        kblocks = kp // 128
-        sa = fa(_pad_to(a.scale.float(), mp, kblocks, 1.0))
-        rows_b = np_ if kb_ == "block1x128" else -(-np_ // 128)
-        sb = fb(_pad_to(b.scale.float(), rows_b, kblocks, 1.0).t())
+        sa = pad_to(a.scale.float(), mp, 1, 1.0).contiguous()
+        sb = pad_to(b.scale.float(), np_, 1, 1.0).reshape(1, np_).contiguous()
     out = torch._scaled_mm(ad, bd.t(), sa, sb, out_dtype=out_dtype)
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
@@ -189,7 +146,7 @@ def candidates(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> list[tuple
             and kb_ in ("block128x128", "block1x128")
             and a.fmt.name == b.fmt.name == "e4m3"
             and out_dtype == torch.bfloat16
-            and _blockwise_layouts(dev) is not None
+            and blockwise_layout(dev, kb_) is not None
         ):
             cands.append(("scaled_mm", ""))
         if _triton_ok(dev):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import Fp8CommError
 from ..quant import Fp8Tensor, Scaling
@@ -66,3 +67,17 @@ def row_scales(q: Fp8Tensor) -> tuple[torch.Tensor, int]:
     if br > 1:
         s = s.repeat_interleave(br, 0)[:r]
     return s, bc
+
+
+def pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    """t [r, c] padded at the end to [rows, cols] (FP8 codes with zero bytes, +0; others with `value`)."""
+    r, c = t.shape
+    if r == rows and c == cols:
+        return t
+    if t.dtype.itemsize == 1 and t.dtype.is_floating_point:  # float8: pad the raw bytes (0x00 is +0)
+        return F.pad(t.view(torch.uint8), (0, cols - c, 0, rows - r)).view(t.dtype)
+    return F.pad(t, (0, cols - c, 0, rows - r), value=value)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m

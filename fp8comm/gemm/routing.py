@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from typing import Any
 
 log = logging.getLogger("fp8comm.gemm")
 
@@ -21,7 +22,7 @@ class Routing:
         self.counters: Counter = Counter()
         self.failed: dict[tuple, str] = {}  # (backend, signature) -> error: not retried for that signature
         self.logged: set[tuple] = set()
-        self.blockwise_probe: dict[str, object] = {}  # device -> scale-layout functions, or False
+        self.blockwise_probe: dict[str, Any] = {}  # "device/pair" -> block_scaled_mm.Layout, or False
         self._lock = threading.Lock()
 
     def count(self, key: str, n: int = 1) -> None:
