@@ -10,7 +10,8 @@
    Fp8Linear fwd+bwd vs nn.Linear bf16 at 16384 tokens x 8192 -> 8192 (target: >= 1.3x), weight re-quantized
    every iteration as after each optimizer step.
 Every case catches its own errors and reports them as a row; nothing aborts the section.
---train also runs examples/train_gpt.py on the GPU (BF16 vs recipes, 3 seeds).
+--train also runs examples/train_gpt.py on the GPU (bf16, fp8_amax, tensorwise, blockwise; 3 seeds, paired).
+On CUDA the full-size timings and the training table go into docs/results/gpu.json (launch/gpu_results.py).
 """
 
 from __future__ import annotations
@@ -301,6 +302,35 @@ def result_rows(rows: list[dict], device_name: str) -> list[dict]:
     return out
 
 
+def train_rows(results: list[dict], device_name: str, baseline: str = "bf16") -> list[dict]:
+    """examples/train_gpt.py results as gpu.json rows per FP8 recipe: the mean final validation loss relative to
+    bf16's (signed fraction, target |x| <= 0.01) and the training speed relative to bf16's (same tokens per run)."""
+    from statistics import mean
+
+    from gpu_results import result_row
+
+    by: dict[str, list[dict]] = {}
+    for r in results:
+        by.setdefault(r["recipe"], []).append(r)
+    if baseline not in by:
+        return []
+    base_loss = mean(r["val_loss"] for r in by[baseline])
+    base_s = mean(r["seconds"] for r in by[baseline])
+    out = []
+    for recipe, runs in by.items():
+        if recipe == baseline:
+            continue
+        seeds = f"{len(runs)} seeds"
+        rel = (mean(r["val_loss"] for r in runs) - base_loss) / base_loss
+        out.append(
+            result_row(f"train_{recipe}_val_loss_rel", round(rel, 5), 0.01, f"fraction of bf16 ({seeds})", device_name)
+        )
+        speed = base_s / mean(r["seconds"] for r in runs)
+        unit = f"x bf16 tokens/s ({seeds}, evaluation included)"
+        out.append(result_row(f"train_{recipe}_tokens_per_s_vs_bf16", round(speed, 3), None, unit, device_name))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small shapes (also runs on CPU)")
@@ -311,10 +341,10 @@ def main() -> int:
     a = p.parse_args()
     rows = gemm_section(a.quick, a.device)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not a.quick and not a.no_write:  # full sizes only: the rows name them
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from gpu_results import merge
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_results import merge
 
+    if device.type == "cuda" and not a.quick and not a.no_write:  # full sizes only: the rows name them
         merge(result_rows(rows, torch.cuda.get_device_name(device)))
     out = os.environ.get("OUT")
     if out:
@@ -325,9 +355,13 @@ def main() -> int:
         import train_gpt
 
         dev = a.device or "cuda"
-        args = ["--device", dev, "--out", os.path.join(out or "runs", "train_gpt_gpu")] + a.train_args.split()
+        folder = os.path.join(out or "runs", "train_gpt_gpu")
+        args = ["--device", dev, "--out", folder, "--recipes", "bf16,fp8_amax,tensorwise,blockwise"]
         try:
-            train_gpt.main(args)
+            train_gpt.main(args + a.train_args.split())  # later flags win: --train-args may override the recipes
+            if torch.device(dev).type == "cuda" and not a.no_write:
+                with open(os.path.join(folder, "results.json")) as f:
+                    merge(train_rows(json.load(f), torch.cuda.get_device_name(torch.device(dev))))
         except Exception:
             traceback.print_exc()
     return 1 if any(r["status"] == "FAIL" for r in rows) else 0

@@ -29,3 +29,18 @@ def test_timings_become_named_rows_and_merge_by_name(tmp_path):
     gpu_results.merge(rows, path)
     merged = {r["name"]: r["value"] for r in json.loads(path.read_text())}
     assert merged == {"keep": 1, "gemm_blockwise_vs_bf16_8192": 1.71, "linear_rowwise_vs_bf16": 0.96}
+
+
+def test_training_results_become_rows_per_recipe():
+    results = [
+        {"recipe": "bf16", "seed": 0, "val_loss": 2.00, "seconds": 10.0},
+        {"recipe": "bf16", "seed": 1, "val_loss": 2.02, "seconds": 12.0},
+        {"recipe": "blockwise", "seed": 0, "val_loss": 2.03, "seconds": 8.0},
+        {"recipe": "blockwise", "seed": 1, "val_loss": 2.03, "seconds": 14.0},
+    ]
+    rows = {r["name"]: r for r in device_check_gemm.train_rows(results, "test device")}
+    assert set(rows) == {"train_blockwise_val_loss_rel", "train_blockwise_tokens_per_s_vs_bf16"}
+    assert rows["train_blockwise_val_loss_rel"]["value"] == round((2.03 - 2.01) / 2.01, 5)  # signed: worse > 0
+    assert rows["train_blockwise_tokens_per_s_vs_bf16"]["value"] == 1.0  # 11 s per run either way
+    assert "2 seeds" in rows["train_blockwise_val_loss_rel"]["unit"]
+    assert device_check_gemm.train_rows(results[2:], "test device") == []  # no baseline, no ratio
