@@ -26,6 +26,8 @@ from .install import (
     megatron_version,
     uninstall,
 )
+from .installation import Installation
+from .installation import current as installation
 
 __all__ = [
     "add_args",
@@ -46,6 +48,8 @@ __all__ = [
     "guard_state_dict",
     "load_guard_state_dict",
     "guard_summary",
+    "Installation",
+    "installation",
 ]
 
 __getattr__ = renamed(

@@ -26,15 +26,9 @@ from fp8comm import comm as fcomm
 
 from . import error_feedback, guard
 from .config import Fp8CommMegatronConfig, Fp8CommMegatronError, count
+from .installation import installed
 
 _tls = threading.local()
-_seen: set = set()  # buffers whose first call ran the metadata check (check="first")
-_hier_cache: dict = {}
-
-
-def reset_state() -> None:
-    _seen.clear()
-    _hier_cache.clear()
 
 
 def _batches() -> list:
@@ -124,17 +118,19 @@ def _check(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group) -> boo
     if cfg.check != "first":
         return cfg.check == "always"
     key = (kind, t.data_ptr(), t.numel(), id(group))
-    if key in _seen:
+    checked = installed().checked
+    if key in checked:
         return False
-    _seen.add(key)
+    checked.add(key)
     return True
 
 
 def hierarchical_groups(group):
     """fp8comm node groups for a Megatron group (a strided DP group has fewer members per node than the node)."""
     key = id(group)
-    if key in _hier_cache:
-        return _hier_cache[key]
+    cache = installed().node_groups
+    if key in cache:
+        return cache[key]
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     if not lws:
         raise Fp8CommMegatronError("fp8comm: --fp8comm-hierarchical needs LOCAL_WORLD_SIZE (set by torchrun)")
@@ -149,7 +145,7 @@ def hierarchical_groups(group):
             f"LOCAL_WORLD_SIZE={lws} give per-node counts {per_node}"
         )
     hg = fcomm.node_groups(group, local_size=local)
-    _hier_cache[key] = hg
+    cache[key] = hg
     return hg
 
 

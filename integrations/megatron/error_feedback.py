@@ -15,36 +15,26 @@ import torch
 from fp8comm.comm import ErrorFeedback
 
 from .config import Fp8CommMegatronError, count
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# id(grad_data) -> (weakref to grad_data, its ErrorFeedback). The weakref guards against a reused id after a
-# buffer was freed (a new model in the same process): a dead or different referent gets a fresh residual.
-_RESIDUALS: dict[int, tuple[weakref.ref, ErrorFeedback]] = {}
-_DTYPE: list[torch.dtype] = [torch.float32]
-
-
-def configure(dtype: str) -> None:
-    """Set the residual dtype ('fp32' or 'bf16') for the residuals created from now on (install calls it)."""
-    _DTYPE[0] = _DTYPES[dtype]
-
-
-def reset_state() -> None:
-    """Forget every residual (uninstall calls it)."""
-    _RESIDUALS.clear()
+from .installation import current, installed
 
 
 def for_bucket(grad_data: torch.Tensor) -> ErrorFeedback:
-    """The residual of the bucket whose gradient buffer is `grad_data` (created, zero, on first use)."""
-    entry = _RESIDUALS.get(id(grad_data))
+    """The residual of the bucket whose gradient buffer is `grad_data` (created, zero, on first use).
+
+    Kept by the installation, keyed by id(grad_data) with a weak reference: a dead or different referent (a new
+    model in the same process reusing the id) gets a fresh residual."""
+    inst = installed()
+    entry = inst.residuals.get(id(grad_data))
     if entry is not None and entry[0]() is grad_data:
         return entry[1]
-    ef = ErrorFeedback(dtype=_DTYPE[0])
-    _RESIDUALS[id(grad_data)] = (weakref.ref(grad_data), ef)
+    ef = ErrorFeedback(dtype=inst.residual_dtype)
+    inst.residuals[id(grad_data)] = (weakref.ref(grad_data), ef)
     return ef
 
 
 def _live() -> list[ErrorFeedback]:
-    return [ef for ref, ef in _RESIDUALS.values() if ref() is not None]
+    inst = current()
+    return [] if inst is None else [ef for ref, ef in inst.residuals.values() if ref() is not None]
 
 
 def reset_residuals() -> None:
@@ -68,7 +58,7 @@ def make_optimizer_step(orig, after=None):
 
     def fp8comm_optimizer_step(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
-        if isinstance(out, tuple) and out and out[0] is False and _RESIDUALS:
+        if isinstance(out, tuple) and out and out[0] is False and installed().residuals:
             reset_residuals()
             count("error_feedback", "skipped_step_resets")
         if after is not None:
@@ -104,9 +94,11 @@ def _bucket_buffers(model) -> list[tuple[str, torch.Tensor, int]]:
 
 def state_dict(model) -> dict:
     """This rank's residuals, keyed by bucket position ('chunk0.bucket_groups3.bucket0'): save one per rank."""
-    sd = {}
+    sd: dict = {}
+    inst = current()
+    residuals = {} if inst is None else inst.residuals
     for name, grad_data, dp in _bucket_buffers(model):
-        entry = _RESIDUALS.get(id(grad_data))
+        entry = residuals.get(id(grad_data))
         if entry is not None and entry[0]() is grad_data and entry[1].residual is not None:
             sd[name] = {**entry[1].state_dict(), "bucket_numel": grad_data.numel(), "dp_size": dp}
     return {"format": FORMAT, "residuals": sd}
@@ -126,8 +118,14 @@ def load_state_dict(model, sd: dict, strict: bool = True) -> None:
             f"fp8comm: not an error-feedback state dict from state_dict() (format "
             f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})"
         )
+    inst = current()
+    if inst is None or not inst.cfg.error_feedback:
+        raise Fp8CommMegatronError(
+            "fp8comm: load_error_feedback_state_dict needs an installation with error feedback on: "
+            "install(..., error_feedback=True) (or --fp8comm-error-feedback) first, then load"
+        )
     buckets = {name: (grad_data, dp) for name, grad_data, dp in _bucket_buffers(model)}
-    dtype = str(_DTYPE[0]).removeprefix("torch.")
+    dtype = str(inst.residual_dtype).removeprefix("torch.")
     problems, ok = [], []
     for name, st in sd["residuals"].items():
         if name not in buckets:

@@ -16,41 +16,31 @@ import torch
 
 from fp8comm.comm import Guard, GuardBucket
 
-from .config import Fp8CommMegatronConfig, count
-
-_GUARD: list[Guard] = []
-_KEYS: dict[tuple[str, int], tuple[weakref.ref, str]] = {}  # (kind, id(buffer)) -> (weakref, key)
-
-
-def configure(cfg: Fp8CommMegatronConfig) -> None:
-    """Create the guard for an install with cfg.guard (install calls it)."""
-    reset_state()
-    if cfg.guard:
-        _GUARD.append(Guard(cfg.guard_policy))
-
-
-def reset_state() -> None:
-    _GUARD.clear()
-    _KEYS.clear()
+from .config import count
+from .installation import current, installed
 
 
 def active() -> Guard | None:
-    return _GUARD[0] if _GUARD else None
+    """The installation's guard (None: not installed, or installed without --fp8comm-guard)."""
+    inst = current()
+    return None if inst is None else inst.guard
 
 
 def route(kind: str, owner, device: torch.device | None = None) -> tuple[str, GuardBucket | None]:
     """("fp8", the bucket to count into) or ("bf16", None) for this bucket's next collective; ("fp8", None)
     without a guard. kind: "grad" or "param" (owner: the bucket's persistent Megatron buffer) or "moe" (owner:
     the MoE layer's token dispatcher, whose dispatch and combine share one bucket; device: the tokens')."""
-    g = active()
+    inst = installed()
+    g = inst.guard
     if g is None:
         return "fp8", None
     if g.group is None:
         g.group = _stage_group()
+    keys = inst.guard_keys
     ident = (kind, id(owner))
-    entry = _KEYS.get(ident)
+    entry = keys.get(ident)
     if entry is None or entry[0]() is not owner:
-        entry = _KEYS[ident] = (weakref.ref(owner), f"{kind}{sum(1 for k in _KEYS if k[0] == kind)}")
+        entry = keys[ident] = (weakref.ref(owner), f"{kind}{sum(1 for k in keys if k[0] == kind)}")
     key = entry[1]
     if g.wire(key) == "bf16":
         count("guard", f"{kind}_bf16_calls")

@@ -19,6 +19,7 @@ import torch
 
 from . import ddp_hooks, error_feedback, guard, moe_hooks
 from .config import HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError
+from .installation import begin, current, end
 
 logger = logging.getLogger("fp8comm.integrations.megatron")
 
@@ -86,9 +87,6 @@ DDP_FIELDS = (
     "overlap_param_gather",
     "reduce_scatter_with_fp32_accumulation",
 )
-
-_SAVED: list[tuple[object, str, object]] = []
-_ACTIVE: list[Fp8CommMegatronConfig] = []
 
 
 def megatron_version() -> str:
@@ -351,7 +349,7 @@ def install(
     patched, on an unsupported version, a missing Megatron name or a combination that would corrupt training or
     silently do nothing.
     """
-    if _ACTIVE:
+    if current() is not None:
         raise Fp8CommMegatronError("fp8comm: already installed; call uninstall() first")
     if args is not None:
         if (
@@ -386,12 +384,10 @@ def install(
     if errs:
         raise Fp8CommMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
     patches = _patches(cfg, features)
-    error_feedback.configure(cfg.error_feedback_dtype)
-    guard.configure(cfg)
+    inst = begin(cfg)
     for obj, name, new in patches:
-        _SAVED.append((obj, name, getattr(obj, name) if not isinstance(obj, type) else obj.__dict__[name]))
+        inst.saved.append((obj, name, getattr(obj, name) if not isinstance(obj, type) else obj.__dict__[name]))
         setattr(obj, name, new)
-    _ACTIVE.append(cfg)
     _log(cfg.describe() + f" [megatron-core {version}]")
     return cfg
 
@@ -480,18 +476,16 @@ def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[Any, 
 
 def uninstall() -> None:
     """Restore every patched Megatron name (a no-op when nothing is installed)."""
-    while _SAVED:
-        obj, name, orig = _SAVED.pop()
+    inst = end()
+    while inst is not None and inst.saved:
+        obj, name, orig = inst.saved.pop()
         setattr(obj, name, orig)
-    _ACTIVE.clear()
-    ddp_hooks.reset_state()
-    moe_hooks.reset_state()
-    error_feedback.reset_state()
-    guard.reset_state()
+    moe_hooks.reset_marks()
 
 
 def active_config() -> Fp8CommMegatronConfig | None:
-    return _ACTIVE[0] if _ACTIVE else None
+    inst = current()
+    return None if inst is None else inst.cfg
 
 
 def _log(msg: str) -> None:

@@ -23,13 +23,12 @@ from fp8comm import comm as fcomm
 
 from . import guard
 from .config import HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError, count
+from .installation import installed
 
 _tls = threading.local()
-_checked: set = set()
 
 
-def reset_state() -> None:
-    _checked.clear()
+def reset_marks() -> None:
     for name in ("tokens", "combine", "ag_tokens", "ag_combine"):
         setattr(_tls, name, None)
 
@@ -38,9 +37,10 @@ def _check(cfg: Fp8CommMegatronConfig, key) -> bool:
     """Metadata check per policy: "first" = the first call per (kind, group)."""
     if cfg.check != "first":
         return cfg.check == "always"
-    if key in _checked:
+    checked = installed().checked
+    if key in checked:
         return False
-    _checked.add(key)
+    checked.add(key)
     return True
 
 

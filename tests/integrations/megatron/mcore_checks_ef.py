@@ -161,12 +161,17 @@ def _checkpoint_resume(info, uninterrupted) -> None:
     assert loss == uninterrupted["loss"] and gnorm == uninterrupted["grad_norm"], (loss, uninterrupted["loss"])
     assert torch.equal(T.param_vector(model), uninterrupted["params"]), "params differ after resume"
     bad = dict(sd, residuals={k: dict(v, bucket_numel=v["bucket_numel"] + 1) for k, v in sd["residuals"].items()})
-    try:
-        fm.load_error_feedback_state_dict(model, bad)
-    except fm.Fp8CommMegatronError as e:
-        assert "same DP size and bucket layout" in str(e), e
-    else:
-        raise AssertionError("a residual for another bucket layout was accepted")
+    for installed, match in ((True, "same DP size and bucket layout"), (False, "needs an installation")):
+        if installed:
+            fm.install(ddp_config=model.ddp_config, transformer_config=config, **hooks)
+        try:
+            fm.load_error_feedback_state_dict(model, bad)
+        except fm.Fp8CommMegatronError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(f"accepted: residuals for another bucket layout (installed: {installed})")
+        finally:
+            fm.uninstall()
 
 
 def _bucket_count(model) -> int:
@@ -177,7 +182,6 @@ def _skipped_step(info) -> None:
     """An inf in one rank's gradient: Megatron skips the step (constant loss scale 1.0 checks for inf/NaN), and
     fp8comm zeroes every residual (the step's gradients are dropped, so is their error); training continues."""
     fm = C._fm()
-    ef_mod = importlib.import_module("fp8comm.integrations.megatron.error_feedback")
     model, opt, config = T.build(T.ddp_kwargs(**EF_KW), opt_kw={"loss_scale": 1.0})
     fm.install(ddp_config=model.ddp_config, transformer_config=config, **dict(GRADS_ONLY, error_feedback=True))
     pgb = importlib.import_module(PGB)
@@ -193,7 +197,7 @@ def _skipped_step(info) -> None:
     try:
         fm.hook_stats(reset=True)
         h = T.train(model, opt, config, 2, allow_skip=True)
-        live = [ef for ref, ef in ef_mod._RESIDUALS.values() if ref() is not None]
+        live = [ef for ref, ef in fm.installation().residuals.values() if ref() is not None]
         after_skip = [ef.nbytes() for ef in live]
         resets = fm.hook_stats().get("error_feedback", {}).get("skipped_step_resets", 0)
         h2 = T.train(model, opt, config, 1, start=2)

@@ -285,16 +285,23 @@ def test_flex_dispatcher_unknown_at_install_is_refused_at_run_time():
 def test_skipped_optimizer_step_zeroes_error_feedback_residuals():
     """The optimizer-step wrapper: (False, None, None) zeroes every residual and is counted; success keeps them."""
     ef_mod = importlib.import_module("fp8comm.integrations.megatron.error_feedback")
-    bucket = torch.zeros(256)
-    ef = ef_mod.for_bucket(bucket)
-    assert ef_mod.for_bucket(bucket) is ef and ef_mod.for_bucket(torch.zeros(256)) is not ef  # keyed by identity
-    ef.take(256, bucket.device).fill_(0.5)
-    results = iter([(True, 1.0, 0), (False, None, None)])
-    step = ef_mod.make_optimizer_step(lambda self: next(results))
-    fm.hook_stats(reset=True)
-    assert step(None) == (True, 1.0, 0) and ef.norm() > 0, "a successful step keeps the residuals"
-    assert step(None) == (False, None, None) and ef.residual is None, "a skipped step zeroes them"
-    assert fm.hook_stats()["error_feedback"]["skipped_step_resets"] == 1
+    inst_mod = importlib.import_module("fp8comm.integrations.megatron.installation")
+    inst = inst_mod.begin(fm.Fp8CommMegatronConfig(grad_reduce=True, error_feedback=True))
+    try:
+        bucket = torch.zeros(256)
+        ef = ef_mod.for_bucket(bucket)
+        assert ef_mod.for_bucket(bucket) is ef and ef_mod.for_bucket(torch.zeros(256)) is not ef  # by identity
+        assert fm.installation() is inst and len(inst.residuals) == 2  # the installation holds them
+        ef.take(256, bucket.device).fill_(0.5)
+        results = iter([(True, 1.0, 0), (False, None, None)])
+        step = ef_mod.make_optimizer_step(lambda self: next(results))
+        fm.hook_stats(reset=True)
+        assert step(None) == (True, 1.0, 0) and ef.norm() > 0, "a successful step keeps the residuals"
+        assert step(None) == (False, None, None) and ef.residual is None, "a skipped step zeroes them"
+        assert fm.hook_stats()["error_feedback"]["skipped_step_resets"] == 1
+    finally:
+        inst_mod.end()
+    assert fm.installation() is None and ef_mod.nbytes() == 0  # uninstalling drops every residual with it
 
 
 # ------------------------------------------------------------------------------------- argument plugin

@@ -1,0 +1,64 @@
+"""The one fp8comm installation of this process: its config, the patches to undo, and everything its hooks keep.
+
+Megatron's patch points are module globals, so there is at most one installation per process (`current()`). What
+the hooks remember (which buffers already ran the metadata check, hierarchical node groups, error-feedback
+residuals, the numerics guard and its bucket keys) lives on that object, so uninstall() drops all of it at once.
+The per-hook counters (config.hook_stats) are process statistics, like fp8comm.comm.comm_stats(): they outlive it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from fp8comm.comm import ErrorFeedback, Guard
+
+from .config import EF_DTYPES, Fp8CommMegatronConfig, Fp8CommMegatronError
+
+
+@dataclass(eq=False)
+class Installation:
+    cfg: Fp8CommMegatronConfig
+    saved: list[tuple[object, str, object]] = field(default_factory=list)  # (owner, name, original), patch order
+    checked: set = field(default_factory=set)  # keys whose first call ran the metadata check (check="first")
+    node_groups: dict = field(default_factory=dict)  # id(Megatron group) -> fp8comm node groups (hierarchical)
+    # id(bucket grad_data) -> (weakref to it, its residual); the weakref guards against a reused id after a free
+    residuals: dict[int, tuple[weakref.ref, ErrorFeedback]] = field(default_factory=dict)
+    guard: Guard | None = None
+    guard_keys: dict[tuple[str, int], tuple[weakref.ref, str]] = field(default_factory=dict)  # (kind, id) -> key
+
+    def __post_init__(self) -> None:
+        if self.cfg.guard and self.guard is None:
+            self.guard = Guard(self.cfg.guard_policy)
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        return getattr(torch, EF_DTYPES[self.cfg.error_feedback_dtype])
+
+
+_CURRENT: list[Installation] = []  # the patch points are process-wide: one slot
+
+
+def current() -> Installation | None:
+    return _CURRENT[0] if _CURRENT else None
+
+
+def installed() -> Installation:
+    """current(), for the hooks: they only run while installed (uninstall() restores Megatron's own functions)."""
+    inst = current()
+    if inst is None:  # a reference to a hook kept past uninstall()
+        raise Fp8CommMegatronError("fp8comm: a Megatron hook ran after uninstall(); nothing is installed")
+    return inst
+
+
+def begin(cfg: Fp8CommMegatronConfig) -> Installation:
+    inst = Installation(cfg)
+    _CURRENT[:] = [inst]
+    return inst
+
+
+def end() -> Installation | None:
+    """Forget the installation (its residuals, guard and memos with it); returns it so its patches can be undone."""
+    return _CURRENT.pop() if _CURRENT else None
