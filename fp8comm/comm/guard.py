@@ -153,7 +153,7 @@ class Guard:
     def _decide(self, p: _Pending) -> None:
         if p.event is not None:
             p.event.synchronize()  # complete since the engine's own synchronization: returns at once
-        counts = p.host.tolist()
+        counts = p.host.tolist()  # a host tensor, complete after the event: no device sync
         fractions = {}
         for key, (sat, under, _nonfinite, elements) in zip(p.keys, counts):
             st = self.states[key]
