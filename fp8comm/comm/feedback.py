@@ -17,11 +17,18 @@ class ErrorFeedback:
     itself rounded to bf16). Non-finite residuals are zeroed so one overflowed step cannot poison later ones.
     """
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, residual: torch.Tensor | None = None) -> None:
+        """residual: start from this one (flat, `dtype`, laid out like the next call's padded input), e.g. pieces
+        of per-parameter residuals an engine assembled; the collective updates it in place."""
         if dtype not in RESIDUAL_DTYPES:
             raise Fp8CommError(f"error-feedback residuals are float32 or bfloat16, got {dtype}")
+        if residual is not None and (residual.dtype != dtype or residual.dim() != 1):
+            raise Fp8CommError(
+                f"an ErrorFeedback residual is a flat {dtype} tensor, got {residual.dtype} "
+                f"of shape {tuple(residual.shape)}"
+            )
         self.dtype = dtype
-        self.residual: torch.Tensor | None = None
+        self.residual: torch.Tensor | None = residual
 
     def reset(self) -> None:
         self.residual = None

@@ -48,12 +48,10 @@ class Residuals:
 
     def assemble(self, pieces: list, total: int, device) -> ErrorFeedback:
         """An ErrorFeedback whose residual is laid out like the call's (padded) send buffer of `total` elements."""
-        ef = ErrorFeedback(dtype=self.dtype)
         buf = torch.zeros(total, dtype=self.dtype, device=device)
         for key, numel, src, dst, n in pieces:
             buf[dst : dst + n].copy_(self._get(key, numel, device)[src : src + n])
-        ef.residual = buf
-        return ef
+        return ErrorFeedback(dtype=self.dtype, residual=buf)
 
     def scatter(self, ef: ErrorFeedback, pieces: list, total: int) -> None:
         """Store the residual the collective left in `ef` back under each parameter."""
