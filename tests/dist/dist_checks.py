@@ -12,7 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from on_device import comm_under_test
+from on_device import COLLECTIVES, comm_under_test
 
 import fp8comm.comm as _fc
 from fp8comm.quant import Scaling, get_format, quantize, scale_from_amax
@@ -402,15 +402,7 @@ class _Checked:
 
     def __getattr__(self, name):
         f = getattr(_fc_under_test, name)
-        if name in (
-            "all_gather",
-            "all_gather_into",
-            "reduce_scatter",
-            "reduce_scatter_into",
-            "all_reduce",
-            "all_reduce_into",
-            "all_to_all",
-        ):
+        if name in COLLECTIVES:
             return lambda *a, **k: f(*a, **{"check": True, **k})
         return f
 
