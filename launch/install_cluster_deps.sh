@@ -3,7 +3,8 @@
 #   system: iproute2 (ip netns, tc), util-linux (nsenter), slurm-wlm (slurmctld, slurmd, sbatch/srun), munge
 #   venv:   mpi4py + mpich wheels (mpirun); torch is never touched
 # Idempotent; skips what is already there. Without root the system part is skipped with a message (the cluster
-# tests then skip with their reason; the MPI test still runs).
+# tests then skip with their reason; the MPI test still runs). FP8COMM_SYSTEM_DEPS=0 skips the system part on
+# purpose (a workstation where apt-installing Slurm/munge and stopping their services would surprise the owner).
 #   launch/install_cluster_deps.sh [VENV]        VENV default: $FP8COMM_VENV or <repo>/.venv
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,7 +15,9 @@ command -v nsenter >/dev/null || need+=(util-linux)
 command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null || need+=(slurm-wlm)
 command -v munged >/dev/null || need+=(munge)
 if [ ${#need[@]} -gt 0 ]; then
-    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    if [ "${FP8COMM_SYSTEM_DEPS:-1}" = 0 ]; then
+        echo "install_cluster_deps.sh: FP8COMM_SYSTEM_DEPS=0: skipped system packages: ${need[*]}" >&2
+    elif [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -qq
         # --no-install-recommends: slurm-wlm otherwise pulls in mail and X11 pieces we never use.

@@ -85,3 +85,29 @@ def test_gemm_row_offsets_past_2_31():
         print("OK")
     """)
     assert r.returncode == 0 and "OK" in r.stdout, f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+
+
+def test_gemm_b_column_offsets_past_2_31():
+    """The Triton GEMM addresses column n of B (a row of the [N, K] weight) at n * stride_bn: weight rows 2^30 bytes
+    apart put row 2 at 2^31, which int32 arithmetic wraps (the full-size case: a 140000-row vocabulary projection)."""
+    r = _run(f"""
+        import torch
+        from fp8comm.gemm.backends import emulate
+        from fp8comm.gemm.triton_gemm import triton_gemm
+        from fp8comm.quant import Fp8Tensor, Scaling, quantize
+
+        S, m, k, n = {STRIDE - 16}, 64, 128, 3
+        g = torch.Generator().manual_seed(2)
+        qa = quantize(torch.randn(m, k, generator=g), "e4m3", scaling=Scaling(1, 128), backend="reference")
+        qb = quantize(torch.randn(n, k, generator=g), "e4m3", scaling=Scaling(1, 128), backend="reference")
+        big = torch.zeros(S * (n - 1) + k, dtype=torch.uint8)
+        rows = big.as_strided((n, k), (S, 1))
+        rows.copy_(qb.data.view(torch.uint8))
+        b = Fp8Tensor(rows.view(torch.float8_e4m3fn), qb.scale, qb.fmt, qb.scaling, qb.dtype)
+        assert b.data.stride() == (S, 1)
+        got, want = triton_gemm(qa, b, torch.float32), emulate(qa, qb, torch.float32)
+        err = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+        assert err < 1e-5, err
+        print("OK")
+    """)
+    assert r.returncode == 0 and "OK" in r.stdout, f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
