@@ -46,6 +46,7 @@ class Ctx:
     reps: int = 20
     warmup: int = 3
     sizes_mib: tuple = (16, 64, 256, 1024)
+    sweep: bool = True  # the pack kernel's tile x warps sweep at 256 MiB (CUDA only; ~20 s)
     results: dict = field(default_factory=dict)
 
     @property
@@ -472,7 +473,7 @@ def bandwidth_section(ctx: Ctx) -> dict:
         )
         del x, dst
     sweep = {}
-    if ctx.cuda:  # tile x warps sweep of the fused pack at 256 MiB: the defaults are a guess until measured
+    if ctx.cuda and ctx.sweep:  # tile x warps sweep of the fused pack at 256 MiB: defaults are a guess until measured
         m = 256 * 2**20 // 2 // k
         x = torch.randn(m, k, device=ctx.device).to(torch.bfloat16)
         default = bt.GPU_TILE, bt.GPU_WARPS
@@ -497,6 +498,25 @@ def bandwidth_section(ctx: Ctx) -> dict:
         "rows": rows,
         "tile_sweep_GBps": sweep,
     }
+
+
+def bandwidth_result_rows(res: dict, device_name: str) -> list[dict]:
+    """triton_bandwidth's pack/copy ratios as docs/results/gpu.json rows (>= 256 MiB: the target's sizes)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_results import result_row
+
+    out = []
+    for r in res.get("rows", []):
+        if r["MiB"] < 256:
+            continue
+        for enc in ("fp32", "e8m0"):
+            unit = f"x bf16 device copy GB/s, CUDA-graph replay ({r['copy_GBps']:.0f} GB/s copy)"
+            out.append(
+                result_row(
+                    f"pack_{enc}_vs_copy_{r['MiB']}MiB", round(r[f"pack_{enc}_ratio"], 3), 0.8, unit, device_name
+                )
+            )
+    return out
 
 
 # --- section: GEMMs (launch/device_check_gemm.py, owned by the GEMM work; optional) --------------------------------
@@ -546,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--sizes", default="16,64,256,1024", help="MiB of bf16 for the bandwidth table")
+    p.add_argument("--no-sweep", action="store_true", help="skip the pack kernel's tile sweep")
+    p.add_argument("--no-write", action="store_true", help="do not merge pack/copy rows into docs/results/gpu.json")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     if dev.type == "cpu":
@@ -556,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         reps=a.reps if not a.quick else 2,
         warmup=3 if not a.quick else 1,
         sizes_mib=tuple(int(s) for s in a.sizes.split(",")),
+        sweep=not a.no_sweep,
     )
     t0 = time.time()
     results = run_sections(ctx, {s for s in a.only.split(",") if s} or None)
@@ -566,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - t0, 1),
         "sections": results,
     }
+    bw = results.get("triton_bandwidth", {})
+    if dev.type == "cuda" and not a.quick and not a.no_write and bw.get("rows"):
+        from gpu_results import merge
+
+        merge(bandwidth_result_rows(bw, torch.cuda.get_device_name(dev)))
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "device_check.json")
         with open(path, "w") as f:

@@ -36,10 +36,10 @@ def _err(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
-def agreement_rows(device, quick: bool) -> list[dict]:
+def agreement_rows(device, quick: bool, layouts=None) -> list[dict]:
     rows = []
     shapes = [(256, 384, 512), (200, 136, 328)] if quick else [(1024, 768, 2048), (1000, 776, 1288)]
-    for layout in LAYOUTS:
+    for layout in LAYOUTS if layouts is None else layouts:
         for m, n, k in shapes:
             try:
                 a, b = operands(m, n, k, layout, device)
@@ -130,10 +130,12 @@ def linear_rows(device, quick: bool) -> list[dict]:
     return rows
 
 
-def timing_rows(device, quick: bool) -> list[dict]:
+def timing_rows(device, quick: bool, cases=None, sizes=None, recipes=None) -> list[dict]:
+    """cases: (layout, backend) pairs to time (None: all); sizes: square GEMM sizes; recipes: Fp8Linear recipes
+    for the fwd+bwd timing (None: tensorwise, fp8_amax, rowwise, blockwise; empty: no layer timing at all)."""
     rows = []
     reps = 5 if quick else 20
-    for s in (1024,) if quick else (4096, 8192):
+    for s in ((1024,) if quick else (4096, 8192)) if sizes is None else sizes:
         flop = 2.0 * s**3
         try:
             a16 = torch.randn(s, s, device=device, dtype=torch.bfloat16)
@@ -151,15 +153,19 @@ def timing_rows(device, quick: bool) -> list[dict]:
         except Exception as e:
             rows.append(dict(check="timing", case=f"bf16 matmul {s}^3", status="FAIL", detail=_err(e)))
             continue
-        cases = [
-            ("tensorwise", "scaled_mm"),
-            ("rowwise", "scaled_mm"),
-            ("blockwise", "scaled_mm"),
-            ("blockwise", "triton"),
-            ("tensorwise", "triton"),
-            ("mxfp8", "triton"),
-        ]
-        for layout, be in cases:
+        todo = (
+            cases
+            if cases is not None
+            else [
+                ("tensorwise", "scaled_mm"),
+                ("rowwise", "scaled_mm"),
+                ("blockwise", "scaled_mm"),
+                ("blockwise", "triton"),
+                ("tensorwise", "triton"),
+                ("mxfp8", "triton"),
+            ]
+        )
+        for layout, be in todo:
             case = f"fp8 {layout} {be} {s}^3"
             try:
                 a, b = operands(s, s, s, layout, device)
@@ -200,6 +206,8 @@ def timing_rows(device, quick: bool) -> list[dict]:
                 rows.append(dict(check="timing", case=case, status="n/a", detail=_err(e)))
             except Exception as e:
                 rows.append(dict(check="timing", case=case, status="FAIL", detail=_err(e)))
+    if recipes is not None and not recipes:
+        return rows
     tokens, n_in, n_out = (2048, 1024, 1024) if quick else (16384, 8192, 8192)
     flop = 6.0 * tokens * n_in * n_out
     try:
@@ -226,7 +234,7 @@ def timing_rows(device, quick: bool) -> list[dict]:
     except Exception as e:
         rows.append(dict(check="timing", case="nn.Linear bf16 fwd+bwd", status="FAIL", detail=_err(e)))
         return rows
-    for name in ("tensorwise", "fp8_amax", "rowwise", "blockwise"):
+    for name in ("tensorwise", "fp8_amax", "rowwise", "blockwise") if recipes is None else recipes:
         case = f"Fp8Linear {name} fwd+bwd {tokens}x{n_in}->{n_out}"
         try:
             lin = Fp8Linear(n_in, n_out, bias=False, device=device, recipe=name)
@@ -252,8 +260,9 @@ def timing_rows(device, quick: bool) -> list[dict]:
     return rows
 
 
-def gemm_section(quick: bool = False, device: torch.device | str | None = None) -> list[dict]:
-    """Run agreement, Fp8Linear and timing checks; print and return the rows (check, case, status, detail)."""
+def gemm_section(quick: bool = False, device: torch.device | str | None = None, blockwise: bool = False) -> list[dict]:
+    """Run agreement, Fp8Linear and timing checks (blockwise=True: blockwise_rows only); print and return the rows
+    (check, case, status, detail)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
     if device.type == "cuda":
@@ -265,7 +274,7 @@ def gemm_section(quick: bool = False, device: torch.device | str | None = None) 
                 detail=f"torch {torch.__version__}, capability {torch.cuda.get_device_capability(device)}",
             )
         )
-    for fn in (agreement_rows, linear_rows, timing_rows):
+    for fn in (blockwise_rows,) if blockwise else (agreement_rows, linear_rows, timing_rows):
         t0 = time.time()
         try:
             rows += fn(device, quick)
@@ -304,42 +313,60 @@ def result_rows(rows: list[dict], device_name: str) -> list[dict]:
 
 def train_rows(results: list[dict], device_name: str, baseline: str = "bf16") -> list[dict]:
     """examples/train_gpt.py results as gpu.json rows per FP8 recipe: the mean final validation loss relative to
-    bf16's (signed fraction, target |x| <= 0.01) and the training speed relative to bf16's (same tokens per run)."""
+    bf16's (signed fraction, target |x| <= 0.01) and the training speed relative to bf16's (same tokens per run).
+    Paired by seed: only seeds that both the recipe and bf16 completed count (a run cut short leaves some out)."""
     from statistics import mean
 
     from gpu_results import result_row
 
-    by: dict[str, list[dict]] = {}
+    by: dict[str, dict[int, dict]] = {}
     for r in results:
-        by.setdefault(r["recipe"], []).append(r)
+        by.setdefault(r["recipe"], {})[r.get("seed", 0)] = r
     if baseline not in by:
         return []
-    base_loss = mean(r["val_loss"] for r in by[baseline])
-    base_s = mean(r["seconds"] for r in by[baseline])
+    base = by[baseline]
     out = []
     for recipe, runs in by.items():
-        if recipe == baseline:
+        seeds = sorted(set(runs) & set(base))
+        if recipe == baseline or not seeds:
             continue
-        seeds = f"{len(runs)} seeds"
-        rel = (mean(r["val_loss"] for r in runs) - base_loss) / base_loss
+        base_loss = mean(base[s]["val_loss"] for s in seeds)
+        rel = (mean(runs[s]["val_loss"] for s in seeds) - base_loss) / base_loss
+        label = f"{len(seeds)} paired seed{'s' if len(seeds) != 1 else ''}"
         out.append(
-            result_row(f"train_{recipe}_val_loss_rel", round(rel, 5), 0.01, f"fraction of bf16 ({seeds})", device_name)
+            result_row(f"train_{recipe}_val_loss_rel", round(rel, 5), 0.01, f"fraction of bf16 ({label})", device_name)
         )
-        speed = base_s / mean(r["seconds"] for r in runs)
-        unit = f"x bf16 tokens/s ({seeds}, evaluation included)"
+        speed = mean(base[s]["seconds"] for s in seeds) / mean(runs[s]["seconds"] for s in seeds)
+        unit = f"x bf16 tokens/s ({label}, evaluation included)"
         out.append(result_row(f"train_{recipe}_tokens_per_s_vs_bf16", round(speed, 3), None, unit, device_name))
     return out
+
+
+def blockwise_rows(device, quick: bool = False) -> list[dict]:
+    """The cuBLASLt block-scaled GEMM only: the layout the probe trusted per operand pair, agreement at aligned
+    and odd shapes, 8192^3 timing next to Triton and bf16, Fp8Linear blockwise fwd+bwd (launch/gpu_ready_check.py's
+    blockwise_gemm section)."""
+    rows = agreement_rows(device, quick, layouts=("blockwise",))  # ends with the probe's blockwise_layout rows
+    rows += timing_rows(
+        device,
+        quick,
+        cases=[("blockwise", "scaled_mm"), ("blockwise", "triton")],
+        sizes=(1024,) if quick else (8192,),
+        recipes=("blockwise",),
+    )
+    return rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small shapes (also runs on CPU)")
     p.add_argument("--device", default=None)
+    p.add_argument("--blockwise", action="store_true", help="only the cuBLASLt block-scaled GEMM (layout, timings)")
     p.add_argument("--train", action="store_true", help="also run the tiny-GPT training table on the device")
     p.add_argument("--train-args", default="", help="extra arguments for examples/train_gpt.py")
     p.add_argument("--no-write", action="store_true", help="do not merge rows into docs/results/gpu.json")
     a = p.parse_args()
-    rows = gemm_section(a.quick, a.device)
+    rows = gemm_section(a.quick, a.device, a.blockwise)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_results import merge

@@ -1,29 +1,36 @@
 #!/usr/bin/env python3
 """GPU-readiness checks as one prepared script (H100/H200): `PYTHONPATH=. python3 launch/gpu_ready_check.py`.
 
-Sections (each timed; an exception fails that section only): env; sync_free (every collective, sync and async,
-and Fp8Linear fwd+bwd per recipe under torch.cuda.set_sync_debug_mode("error") after warm-up, 1-rank NCCL);
-host_ahead (torch.cuda._sleep queued ahead of N calls: the host must return from all of them first); host_time
-(host time per steady-state call at 16 Mi elements next to NCCL's own call; CUDA-graph capture and replay);
-streams (two streams share one scratch pool, the first call's decode delayed: outputs equal the reference, and an
-unordered pool shows the corruption the event prevents); offsets (unpack_sum of a > 2 GiB packed buffer of 3
-chunks; a GEMM whose row offsets pass 2^31); multi_rank (tests/dist on CUDA tensors, 2 and 4 ranks on this GPU,
-staged backend); examples (the demo, the Megatron example and examples/train_gpt.py on the GPU, when DeepSpeed /
-megatron-core are importable: carry them as wheels, launch/gpu_wheels.sh). Rows go to docs/results/gpu.json
-(merged by name) and $OUT/gpu_ready.json when OUT is set. `--only a,b` runs some sections; `--budget S` skips
-sections once S seconds have passed.
+One hard budget (`--budget`, default 360 s, so that a run and a rerun fit 15 minutes of device time with the
+machine's start): every section checks the deadline (SIGALRM in this process, subprocesses killed with their process
+group, a watchdog ends the run if a section hangs in C code past it) and has its own cap; sections run in order of
+value and a section that cannot start in time is recorded as skipped. Every row goes into docs/results/gpu.json the
+moment it is measured, with a `section_<name>` status row (running / ok / fail / error / cut / skipped) before and
+after each section, atomically (launch/gpu_results.py): a crash or a cut loses nothing already measured.
+$OUT/gpu_ready.json (when OUT is set) holds the run's record, rewritten after each section.
+
+Sections, most valuable first (issue 20's correctness checks, then the GPU speed goals, then the 0.2 checks):
+env; stream_reuse (launch/gpu_check_streams.py: async calls on one stream decoded on another behind a delay,
+eviction and clear()); streams (two streams share one scratch pool; an unordered pool must corrupt);
+version_counters (out= writes of every collective bump tensor._version, Triton and reference backends);
+e8m0_decode (all 256 E8M0 scale bytes through every decoder on the GPU: 0 -> 2^-127, 255 -> NaN, bit for bit);
+host_ahead (a GPU sleep queued ahead of the calls: the host must return first); blockwise_gemm (the cuBLASLt
+block-scaled layout the probe trusts, agreement, 8192^3 and Fp8Linear timings); pack_vs_copy (quantize+pack vs a
+device copy at 256 MiB and 1 GiB); train (examples/train_gpt.py, bf16 / fp8_amax / tensorwise / blockwise, seeds in
+turn so a cut keeps whole pairs); sync_free (torch's sync detector); offsets (past 2^31); host_time; multi_rank
+(tests/dist on CUDA tensors, staged backend); examples (demo, Megatron, train_gpt; needs the wheels of
+launch/gpu_wheels.sh). `--only a,b` runs some sections.
+Multi-GPU behaviours (NCCL streams, uneven all_to_all_single, hierarchical NCCL groups): launch/gpu_cluster_check.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -31,21 +38,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "launch"))
-from gpu_results import commit, merge, result_row  # noqa: E402
+from gpu_results import PATH, Runner, Section  # noqa: E402
 
-ROWS: list[dict] = []
-SECTIONS: list = []
-
-
-def section(fn):
-    SECTIONS.append(fn)
-    return fn
-
-
-def row(name: str, value, target=None, unit: str = "") -> None:
-    """One machine-readable result (launch/gpu_results.py: the docs/results/gpu.json schema)."""
-    ROWS.append(result_row(name, value, target, unit, DEVICE))
-    print(f"  {name} = {value} {unit}" + (f" (target {target})" if target is not None else ""), flush=True)
+# calls whose contract is "once per step, where the engine synchronizes anyway": they wait for the PREVIOUS
+# call's work (guard.step reads the counts of the step before), so several of them in a row behind a queued sleep
+# block by design; host_ahead checks one call after the engine's sync point instead of ten in a row
+AT_SYNC_POINT = {"guard.step"}
 
 
 def init_nccl_1rank() -> None:
@@ -90,24 +88,266 @@ def collective_calls(n: int = 1 << 20) -> dict:
     }
 
 
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
 # ----------------------------------------------------------------------------------------------------- sections
-@section
-def env(a) -> dict:
+def env(run) -> dict:
     import triton
 
     p = torch.cuda.get_device_properties(0)
-    return {
+    info = {
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "gpu": p.name,
         "capability": f"{p.major}.{p.minor}",
         "memory_gib": round(p.total_memory / 2**30, 1),
+        "gpus": torch.cuda.device_count(),
     }
+    run.row("env_versions", f"torch {info['torch']}, triton {info['triton']}, cuda {info['cuda']}", None, "versions")
+    return info
 
 
-@section
-def sync_free(a) -> dict:
+def stream_reuse(run) -> dict:
+    """launch/gpu_check_streams.py's check_stream_reuse(device) -> list of rows (issue 20, Streams): nine or more
+    async calls on stream A decoded on stream B behind a delay, then eviction and clear(); outputs exact."""
+    try:
+        from gpu_check_streams import check_stream_reuse
+    except ImportError as e:
+        return {"status": "error", "error": f"launch/gpu_check_streams.py not importable: {e}"}
+    init_nccl_1rank()
+    rows = check_stream_reuse(torch.device("cuda")) or []
+    bad = []
+    for i, r in enumerate(rows):  # {"name", "ok", "detail"} rows; gpu.json-schema or {"case", "status"} ones too
+        name = r.get("name") or f"stream_reuse.{r.get('case') or r.get('check') or i}"
+        if "value" in r:
+            value, target = r["value"], r.get("target")
+        elif "ok" in r:
+            value, target = bool(r["ok"]), True
+        else:
+            value, target = r.get("status"), "ok"
+        run.row(name, value, target, str(r.get("unit") or r.get("detail", ""))[:300])
+        if r.get("ok") is False or str(r.get("status", "ok")).lower() in ("fail", "error"):
+            bad.append(name)
+    return {"status": "fail" if bad or not rows else "ok", "rows": len(rows), "failed": bad}
+
+
+def version_counters(run) -> dict:
+    """Every out= write of a collective bumps the output's tensor._version (autograd's in-place checks and
+    Fp8Linear's cache key see fp8comm's writes), with the Triton kernels as with the reference backend."""
+    import fp8comm.comm as fc
+
+    init_nccl_1rank()
+    dev = torch.device("cuda")
+    n = 1 << 16
+    x = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    tok = torch.randn(16, 4096, device=dev, dtype=torch.bfloat16)
+    res, bad = {}, []
+    for backend in ("triton", "reference"):
+        o = torch.empty(n, device=dev, dtype=torch.bfloat16)
+        o2 = torch.empty(n, device=dev, dtype=torch.bfloat16)
+        o3 = torch.empty(n, device=dev, dtype=torch.bfloat16)
+        t_out = torch.empty_like(tok)
+        forms = {
+            "all_gather_into": (o, lambda: fc.all_gather_into(o, x, backend=backend)),
+            "all_gather.out": (o2, lambda: fc.all_gather(x, out=o2, backend=backend)),
+            "reduce_scatter_into": (o, lambda: fc.reduce_scatter_into(o, x, backend=backend)),
+            "all_reduce_into": (o3, lambda: fc.all_reduce_into(o3, x, backend=backend)),
+            "all_to_all.out": (t_out, lambda: fc.all_to_all(tok, out=t_out, backend=backend)),
+        }
+        for name, (out, fn) in forms.items():
+            try:
+                v0 = out._version
+                fn()
+                torch.cuda.synchronize()
+                moved = out._version > v0
+            except Exception as e:
+                res[f"{backend}.{name}"] = _first_line(e)
+                bad.append(f"{backend}.{name}")
+                continue
+            res[f"{backend}.{name}"] = moved
+            if not moved:
+                bad.append(f"{backend}.{name}")
+    run.row("version_counter_bumped_forms", sum(v is True for v in res.values()), len(res), "out= forms")
+    return {"status": "fail" if bad else "ok", "forms": res, "not_bumped": bad}
+
+
+def e8m0_decode(run) -> dict:
+    """All 256 E8M0 scale bytes through every decoder on the GPU (torch ops, the compiled backend, the Triton
+    kernels: unpack_chunks fp32 and bf16, unpack_sum, Fp8Tensor.unpack): byte b -> 2^(b-127), 0 -> 2^-127 (an fp32
+    subnormal: must not flush), 255 -> NaN (OCP MX), bit for bit against that on the host."""
+    from fp8comm.quant import E4M3, Fp8Tensor, Scaling
+    from fp8comm.quant.wire import ChunkLayout, unpack_chunks, unpack_sum
+
+    sc = Scaling(1, 128, "e8m0")
+    lay = ChunkLayout((256,), 128, sc)
+    buf = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+    pb = lay.payload_bytes(0)
+    buf[: 256 * 128] = 0x38  # E4M3 1.0 everywhere: the output is the decoded scale
+    buf[pb : pb + 256] = torch.arange(256, dtype=torch.uint8)
+    b = torch.arange(256, dtype=torch.float64)
+    want = torch.where(b == 255, torch.nan, torch.ldexp(torch.ones(256, dtype=torch.float64), b - 127)).float()
+    want = want[:, None].expand(256, 128)
+    dbuf = buf.cuda()
+    got = {}
+    for backend in ("reference", "compiled", "triton"):
+        for dt in (torch.float32, torch.bfloat16):
+            key = f"unpack_chunks.{backend}.{str(dt)[6:]}"
+            try:
+                got[key] = (unpack_chunks(dbuf, lay, E4M3, dt, backend=backend).cpu(), want.to(dt))
+            except Exception as e:
+                got[key] = e
+    for backend in ("reference", "compiled", "triton"):
+        try:
+            got[f"unpack_sum.{backend}"] = (unpack_sum(dbuf, lay, E4M3, backend=backend).cpu(), want)
+        except Exception as e:
+            got[f"unpack_sum.{backend}"] = e
+    try:
+        t = Fp8Tensor.unpack(dbuf, (256, 128), torch.float32, E4M3, sc)  # same bytes: payload, then scales
+        got["Fp8Tensor.unpack"] = (t.dequantize(torch.float32).cpu(), want)
+    except Exception as e:
+        got["Fp8Tensor.unpack"] = e
+    res, bad = {}, []
+    for key, v in got.items():
+        if isinstance(v, Exception):
+            res[key] = _first_line(v)
+            bad.append(key)
+            continue
+        g, w = v
+        same_nan = torch.equal(g.isnan(), w.isnan())
+        bits = torch.int32 if g.dtype == torch.float32 else torch.int16
+        fin = ~w.isnan()
+        exact = same_nan and torch.equal(g[fin].view(bits), w[fin].view(bits))
+        res[key] = (
+            "exact" if exact else f"FAIL: {int((g[fin] != w[fin]).sum())} values, NaN positions equal: {same_nan}"
+        )
+        if not exact:
+            bad.append(key)
+    run.row("e8m0_decoders_exact", len(res) - len(bad), len(res), "decoder paths, 256 bytes each")
+    return {"status": "fail" if bad else "ok", "paths": res}
+
+
+def host_ran_ahead(fn, calls: int, cuda=torch.cuda) -> tuple[bool, float]:
+    """Queue a ~1 s GPU sleep, then `calls` calls of `fn`: (True when the host returned from all of them before the
+    sleep ended, host seconds). `cuda` is torch.cuda (a stand-in in the CPU test of this logic)."""
+    cuda.synchronize()  # the engine's sync point: work from before is complete
+    done = cuda.Event()
+    cuda._sleep(int(2e9))  # ~1 s of GPU clock cycles queued ahead
+    done.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    ahead = not done.query()
+    cuda.synchronize()
+    return ahead, host
+
+
+def calls_for(name: str) -> int:
+    """Ten calls in a row behind the sleep; one for a call made at the engine's sync point (AT_SYNC_POINT)."""
+    return 1 if name in AT_SYNC_POINT else 10
+
+
+def host_ahead(run) -> dict:
+    """torch's detector sees only syncs made through torch: queue a long GPU sleep, then calls of each collective;
+    the host must return from all of them before the sleep has ended (no hidden sync anywhere). guard.step waits
+    for its previous call's counts by contract, so it is checked once after a sync (calls_for)."""
+    init_nccl_1rank()
+    calls = collective_calls()
+    res, bad = {}, []
+    for name, fn in calls.items():
+        if name.endswith(".autograd"):
+            continue  # autograd's backward engine may synchronize its own streams; covered by sync_free
+        for _ in range(6):
+            fn()
+        n = calls_for(name)
+        ahead, host = host_ran_ahead(fn, n)
+        res[name] = {"calls": n, "host_ms_per_call": round(host / n * 1e3, 3), "host_ran_ahead": ahead}
+        if not ahead:
+            bad.append(name)
+    run.row("host_ahead_calls", len(res) - len(bad), len(res), "collective forms")
+    return {"status": "fail" if bad else "ok", "calls": res, "blocked": bad}
+
+
+def blockwise_gemm(run) -> dict:
+    """The cuBLASLt block-scaled GEMM (fp8comm/gemm/block_scaled_mm.py): which layout the probe trusts per operand
+    pair, agreement with float64 at aligned and odd shapes, 8192^3 next to the Triton GEMM and bf16, Fp8Linear
+    blockwise fwd+bwd at 16384 x 8192 -> 8192 (launch/device_check_gemm.py's functions, rows as they come)."""
+    import device_check_gemm as g
+
+    from fp8comm.gemm import backends
+    from fp8comm.gemm.block_scaled_mm import PAIRS
+
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    found = {}
+    for pair in PAIRS:
+        lay = backends.blockwise_layout(dev, pair)
+        found[pair] = lay.name if lay is not None else None
+        run.row(f"gemm_blockwise_layout_1x128_{pair[5:]}", found[pair] or "none", None, "layout the probe trusted")
+    rows = g.agreement_rows(dev, False, layouts=("blockwise",))
+    rows += g.timing_rows(
+        dev, False, cases=[("blockwise", "scaled_mm"), ("blockwise", "triton")], sizes=(8192,), recipes=()
+    )
+    for r in g.result_rows(rows, name):
+        run.row(r["name"], r["value"], r["target"], r["unit"])
+    rows += g.timing_rows(dev, False, cases=[], sizes=(), recipes=("blockwise",))
+    for r in g.result_rows(rows, name):
+        if r["name"].startswith("linear_"):
+            run.row(r["name"], r["value"], r["target"], r["unit"])
+    fails = [f"{r['case']}: {r['detail']}" for r in rows if r["status"] == "FAIL"]
+    print("| check | case | status | detail |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['check']} | {r['case']} | {r['status']} | {r['detail']} |")
+    return {"status": "fail" if fails else "ok", "layouts": found, "fails": fails, "rows": rows}
+
+
+def pack_vs_copy(run) -> dict:
+    """quantize+pack (fp32 and E8M0 scales) vs a bf16 device copy at 256 MiB and 1 GiB, CUDA-graph replay (target
+    0.8x copy; launch/device_check.py's triton_bandwidth without its tile sweep)."""
+    import device_check as dc
+
+    ctx = dc.Ctx(torch.device("cuda"), False, sizes_mib=(256, 1024), sweep=False)
+    res = dc.bandwidth_section(ctx)
+    for r in dc.bandwidth_result_rows(res, torch.cuda.get_device_name(0)):
+        run.row(r["name"], r["value"], r["target"], r["unit"])
+    return res
+
+
+def train(run) -> dict:
+    """examples/train_gpt.py on the GPU, one process per seed (all four recipes each), so a cut keeps whole
+    pairs; rows per recipe (train_<recipe>_val_loss_rel, _tokens_per_s_vs_bf16) rewritten after every seed."""
+    import device_check_gemm as g
+
+    name = torch.cuda.get_device_name(0)
+    recipes = "bf16,fp8_amax,tensorwise,blockwise"
+    out_dir = Path(os.environ.get("OUT") or "/tmp") / "train_gpt_gpu"
+    results, seeds_done, bad = [], [], []
+    for seed in run.train_seeds:
+        folder = out_dir / f"seed{seed}"
+        cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--device", "cuda", "--recipes", recipes]
+        cmd += ["--seeds", str(seed), "--out", str(folder)] + run.train_args
+        try:
+            p = run.run_sub(cmd, cwd=ROOT, env=_env())
+        finally:  # a cut seed still leaves the recipes it finished (results.json is written after each run)
+            f = folder / "results.json"
+            if f.exists():
+                results = [r for r in results if r.get("seed") != seed] + json.loads(f.read_text())
+                for r in g.train_rows(results, name):
+                    run.row(r["name"], r["value"], r["target"], r["unit"])
+        if p["rc"]:
+            bad.append(seed)
+        seeds_done.append(seed)
+    return {"status": "fail" if bad else "ok", "seeds": seeds_done, "failed_seeds": bad, "runs": len(results)}
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def sync_free(run) -> dict:
     """After warm-up no collective and no Fp8Linear step may sync the host with the device (torch's detector)."""
     from fp8comm.gemm import RECIPES, Fp8Linear
 
@@ -144,41 +384,11 @@ def sync_free(a) -> dict:
                 failures[name] = str(e).splitlines()[0][:300]
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-    row("sync_free_calls", len(ok), len(ok) + len(failures), "calls")
+    run.row("sync_free_calls", len(ok), len(ok) + len(failures), "calls")
     return {"status": "fail" if failures else "ok", "sync_free": ok, "syncing": failures}
 
 
-@section
-def host_ahead(a) -> dict:
-    """torch's detector sees only syncs made through torch: queue a long GPU sleep, then N calls of each
-    collective; the host must return from all of them before the sleep has ended (no hidden sync anywhere)."""
-    init_nccl_1rank()
-    calls = collective_calls()
-    res, bad = {}, []
-    for name, fn in calls.items():
-        if name.endswith(".autograd"):
-            continue  # autograd's backward engine may synchronize its own streams; covered by sync_free
-        for _ in range(6):
-            fn()
-        torch.cuda.synchronize()
-        done = torch.cuda.Event()
-        torch.cuda._sleep(int(2e9))  # ~1 s of GPU clock cycles queued ahead
-        done.record()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            fn()
-        host = time.perf_counter() - t0
-        ahead = not done.query()
-        torch.cuda.synchronize()
-        res[name] = {"host_ms_per_call": round(host / 10 * 1e3, 3), "host_ran_ahead": ahead}
-        if not ahead:
-            bad.append(name)
-    row("host_ahead_calls", len(res) - len(bad), len(res), "collective forms")
-    return {"status": "fail" if bad else "ok", "calls": res, "blocked": bad}
-
-
-@section
-def host_time(a) -> dict:
+def host_time(run) -> dict:
     """Host time per steady-state call at 16 Mi elements, next to NCCL's own call of the same op (host time: the
     GPU is kept busy by a queued sleep, so only the host's own work is timed); and the GPU part by CUDA-graph
     replay where the call can be captured (nearest rounding, fixed buffers, check off after warm-up)."""
@@ -210,8 +420,8 @@ def host_time(a) -> dict:
                 fn()
             r[who] = (time.perf_counter() - t0) / 50 * 1e3
             torch.cuda.synchronize()
-        row(f"host_ms_{name}_16Mi", round(r["fp8comm"], 4), 0.1, "ms")
-        row(f"host_ms_{name}_16Mi_nccl", round(r["nccl"], 4), None, "ms")
+        run.row(f"host_ms_{name}_16Mi", round(r["fp8comm"], 4), 0.1, "ms")
+        run.row(f"host_ms_{name}_16Mi_nccl", round(r["nccl"], 4), None, "ms")
         try:  # CUDA-graph capture of the same steady-state call
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -232,7 +442,7 @@ def host_time(a) -> dict:
             got = o if name != "all_to_all" else tok_out
             r["graph_gpu_ms"] = e0.elapsed_time(e1) / 20
             r["graph_equal"] = bool(torch.equal(got, want))
-            row(f"graph_gpu_ms_{name}_16Mi", round(r["graph_gpu_ms"], 4), None, "ms")
+            run.row(f"graph_gpu_ms_{name}_16Mi", round(r["graph_gpu_ms"], 4), None, "ms")
         except Exception as e:
             r["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         out[name] = r
@@ -240,8 +450,7 @@ def host_time(a) -> dict:
     return {"status": "fail" if over else "ok", "calls": out, "over_budget": over}
 
 
-@section
-def streams(a) -> dict:
+def streams(run) -> dict:
     """Two CUDA streams lease from one scratch pool (DeepSpeed ZeRO-3's gather and reduce streams): the first
     call's decode is delayed by a GPU sleep, the second call on the other stream reuses its buffers. With the
     pool's events both outputs equal the reference; an unordered pool (no event wait) is run too and must differ,
@@ -280,13 +489,12 @@ def streams(a) -> dict:
         }
     ok = res["ordered"]["first_equal"] and res["ordered"]["second_equal"]
     shows = not (res["unordered"]["first_equal"] and res["unordered"]["second_equal"])
-    row("streams_ordered_outputs_equal", int(ok), 1, "bool")
-    row("streams_unordered_pool_corrupts", int(shows), 1, "bool")
+    run.row("streams_ordered_outputs_equal", int(ok), 1, "bool")
+    run.row("streams_unordered_pool_corrupts", int(shows), 1, "bool")
     return {"status": "ok" if ok else "fail", "runs": res, "scenario_can_fail": shows}
 
 
-@section
-def offsets(a) -> dict:
+def offsets(run) -> dict:
     """Past 2^31: unpack_sum over 3 chunks of 2^30 elements (a 3 GiB packed buffer), and a 140000 x 16384 x 256
     GEMM; both against the reference on sampled windows / rows."""
     from fp8comm.gemm.backends import emulate
@@ -310,7 +518,7 @@ def offsets(a) -> dict:
         bad += int(not torch.equal(acc[:, a0 : a0 + 4096], ref))
     out["unpack_sum_packed_gib"] = round(lay.total_bytes / 2**30, 2)
     out["unpack_sum_windows_bad"] = bad
-    row("offsets_unpack_sum_3GiB_windows_equal", 3 - bad, 3, "windows")
+    run.row("offsets_unpack_sum_3GiB_windows_equal", 3 - bad, 3, "windows")
     del x, buf, acc
     m, kk, n = 140000, 16384, 256
     xa = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
@@ -324,12 +532,11 @@ def offsets(a) -> dict:
     want = emulate(sub, qb, torch.float32)
     err = float(((got[rows] - want).abs() / want.abs().clamp_min(1e-3)).max())
     out["gemm_rel_err_sampled_rows"] = err
-    row("offsets_gemm_140000x16384_rel_err", err, 1e-3, "relative")
+    run.row("offsets_gemm_140000x16384_rel_err", err, 1e-3, "relative")
     return {"status": "ok" if bad == 0 and err < 1e-3 else "fail", **out}
 
 
-@section
-def multi_rank(a) -> dict:
+def multi_rank(run) -> dict:
     """tests/dist's checks with CUDA tensors on 2 and 4 ranks sharing this GPU (staged backend: gloo on host copies;
     NCCL refuses two ranks per GPU). Bit-exact against the CPU reference like the CPU suite."""
     sys.path.insert(0, str(ROOT / "tests" / "dist"))
@@ -340,17 +547,20 @@ def multi_rank(a) -> dict:
         env = {"FP8COMM_TEST_BACKEND": "staged", "FP8COMM_TEST_DEVICE": "cuda"}
         if world == 4:
             env["LOCAL_WORLD_SIZE"] = "2"
-        run = dist_harness.launch(world, Path("/tmp/fp8comm_gpu_dist") / str(world), env=env, timeout=420)
-        fails = dist_harness.failures(run)
-        done = [x["check"] for x in run["results"].get(0, []) if x.get("state") == "done" and x.get("ok")]
-        out[world] = {"passed": done, "failures": [f[:400] for f in fails], "seconds": run["seconds"]}
-        row(f"multi_rank_cuda_world{world}_checks_passed", len(done), None, "checks")
+        left = run.left() - 10  # launch() kills its ranks at its own timeout: leave it time to report
+        if left < 30:
+            out[world] = {"skipped": f"{left:.0f} s left"}
+            continue
+        res = dist_harness.launch(world, Path("/tmp/fp8comm_gpu_dist") / str(world), env=env, timeout=left)
+        fails = dist_harness.failures(res)
+        done = [x["check"] for x in res["results"].get(0, []) if x.get("state") == "done" and x.get("ok")]
+        out[world] = {"passed": done, "failures": [f[:400] for f in fails], "seconds": res["seconds"]}
+        run.row(f"multi_rank_cuda_world{world}_checks_passed", len(done), None, "checks")
         bad += fails
     return {"status": "fail" if bad else "ok", "worlds": out}
 
 
-@section
-def examples(a) -> dict:
+def examples(run) -> dict:
     """The main job and the examples on the GPU with every fp8comm flag on (world 1: the hooks' CUDA paths, the
     FP8 GEMMs, the loss). Needs DeepSpeed and megatron-core (wheels: launch/gpu_wheels.sh)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -451,65 +661,61 @@ def examples(a) -> dict:
             except ImportError as e:
                 out[name] = {"status": "skipped", "reason": f"{need} not importable ({e}); carry wheels"}
                 continue
-        t0 = time.time()
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.example_timeout)
-        out[name] = {"rc": p.returncode, "seconds": round(time.time() - t0, 1), "tail": (p.stdout + p.stderr)[-3000:]}
-        print(out[name]["tail"][-1500:], flush=True)
-        if p.returncode:
+        out[name] = run.run_sub(cmd, cwd=ROOT, env=env, tail=3000)
+        if out[name]["rc"]:
             bad.append(name)
     return {"status": "fail" if bad else "ok", "runs": out}
 
 
 # ------------------------------------------------------------------------------------------------------- driver
+# (name, function, cap seconds, seconds needed to start): most valuable first; the run's deadline cuts the rest
+SECTIONS = [
+    Section("env", env, 30, 1),
+    Section("stream_reuse", stream_reuse, 60, 10),
+    Section("streams", streams, 30, 10),
+    Section("version_counters", version_counters, 60, 10),
+    Section("e8m0_decode", e8m0_decode, 60, 10),
+    Section("host_ahead", host_ahead, 60, 15),
+    Section("blockwise_gemm", blockwise_gemm, 90, 30),
+    Section("pack_vs_copy", pack_vs_copy, 60, 20),
+    Section("train", train, 150, 60),
+    Section("sync_free", sync_free, 60, 15),
+    Section("offsets", offsets, 60, 30),
+    Section("host_time", host_time, 45, 15),
+    Section("multi_rank", multi_rank, 120, 60),
+    Section("examples", examples, 240, 60),
+]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help="comma-separated sections: " + ", ".join(f.__name__ for f in SECTIONS))
-    p.add_argument("--budget", type=float, default=540, help="seconds; later sections are skipped past it")
-    p.add_argument("--example-timeout", type=float, default=240)
-    p.add_argument("--no-write", action="store_true", help="do not merge rows into docs/results/gpu.json")
+    p.add_argument("--only", default="", help="comma-separated sections: " + ", ".join(s.name for s in SECTIONS))
+    p.add_argument("--budget", type=float, default=360, help="seconds for the whole run (hard: sections are cut)")
+    p.add_argument("--train-seeds", default="0,1,2", help="examples/train_gpt.py seeds, one process each")
+    p.add_argument("--train-args", default="", help="extra examples/train_gpt.py arguments (e.g. --steps 200)")
+    p.add_argument("--no-write", action="store_true", help="do not write rows into docs/results/gpu.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("gpu_ready_check: no CUDA device; nothing to run (every section needs a GPU)")
+        print("gpu_ready_check: no CUDA device; nothing to run (every section needs a GPU)", file=sys.stderr)
         return 2
-    global DEVICE
-    DEVICE = torch.cuda.get_device_name(0)
+    out = os.environ.get("OUT")
+    run = Runner(
+        a.budget,
+        torch.cuda.get_device_name(0),
+        rows_path=None if a.no_write else PATH,
+        doc_path=Path(out) / "gpu_ready.json" if out else None,
+    )
+    run.train_seeds = [int(s) for s in a.train_seeds.split(",") if s]
+    run.train_args = a.train_args.split()
     only = {s for s in a.only.split(",") if s}
-    t_start, results = time.time(), {}
-    for fn in SECTIONS:
-        if only and fn.__name__ not in only:
-            continue
-        if time.time() - t_start > a.budget:
-            results[fn.__name__] = {"status": "skipped", "reason": f"past --budget {a.budget} s"}
-            continue
-        print(f"== {fn.__name__}", flush=True)
-        t0 = time.time()
-        try:
-            res = fn(a) or {}
-        except Exception as e:
-            traceback.print_exc()
-            res = {"status": "error", "error": f"{type(e).__name__}: {e}"}
-        res.setdefault("status", "ok")
-        res["seconds"] = round(time.time() - t0, 1)
-        results[fn.__name__] = res
-        print(f"== {fn.__name__}: {res['status']} ({res['seconds']} s)", flush=True)
-    doc = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "commit": COMMIT,
-        "device": DEVICE,
-        "sections": results,
-        "rows": ROWS,
-    }
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_ready.json").write_text(json.dumps(doc, indent=1, default=str))
-    if not a.no_write:
-        merge(ROWS)
-    bad = [k for k, v in results.items() if v["status"] in ("fail", "error")]
-    print(f"== overall: {'FAIL: ' + ', '.join(bad) if bad else 'ok'}")
+    unknown = only - {s.name for s in SECTIONS}
+    if unknown:
+        p.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    run.run(SECTIONS, only or None)
+    bad = run.failed()
+    print(f"== overall: {'NOT OK: ' + ', '.join(bad) if bad else 'ok'} ({time.monotonic() - run.t0:.0f} s)")
     return 1 if bad else 0
 
-
-COMMIT = commit()
-DEVICE = "unknown"
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,18 +5,19 @@ dequantization factors (Fp8Tensor.scale is one). cuBLASLt reads each scale tenso
 "Blockwise on cuBLASLt"): the activation scale [M, K/128] outer-dim-major (strides (1, M)), the weight scale K-major
 with its K-blocks padded to a multiple of 4. A layout it misreads gives SILENTLY wrong numbers, so no candidate
 here is used until `probe` has compared it with the emulation on that device, for that operand pair, at a K whose
-block count (3) is not a multiple of 4.
+block count (3) is not a multiple of 4. Each output element is judged against its own magnitude (|A| @ |B|.T), not
+the product's largest value, so a misread confined to small-scale blocks cannot hide under the large ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from ..quant import Fp8Tensor, Scaling, quantize
+from ..quant import E4M3, Fp8Tensor, Scaling, quantize
 from .operands import pad_to, round_up
 from .routing import log
 
@@ -80,10 +81,14 @@ def candidates(pair: str) -> list[Layout]:
 
 
 def matmul(lay: Layout, a: Fp8Tensor, b: Fp8Tensor, pair: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b.T through `lay`: M and N zero-padded to multiples of 16, K to lay.kmult; padded rows sliced off."""
+    """a @ b.T through `lay`: M zero-padded to a multiple of 16, N to 16 (128 for 128x128 B blocks), K to lay.kmult;
+    padded rows sliced off."""
     m, k = a.shape
     n = b.shape[0]
-    mp, np_, kp = round_up(max(m, 1), 16), round_up(max(n, 1), 16), round_up(max(k, 1), lay.kmult)
+    # torch 2.13's shape rules (its meta kernel, which torch.compile's fake tensors run) want the 128x128 scale as
+    # [pad4(K/128), N // 128]: floor, so an N that is not a multiple of 128 is refused there (the CUDA check rounds up)
+    nmult = 128 if pair == "block128x128" else 16
+    mp, np_, kp = round_up(max(m, 1), 16), round_up(max(n, 1), nmult), round_up(max(k, 1), lay.kmult)
     ad = pad_to(a.data.contiguous(), mp, kp)
     bd = pad_to(b.data.contiguous(), np_, kp)
     kb = kp // 128
@@ -94,14 +99,49 @@ def matmul(lay: Layout, a: Fp8Tensor, b: Fp8Tensor, pair: str, out_dtype: torch.
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 
+def _magnitude_operand(q: Fp8Tensor) -> Fp8Tensor:
+    """q with every code's sign bit cleared (|q| exactly; NaN codes stay NaN): for |A| @ |B|.T."""
+    return replace(q, data=(q.data.view(torch.uint8) & 0x7F).view(q.data.dtype))
+
+
+def disagreement(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> float:
+    """max over elements of |got - want| / magnitude, where magnitude = |A| @ |B|.T (the sum of the absolute
+    products that form each element): every block row is judged on its own scale; NaN anywhere gives NaN."""
+    err = (got.float() - want.float()).abs() / magnitude.float().clamp_min(torch.finfo(torch.float32).tiny)
+    return float(err.max().item()) if err.numel() else 0.0  # host read: the probe runs once per device and pair
+
+
+def refusal(lay: Layout, pair: str, m: int = 256, k: int = 384, n: int = 256) -> str | None:
+    """torch's own shape/stride verdict on `lay` for an m x k x n product, from meta tensors (no device, no
+    values): None when torch's checks accept the call, else the first line of its error."""
+    data = torch.empty(0, dtype=torch.float8_e4m3fn, device="meta")
+    b_rows = 128 if pair == "block128x128" else 1
+    qa = Fp8Tensor(
+        data.new_empty(m, k), torch.empty(m, -(-k // 128), device="meta"), E4M3, Scaling(1, 128), torch.bfloat16
+    )
+    qb = Fp8Tensor(
+        data.new_empty(n, k),
+        torch.empty(-(-n // b_rows), -(-k // 128), device="meta"),
+        E4M3,
+        Scaling(b_rows, 128),
+        torch.bfloat16,
+    )
+    try:
+        matmul(lay, qa, qb, pair, torch.bfloat16)
+    except Exception as e:  # torch._check raises RuntimeError; other torch versions may raise ValueError
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def probe(
     device: torch.device,
     pair: str,
     reference: Callable[[Fp8Tensor, Fp8Tensor], torch.Tensor],
     layouts: list[Layout] | None = None,
 ) -> Layout | None:
-    """The first layout whose 256 x 384 x 256 product equals `reference` (the emulation, fp32) within 1e-2
-    relative, or None. Block scales vary by powers of two so that a misread scale cannot agree by luck."""
+    """The first layout whose 256 x 384 x 256 product equals `reference` (the emulation, fp32) within 1e-2 of each
+    element's own magnitude (`disagreement`), or None. Block scales vary by powers of two (2^-6 .. 2^6), so that a
+    misread scale cannot agree by luck, and per element so that small-scale blocks count as much as large ones."""
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def operand(rows: int, scaling: Scaling) -> Fp8Tensor:
@@ -113,11 +153,11 @@ def probe(
     qa = operand(256, Scaling(1, 128))
     qb = operand(256, Scaling(128, 128) if pair == "block128x128" else Scaling(1, 128))
     want = reference(qa, qb)
-    top = max(want.abs().max().item(), 1e-30)  # host reads: the probe runs once per device and pair
+    magnitude = reference(_magnitude_operand(qa), _magnitude_operand(qb))
     for lay in candidates(pair) if layouts is None else layouts:
         try:
             got = matmul(lay, qa, qb, pair, torch.bfloat16)
-            err = (got.float() - want).abs().max().item() / top
+            err = disagreement(got, want, magnitude)
         except Exception as e:  # an API or layout this torch/GPU refuses: try the next
             log.debug("block-scaled GEMM probe %s (%s): %s", lay.name, pair, e)
             continue

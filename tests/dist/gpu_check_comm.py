@@ -5,6 +5,9 @@
    plain NCCL bf16 on one device (pack + copy + unpack: kernel cost, not link bandwidth).
 2. The gloo multi-process checks (world 2, 3, 4) on this machine's torch/Python.
 3. `fp8comm bench comm` loopback (gloo, CPU) with more cores than the dev VM.
+Its one H200 run (2026-11-30 ~15:03 UTC, code committed as 14a5d1a) measured the metadata check on every call; the
+first-calls-only policy (24936a2) superseded those timings (docs/benchmarks.md); launch/gpu_ready_check.py's
+host_time section is the current measurement.
 """
 
 from __future__ import annotations
