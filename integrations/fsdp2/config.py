@@ -46,6 +46,9 @@ class GradientWire(WeightWire):
     rounding: str = "nearest"
     error_feedback: bool = False  # one fp8comm ErrorFeedback per FSDP module (its residual has the padded size)
     residual_dtype: str = "float32"  # float32 or bfloat16 (half the residual memory)
+    # Error feedback keeps a residual of each module's WHOLE (unsharded) gradient on every rank, against FSDP2's
+    # promise of 1/world of the gradients per rank: enable() refuses it unless this says the memory is accepted.
+    allow_unpartitioned_residuals: bool = False
 
     def wire(self, check: bool | None) -> WireConfig:
         """The fp8comm.comm WireConfig of the gradient reduce-scatter (check: enable()'s metadata-check setting)."""
@@ -63,7 +66,7 @@ class GradientWire(WeightWire):
         if not self.enabled:
             return "off (FSDP2's own)"
         extra = (", stochastic rounding" if self.rounding == "stochastic" else "") + (
-            ", error feedback" if self.error_feedback else ""
+            f", error feedback ({self.residual_dtype} residuals)" if self.error_feedback else ""
         )
         return super().describe() + ", fp32 accumulation" + extra
 
@@ -98,6 +101,7 @@ _GRAD_KEYS = {
     "rounding": (str, ROUNDINGS, None),
     "error_feedback": (bool, None, None),
     "residual_dtype": (str, RESIDUAL_DTYPES, None),
+    "allow_unpartitioned_residuals": (bool, None, None),
 }
 
 

@@ -1,12 +1,16 @@
 """enable(model, **options) installs the FP8 comm hooks on every FSDP2 module; disable(model) puts FSDP2's back.
 
 Everything is validated first (options, every module, every param group); only then are hooks installed, so a
-refused model is left exactly as it was. Fp8Linear layers inside the model get weight_cache="gathered": under
-FSDP2 the (version, data_ptr) key of a cached FP8 weight can repeat after an optimizer step (stale weights).
+refused model is left exactly as it was. One entry per FSDP2 param group: `fully_shard([norm, lm_head])` makes one
+group shared by two modules, reported (and hooked, and restored) once as "norm+lm_head". enable() changes only
+communication: it converts no Linear (FP8 GEMMs are fp8comm.convert_to_fp8, a separate opt-in). Fp8Linear layers
+already inside the model get weight_cache="gathered": under FSDP2 the (version, data_ptr) key of a cached FP8
+weight can repeat after an optimizer step (stale weights).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,11 +20,14 @@ from . import hooks, layout
 from .config import Fp8CommFsdp2Config, Fp8CommFsdp2Error, parse
 
 _ATTR = "_fp8comm_fsdp2"  # where an enabled model keeps what disable() needs
+logger = logging.getLogger("fp8comm.integrations.fsdp2")
+_RESIDUAL_ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass
 class ModuleEntry:
-    """One FSDP2 module: what it shards and what enable() installed on it."""
+    """One FSDP2 param group (one module, or several sharded by one fully_shard call: names joined by "+"): what
+    it shards and what enable() installed on it."""
 
     name: str
     params: int
@@ -31,6 +38,7 @@ class ModuleEntry:
     wire_padding: int = 0  # elements per rank added so every parameter starts a whole block (0 when unaligned)
     shard_numel: int = 0  # elements of this rank's flat shard (FSDP2's own padding included)
     notes: list = field(default_factory=list)
+    residual_bytes: int = 0  # error feedback: this rank's residual of the group's whole padded gradient (0: off)
 
 
 @dataclass
@@ -47,20 +55,38 @@ class Fsdp2Report:
     def installed(self) -> list[str]:
         return [m.name for m in self.modules if "fp8" in (m.weights + m.gradients)]
 
+    @property
+    def residual_bytes(self) -> int:
+        """Error-feedback residual memory on this rank, all groups (allocated at each group's first reduce)."""
+        return sum(m.residual_bytes for m in self.modules)
+
+    def gemms(self) -> str:
+        """What enable() did to the GEMMs: nothing (it converts no layer); Fp8Linear layers are the caller's."""
+        if not self.fp8_linears:
+            return "FP8 GEMMs off (enable() converts no layer; fp8comm.convert_to_fp8 is the opt-in)"
+        return f"FP8 GEMMs in {self.fp8_linears} Fp8Linear layers converted by the caller (enable() converts none)"
+
     def __str__(self) -> str:
         c = self.config
         lines = [
             f"fp8comm FSDP2: {len(self.installed)} of {len(self.modules)} FSDP2 modules with FP8 hooks; "
             f"weights {c.weights.describe()}; gradients {c.gradients.describe()}; metadata check "
             f"{ {None: 'library default', True: 'every call', False: 'off'}[c.check] }; parameters "
-            f"{'start whole blocks' if c.align_blocks else 'packed (blocks may straddle parameters)'}"
+            f"{'start whole blocks' if c.align_blocks else 'packed (blocks may straddle parameters)'}; "
+            f"{self.gemms()}"
         ]
+        if self.residual_bytes:
+            lines.append(
+                f"  error-feedback residuals: {self.residual_bytes} bytes ({self.residual_bytes / 2**20:.2f} MiB) on "
+                f"every rank, {c.gradients.residual_dtype}, the size of each group's whole gradient"
+            )
         w = max([len(m.name) for m in self.modules] + [8])
         for m in self.modules:
             pad = f", wire padding {m.wire_padding}/{m.shard_numel} el" if m.shard_numel else ""
+            res = f", residual {m.residual_bytes} B" if m.residual_bytes else ""
             lines.append(
                 f"  {m.name:<{w}}  {m.params} params, {m.numel} el, {m.mesh}: weights {m.weights}, "
-                f"gradients {m.gradients}{pad}"
+                f"gradients {m.gradients}{pad}{res}"
             )
             lines += [f"  {'':<{w}}    note: {n}" for n in m.notes]
         if self.fp8_linears:
@@ -71,6 +97,7 @@ class Fsdp2Report:
 
 
 def _fsdp_modules(model: nn.Module) -> list[tuple[str, Any]]:
+    """(name, module) per FSDP2 state of `model`, in module order; a state shared by several modules once."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
@@ -88,7 +115,12 @@ def _fsdp_modules(model: nn.Module) -> list[tuple[str, Any]]:
             f"{type(model).__name__} has no module sharded by FSDP2: call "
             "torch.distributed.fsdp.fully_shard on its blocks and on the root first, then enable()"
         )
-    return found
+    # fully_shard([a, b]) gives a and b ONE FSDP state (one param group): one entry, named "a+b", so the group's
+    # original comm objects are saved once, before any hook of ours is on it.
+    by_state: dict[int, tuple[list[str], Any]] = {}
+    for name, m in found:
+        by_state.setdefault(id(m._get_fsdp_state()), ([], m))[0].append(name)
+    return [("+".join(names), m) for names, m in by_state.values()]
 
 
 def _param_group(name: str, module) -> Any:
@@ -158,7 +190,30 @@ def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
     )
     if pg.mesh_info.shard_mesh_size == 1:
         entry.notes.append("shard group of 1 rank: FSDP2 calls no collective, so the hooks never run")
+    g = cfg.gradients
+    if g.enabled and g.error_feedback and pg.mesh_info.shard_mesh_size > 1:
+        # The residual is laid out like the reduce-scatter's wire input: shard group x this rank's wire row.
+        grads = [fp.padded_sharded_param_size.numel() for fp in fps if fp.sharded_param.requires_grad]
+        _, wl = layout.spans(grads, g.block_size, cfg.align_blocks)
+        entry.residual_bytes = _RESIDUAL_ITEMSIZE[g.residual_dtype] * pg.mesh_info.shard_mesh_size * wl
     return entry
+
+
+def _check_residual_memory(cfg: Fp8CommFsdp2Config, entries: list[ModuleEntry]) -> None:
+    """Error feedback undoes FSDP2's gradient sharding (a residual of every group's whole gradient on every
+    rank): refused unless gradients["allow_unpartitioned_residuals"] accepts that memory."""
+    g = cfg.gradients
+    if not (g.enabled and g.error_feedback) or g.allow_unpartitioned_residuals:
+        return
+    total = sum(e.residual_bytes for e in entries)
+    per = _RESIDUAL_ITEMSIZE[g.residual_dtype]
+    raise Fp8CommFsdp2Error(
+        f"gradients['error_feedback'] keeps each rank's quantization residual of every FSDP2 module's WHOLE "
+        f"(unsharded) gradient on every rank: {per} bytes per element ({g.residual_dtype}), {total:,} bytes "
+        f"({total / 2**20:.1f} MiB) for this model, while FSDP2 keeps 1/world of the gradients per rank. Set "
+        "gradients={'error_feedback': True, 'allow_unpartitioned_residuals': True} to accept that memory "
+        "(residual_dtype 'bfloat16' halves it), or turn error feedback off"
+    )
 
 
 def enable(model: nn.Module, **options) -> Fsdp2Report:
@@ -180,9 +235,10 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
             )
         plan.append((name, m, pg, _entry(name, pg, cfg)))
     report = Fsdp2Report(cfg, [e for *_, e in plan])
+    _check_residual_memory(cfg, report.modules)
     report.unmanaged = _unmanaged(model, [pg for _, _, pg, _ in plan if pg is not None])
     installed = []
-    for _name, m, pg, _ in plan:
+    for _name, m, pg, _ in plan:  # one entry per param group: its originals are saved before our hook goes on
         if pg is None:
             continue
         installed.append((m, pg._all_gather_comm, pg._reduce_scatter_comm))
@@ -192,6 +248,7 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
             m.set_custom_reduce_scatter(hooks.Fp8ReduceScatter(pg, cfg.gradients, cfg.check, cfg.align_blocks))
     report.fp8_linears, report.weight_cache = _gathered_weight_cache(model)
     object.__setattr__(model, _ATTR, (cfg, installed, report))
+    logger.info("%s", report)
     return report
 
 

@@ -200,6 +200,12 @@ class Fp8ReduceScatter(_Alloc, ReduceScatter):
     the receiver sums in fp32; SUM, AVG and PREMUL_SUM are honoured exactly as FSDP2 passes them."""
 
     def __init__(self, param_group, wire: GradientWire, check, align: bool) -> None:
+        if wire.error_feedback and not wire.allow_unpartitioned_residuals:
+            # enable() refuses first, with the model's byte count; this guards hooks built by hand.
+            raise Fp8CommFsdp2Error(
+                "error_feedback keeps a residual of the group's WHOLE (unsharded) gradient on every rank "
+                f"({wire.residual_dtype}); set allow_unpartitioned_residuals=True to accept that memory"
+            )
         self.param_group, self.wire, self.align = param_group, wire, align
         self.config = wire.wire(check)
         self.error_feedback = fc.ErrorFeedback(self.config.residual_torch_dtype) if wire.error_feedback else None

@@ -212,7 +212,14 @@ def options_and_check_policy(rank, world, info):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     runs = {
         "e8m0": dict(weights={"scaling": "e8m0"}, check=False),
-        "grad_options": dict(gradients={"fmt": "e5m2", "rounding": "stochastic", "error_feedback": True}),
+        "grad_options": dict(
+            gradients={
+                "fmt": "e5m2",
+                "rounding": "stochastic",
+                "error_feedback": True,
+                "allow_unpartitioned_residuals": True,
+            }
+        ),
         "check_on": dict(check=True),
         "weights_off": dict(weights=False),
         "gradients_off": dict(gradients=False),

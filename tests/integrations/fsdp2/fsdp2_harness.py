@@ -1,6 +1,7 @@
 """Launch W gloo ranks once and run a list of named FSDP2 checks in each (tests/dist/dist_harness.py's launcher).
 
-Checks live in fsdp2_checks.py (training) and fsdp2_checks_hooks.py (hooks, options, bad input); each is called as
+Checks live in fsdp2_checks.py (training), fsdp2_checks_hooks.py (hooks, options, bad input), fsdp2_checks_groups.py
+(shared param groups, defaults) and fsdp2_checks_ef.py (error feedback); each is called as
 check(rank, world, info) and records its measured numbers in `info`. One JSON line per check per rank; after a
 failure the remaining checks are skipped (collectives may be out of step). Hooks are disabled between checks.
 """
@@ -19,11 +20,23 @@ HERE = Path(__file__).resolve().parent
 PG_TIMEOUT_S = 45
 
 
+EXTRA = "FSDP2_EXTRA_CHECKS"  # env: "<folder>:<module>" of more checks (tests/integrations/titan uses it)
+
+
 def _find(name: str):
+    import importlib
+
     import fsdp2_checks
+    import fsdp2_checks_ef
+    import fsdp2_checks_groups
     import fsdp2_checks_hooks
 
-    for mod in (fsdp2_checks, fsdp2_checks_hooks):
+    mods = [fsdp2_checks, fsdp2_checks_hooks, fsdp2_checks_groups, fsdp2_checks_ef]
+    if os.environ.get(EXTRA):
+        folder, _, module = os.environ[EXTRA].rpartition(":")
+        sys.path.insert(0, folder)
+        mods.append(importlib.import_module(module))
+    for mod in mods:
         if hasattr(mod, name):
             return getattr(mod, name)
     raise AttributeError(f"no check named {name}")

@@ -1,7 +1,8 @@
 """fp8comm's FSDP2 integration against PyTorch's own fully_shard on CPU (gloo): options, layout, and two launches.
 
 Single-process tests cover the option parser, the wire layout and the reduce-op mapping. One launch per world
-size (2 and 4 ranks) runs the checks in fsdp2_checks*.py; each test below asserts one check and prints its
+size (2 and 4 ranks) runs the checks in fsdp2_checks*.py (training, hooks, shared param groups and defaults, error
+feedback); each test below asserts one check and prints its
 measured numbers (loss deltas, byte ratios). The example is run once through torchrun.
 """
 
@@ -41,6 +42,10 @@ WORLD2 = [
     "bad_inputs_are_refused",
     "fp8linear_weight_never_stale",
     "fp8linear_weight_cache_gathered",
+    "shared_param_group",
+    "defaults_are_communication_only",
+    "error_feedback_memory_gate",
+    "error_feedback_sqnr_gain",
 ]
 WORLD4 = ["train_gpt_vs_plain", "hsdp_2d_mesh", "reduce_ops_honoured", "block_alignment"]
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -51,6 +56,7 @@ def test_defaults_and_parse():
     d = f2.defaults()
     assert d["weights"] == {"enabled": True, "fmt": "e4m3", "scaling": "fp32", "block_size": 128}
     assert d["gradients"]["rounding"] == "nearest" and d["gradients"]["error_feedback"] is False
+    assert d["gradients"]["allow_unpartitioned_residuals"] is False
     assert d["check"] is None and d["align_blocks"] is True
     cfg = f2.parse(weights=False, gradients={"fmt": "e5m2", "error_feedback": True}, check=False)
     assert not cfg.weights.enabled and cfg.gradients.fmt == "e5m2" and cfg.gradients.error_feedback
@@ -70,6 +76,8 @@ def test_defaults_and_parse():
         ({"weights": {"block_size": True}}, "must be int"),
         ({"check": "always"}, "check must be None, True or False"),
         ({"align_blocks": 1}, "align_blocks must be True or False"),
+        ({"gradients": {"allow_unpartitioned_residuals": "yes"}}, "must be bool"),
+        ({"gradients": {"allow_unpartitioned": True}}, "did you mean 'allow_unpartitioned_residuals'"),
         ({"weights": "yes"}, "must be True/False, a dict"),
         ({"weights": False, "gradients": False}, "nothing to enable"),
     ],
@@ -124,7 +132,7 @@ def test_work_handle_is_a_torch_work_and_finishes_once():
 
 # ------------------------------------------------------------------------------------------------ launches
 def _launch(world: int, names: list[str], tmp_path_factory) -> dict:
-    run = H.launch(world, names, tmp_path_factory.mktemp(f"fsdp2_w{world}"), env=ENV, timeout=240)
+    run = H.launch(world, names, tmp_path_factory.mktemp(f"fsdp2_w{world}"), env=ENV, timeout=420)  # a hang guard
     run["names"] = names
     return run
 
@@ -185,7 +193,7 @@ def test_example_under_torchrun(tmp_path):
         "--json",
         str(out),
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **ENV})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **ENV})
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     print("\n" + r.stdout[-1500:])
