@@ -10,15 +10,19 @@ and bad value is an error that names the key path and lists what is valid (with 
         "weights":   {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest"},
         "gradients": {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
                       "error_feedback": false, "residual_dtype": "fp32", "allow_unpartitioned_residuals": false},
-        "moe":       {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128,
+        "moe":       {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
                       "combine": "native", "grad": "native"},
-        "gemm":      {"enabled": true, "recipe": "blockwise", "skip_first_blocks": 0, "skip_last_blocks": 0,
+        "gemm":      {"enabled": false, "recipe": "blockwise", "skip_first_blocks": 0, "skip_last_blocks": 0,
                       "min_features": 16, "backend": "auto", "quant_backend": "auto"},
         "guard":     {"enabled": false, "threshold": 0.001, "patience": 3, "cooldown": 50},
         "check": null                         # cross-rank metadata check per collective; null: FP8COMM_CHECK (on)
     }
 
-A sub-section may also be written as a bare boolean ("gemm": false).
+The section is about communication: FP8 GEMMs are opt-in ("gemm" is off unless asked for; Fp8Linear blockwise
+ran at 0.71x of bf16 nn.Linear on an H200, docs/benchmarks.md "GEMMs"). A sub-section may be a bare boolean: true
+turns it on with its defaults ("gemm": true = the blockwise recipe), false turns it off. A sub-section written as
+an object is on unless it says "enabled": false, like the section itself: "gemm": {"recipe": "rowwise"} converts
+the linears, "guard": {"threshold": 0.01} runs the guard.
 """
 
 from __future__ import annotations
@@ -107,9 +111,10 @@ class MoeConfig(TrafficConfig):
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """convert_to_fp8(model, recipe, ...) applied before the engine is built."""
+    """convert_to_fp8(model, recipe, ...) applied before the engine is built; off unless the section asks for it
+    (the flag promises FP8 communication, and FP8 GEMMs are not faster than bf16 everywhere)."""
 
-    enabled: bool = True
+    enabled: bool = False
     recipe: str = "blockwise"
     skip_first_blocks: int = 0
     skip_last_blocks: int = 0
@@ -238,7 +243,9 @@ def _section(name: str, raw, schema: dict, cls):
         if k not in schema:
             raise _unknown(k, path + ".", schema)
         _check_value(f"{path}.{k}", v, schema[k])
-    return cls(**raw)
+    # Writing a sub-section means "on" unless it says otherwise (as for the section): an off-by-default part
+    # (gemm, guard) given only its options would otherwise be silently ignored.
+    return cls(**{"enabled": True, **raw})
 
 
 def parse(ds_config: dict | None) -> Fp8CommDeepSpeedConfig:

@@ -433,21 +433,29 @@ def _load_state(es: EngineState, path: str) -> None:
 
 
 def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, conversion) -> str:
+    """The one-line summary: each traffic kind's wire (FP8 and its format, or native: DeepSpeed's own), and
+    whether FP8 GEMMs are on (with the recipe)."""
     world = dist.get_world_size() if dist.is_initialized() else "?"
     head = f"fp8comm: DeepSpeed {version}, ZeRO-{combo['stage']} {combo['dtype']}, {world} ranks"
+    gemm = _describe_gemm(cfg, conversion)
     if cfg.measure_only:
-        return head + ": MEASURE mode - DeepSpeed's own collectives run unchanged, fp8comm only counts bytes"
+        return head + ": MEASURE mode - DeepSpeed's own collectives run unchanged, fp8comm only counts bytes; " + gemm
     parts = []
     if cfg.weights.enabled:
         parts.append(f"weight all-gather FP8 ({cfg.weights.describe()}{', hpZ' if combo['hpz'] > 1 else ''})")
+    else:
+        parts.append("weight all-gather native (DeepSpeed's own)")
+    how = "reduce-scatter" if combo["stage"] == 3 else "reduce to owners"
     if cfg.gradients.enabled:
-        how = "reduce-scatter" if combo["stage"] == 3 else "reduce to owners"
         parts.append(f"gradient {how} FP8 ({cfg.gradients.describe()}{', replaces qgZ' if combo['qgz'] else ''})")
+    else:
+        parts.append(f"gradient {how} native (DeepSpeed's own)")
     if cfg.moe.enabled:
         n = sum(type(m).__name__ == "MOELayer" for m in model.modules()) if model is not None else "?"
         parts.append(f"MoE dispatch FP8 (MoE layers: {n}; combine {cfg.moe.combine}, backward {cfg.moe.grad})")
-    if cfg.gemm.enabled and conversion is not None:
-        parts.append(f"GEMMs FP8 {conversion.recipe} ({len(conversion.converted)} linears)")
+    else:
+        parts.append("MoE all-to-all native (DeepSpeed's own)")
+    parts.append(gemm)
     if cfg.guard.enabled:
         g = cfg.guard
         parts.append(
@@ -462,7 +470,15 @@ def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, con
         }[default_check_policy()]
     else:
         check = "on every call" if cfg.check else "off"
-    return head + ": " + ("; ".join(parts) or "nothing enabled") + f"; metadata check {check}"
+    return head + ": " + "; ".join(parts) + f"; metadata check {check}"
+
+
+def _describe_gemm(cfg: Fp8CommDeepSpeedConfig, conversion) -> str:
+    if not cfg.gemm.enabled:
+        return "FP8 GEMMs off"
+    if conversion is None:
+        return f"GEMMs FP8 {cfg.gemm.recipe} (no model given: nothing converted)"
+    return f"GEMMs FP8 {conversion.recipe} ({len(conversion.converted)} linears)"
 
 
 # --------------------------------------------------------------------------------------------- initialize

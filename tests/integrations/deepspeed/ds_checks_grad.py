@@ -1,4 +1,5 @@
-"""Gradient-numerics checks (scenario "zero"): fp32 accumulation of the ZeRO-1/2 FP8 reduction, error feedback.
+"""Gradient-numerics checks (scenario "zero"): fp32 accumulation of the ZeRO-1/2 FP8 reduction (bit for bit, each
+stage), error feedback.
 
 Imported by ds_worker.py after cpu.prepare().
 """
@@ -13,78 +14,107 @@ from ds_common import SMALL_BUCKET, SQNR, SQNR_STEPS, GradSqnr, parity
 import fp8comm.integrations.deepspeed as fd
 
 
-def zero2_bf16_fp32_accumulation(info):
-    """ZeRO-2 bf16 with fp32 gradient partitions: the owner's fp32 partition receives, bit for bit, the fp32 sum (in
-    rank order) of every sender's FP8 contribution decoded straight into fp32. Decoding into bf16 first (up to
-    be321a2) rounds each code x scale to 8 bits and fails this (measured: the two differ in most elements)."""
-    import fp8comm
+def _fp32_accumulation(stage: int):
+    """ZeRO-1/2 bf16: what the owner receives is, bit for bit, the fp32 sum (in rank order) of every sender's FP8
+    contribution decoded straight into fp32.
 
-    cfg = T.ds_config(2, "bf16", {"gemm": False}, reduce_bucket_size=SMALL_BUCKET)
-    cfg["data_types"] = {"grad_accum_dtype": "fp32"}  # DeepSpeed's compact fp32 gradient partition: no merged slices
-    eng, _ = T.build(cfg)
-    opt, seen = eng.optimizer, []
-    inner = opt.allreduce_and_scatter
+    ZeRO-2 with fp32 gradient partitions (data_types.grad_accum_dtype fp32): the fp32 partition receives that sum.
+    ZeRO-1 (bf16 gradients; fp32 accumulation there would be DeepSpeed's BF16_Optimizer, which fp8comm refuses): the
+    owner's bf16 gradient slice receives that sum rounded once to bf16. Decoding or summing in bf16 (up to be321a2
+    each contribution was decoded into the communication dtype first) rounds each code x scale to 8 bits and fails
+    this; the check also counts how many elements a bf16 decode would change, and fails if the data cannot tell."""
 
-    def spy(bucket, dtype, *a, **k):
-        ipg = opt.ipg_buckets[dtype]
-        base = ipg.buffer[ipg.index]
-        # (call, offset in the reduce bucket, owner, this rank's input, what landed in the fp32 partition)
-        items = [
-            (
-                len(seen),
-                (b[1].data_ptr() - base.data_ptr()) // b[1].element_size(),
-                next(iter(b[0])) if isinstance(b[0], frozenset) else b[0],
-                b[1].detach().clone(),
-                b[2],
-                None if b[2] is None else b[2].detach().clone(),
-            )
-            for b in bucket
-        ]
-        inner(bucket, dtype, *a, **k)
-        seen.append(
-            [(c, off, o, t, None if out is None else (out - before).view(-1)) for c, off, o, t, out, before in items]
-        )
+    def check(info):
+        import fp8comm
 
-    opt.allreduce_and_scatter = spy
-    x, y = T.batch(0, dist.get_rank())
-    _, loss = eng(x, y)
-    eng.backward(loss)
-    del opt.allreduce_and_scatter
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [[(c, off, t) for c, off, _, t, _ in call] for call in seen])
+        cfg = T.ds_config(stage, "bf16", {"gemm": False}, reduce_bucket_size=SMALL_BUCKET)
+        if stage == 2:  # DeepSpeed's compact fp32 gradient partition: no merged slices
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        eng, _ = T.build(cfg)
+        opt, seen, bounds = eng.optimizer, [], {}  # bounds: per call, where each parameter starts in the bucket
+        inner = opt.allreduce_and_scatter
 
-    def piece(calls, c, off, n):  # rank's input for bucket elements [off, off + n) of call c (slices may merge)
-        for _, o, t in calls[c]:
-            if o <= off and off + n <= o + t.numel():
-                return t[off - o : off - o + n]
-        raise AssertionError(f"no slice covers [{off}, {off + n}) of call {c}")
-
-    me, exact, bf16_decode, checked = dist.get_rank(), 0, 0, 0
-    for call in seen:
-        for c, off, owner, t, got in call:
-            if owner != me:
-                continue
-            assert got is not None and got.dtype == torch.float32, "owned slice without an fp32 partition slice"
-            dec = [
-                fp8comm.quantize(piece(calls, c, off, t.numel()), "e4m3", 128).dequantize(torch.float32)
-                for calls in everyone
+        def spy(bucket, dtype, *a, **k):
+            ipg = opt.ipg_buckets[dtype]
+            base = ipg.buffer[ipg.index]
+            n, bounds[len(seen)] = 0, set()
+            for g, i, _ in ipg.params:  # the hook's FP8 blocks restart at each parameter
+                bounds[len(seen)].add(n)
+                n += opt.bit16_groups[g][i].numel()
+            # (call, offset in the reduce bucket, owner, this rank's input, the fp32 partition slice or None, its
+            # value before)
+            items = [
+                (
+                    len(seen),
+                    (b[1].data_ptr() - base.data_ptr()) // b[1].element_size(),
+                    next(iter(b[0])) if isinstance(b[0], frozenset) else b[0],
+                    b[1].detach().clone(),
+                    b[2],
+                    None if b[2] is None else b[2].detach().clone(),
+                    b[1],
+                )
+                for b in bucket
             ]
-            want = dec[0].clone()
-            for d in dec[1:]:
-                want += d  # rank order, fp32
-            rounded = sum(d.to(torch.bfloat16).float() for d in dec)
-            checked += got.numel()
-            exact += int((got == want).sum())
-            bf16_decode += int((rounded != want).sum())
-    info.update(owned_elements=checked, exact=exact, differ_if_decoded_in_bf16=bf16_decode)
-    assert checked > 0 and seen, "no owned slice was reduced through the hook"
-    assert bf16_decode > checked // 4, "this data cannot tell a bf16 decode from an fp32 one"
-    assert exact == checked, (
-        f"{checked - exact} of {checked} owned elements differ from the fp32 sum of the "
-        "FP8 contributions decoded in fp32"
-    )
-    T.destroy(eng)
-    fd.uninstall()
+            inner(bucket, dtype, *a, **k)
+            # what landed: the fp32 partition's increment, else the bucket slice itself (written in place)
+            seen.append(
+                [
+                    (c, off, o, t, (live.detach().clone() if out is None else out - before).view(-1))
+                    for c, off, o, t, out, before, live in items
+                ]
+            )
+
+        opt.allreduce_and_scatter = spy
+        x, y = T.batch(0, dist.get_rank())
+        _, loss = eng(x, y)
+        eng.backward(loss)
+        del opt.allreduce_and_scatter
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, [[(c, off, t) for c, off, _, t, _ in call] for call in seen])
+
+        def piece(calls, c, off, n):  # rank's input for bucket elements [off, off + n) of call c (slices may merge)
+            for _, o, t in calls[c]:
+                if o <= off and off + n <= o + t.numel():
+                    return t[off - o : off - o + n]
+            raise AssertionError(f"no slice covers [{off}, {off + n}) of call {c}")
+
+        def fp32_decode(x, c, off):  # x = call c's bucket elements [off, off + len): FP8 per parameter, fp32 decode
+            cuts = sorted({0, x.numel()} | {b - off for b in bounds[c] if off < b < off + x.numel()})
+            return torch.cat(
+                [fp8comm.quantize(x[a:b], "e4m3", 128).dequantize(torch.float32) for a, b in zip(cuts, cuts[1:])]
+            )
+
+        me, exact, bf16_decode, checked = dist.get_rank(), 0, 0, 0
+        lands = torch.float32 if stage == 2 else torch.bfloat16
+        for call in seen:
+            for c, off, owner, t, got in call:
+                if owner != me:
+                    continue
+                assert got.dtype == lands, f"owned slice landed in {got.dtype}, expected {lands}"
+                dec = [fp32_decode(piece(calls, c, off, t.numel()), c, off) for calls in everyone]
+                want = dec[0].clone()
+                for d in dec[1:]:
+                    want += d  # rank order, fp32
+                rounded = sum(d.to(torch.bfloat16).float() for d in dec)  # each contribution decoded into bf16
+                checked += got.numel()
+                exact += int((got == want.to(lands)).sum())
+                bf16_decode += int((rounded.to(lands) != want.to(lands)).sum())
+        info.update(owned_elements=checked, exact=exact, differ_if_decoded_in_bf16=bf16_decode)
+        assert checked > 0 and seen, "no owned slice was reduced through the hook"
+        assert bf16_decode > checked // (4 if stage == 2 else 8), "this data cannot tell a bf16 decode from an fp32 one"
+        assert exact == checked, (
+            f"{checked - exact} of {checked} owned elements differ from the fp32 sum of the "
+            f"FP8 contributions decoded in fp32{'' if stage == 2 else ' (rounded once to bf16)'}"
+        )
+        T.destroy(eng)
+        fd.uninstall()
+
+    check.__name__ = f"zero{stage}_bf16_fp32_accumulation"
+    return check
+
+
+zero2_bf16_fp32_accumulation = _fp32_accumulation(2)
+zero1_bf16_fp32_accumulation = _fp32_accumulation(1)
 
 
 def zero1_fp32_error_feedback(info):

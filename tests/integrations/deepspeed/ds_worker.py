@@ -24,10 +24,16 @@ import deepspeed  # noqa: E402
 import ds_train as T  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from ds_checks_grad import zero1_fp32_error_feedback, zero2_bf16_fp32_accumulation  # noqa: E402
+from ds_checks_grad import (  # noqa: E402
+    zero1_bf16_fp32_accumulation,
+    zero1_fp32_error_feedback,
+    zero2_bf16_fp32_accumulation,
+)
 from ds_checks_guard import guard_fallback, moe_guard_fallback  # noqa: E402
+from ds_checks_moe import moe_ep2_one_step  # noqa: E402
 from ds_checks_scope import engines_per_scope  # noqa: E402
 from ds_common import SMALL_BUCKET, SQNR, SQNR_STEPS, STEPS, TOL_COMM, TOL_GEMM, GradSqnr, baseline, check_ratio, parity  # noqa: E402
+from ds_mutations import apply_from_env  # noqa: E402
 
 import fp8comm.integrations.deepspeed as fd  # noqa: E402
 
@@ -206,7 +212,7 @@ def _checkpoint(stage, dtype, fp8, latest: bool = False):
     ef = fp8.get("gradients", {}).get("error_feedback", False)
     check.__name__ = (
         f"checkpoint_zero{stage}_{dtype}"
-        + ("_gemm" if fp8.get("gemm", True) else "")
+        + ("_gemm" if fp8.get("gemm", False) else "")
         + (f"_error_feedback_{fp8['gradients'].get('residual_dtype', 'fp32')}" if ef else "")
         + ("_guard" if fp8.get("guard") else "")
     )
@@ -216,7 +222,7 @@ def _checkpoint(stage, dtype, fp8, latest: bool = False):
 def _gemm(stage, **zero):
     def check(info):
         recipe = "blockwise"
-        run = parity(info, stage, "bf16", {"gemm": {"recipe": recipe}}, tol=TOL_GEMM, **zero)
+        run = parity(info, stage, "bf16", {"gemm": {"enabled": True, "recipe": recipe}}, tol=TOL_GEMM, **zero)
         from fp8comm.gemm import Fp8Linear
 
         layers = [m for m in run.engine.module.modules() if isinstance(m, Fp8Linear)]
@@ -257,7 +263,7 @@ def _zero3_gemm_run(policy: str | None, steps: int = 3) -> dict:
     from fp8comm.gemm import Fp8Linear
 
     zero = dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0, stage3_param_persistence_threshold=0)
-    eng, _ = T.build(T.ds_config(3, "bf16", {"gemm": {"recipe": "blockwise"}}, **zero))
+    eng, _ = T.build(T.ds_config(3, "bf16", {"gemm": {"enabled": True, "recipe": "blockwise"}}, **zero))
     layers = [m for m in eng.module.modules() if isinstance(m, Fp8Linear)]
     chosen = {getattr(m, "weight_cache", "step") for m in layers}  # (fp8comm before 0.2 always cached)
     if policy is not None:
@@ -365,6 +371,7 @@ SCENARIOS = {
     "zero": [
         zero3_bf16_flag,
         zero2_bf16_fp32_accumulation,
+        zero1_bf16_fp32_accumulation,
         engines_per_scope,
         _zero(2, "bf16", 2, reduce_bucket_size=SMALL_BUCKET),
         _zero(1, "bf16", 2),
@@ -383,11 +390,17 @@ SCENARIOS = {
         _inf(3, "bf16"),
         _inf(1, "fp32", ef=True),
         _checkpoint(3, "bf16", {"gemm": False, "gradients": {**EF_OPT_IN, "residual_dtype": "bf16"}}),
-        _checkpoint(2, "bf16", {"gemm": {"recipe": "blockwise"}, "gradients": EF_OPT_IN, "guard": True}, latest=True),
+        _checkpoint(
+            2,
+            "bf16",
+            {"gemm": {"enabled": True, "recipe": "blockwise"}, "gradients": EF_OPT_IN, "guard": True},
+            latest=True,
+        ),
         guard_fallback,
         zero3_gemm_memory,
     ],
     "moe": [
+        moe_ep2_one_step,
         _moe({}, "moe_ep2_dispatch_fp8"),  # combine: DeepSpeed's own all-to-all in bf16
         _moe({"combine": "fp8"}, "moe_ep2_combine_fp8", against="moe_ep2_dispatch_fp8"),
         _moe({"combine": "fp8", "grad": "fp8"}, "moe_ep2_all_fp8"),
@@ -400,13 +413,14 @@ def main() -> int:
     scenario, outdir = sys.argv[1], Path(sys.argv[2])
     only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else None
     os.environ["FP8COMM_TEST_OUT"] = str(outdir)
+    mutation = apply_from_env()  # ds_mutations.py: a deliberately broken variant its checks must catch
     deepspeed.init_distributed("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
     out = open(outdir / f"rank{rank}.jsonl", "w", buffering=1)
     status = dist.new_group(backend="gloo")
     plan = [fn for fn in SCENARIOS[scenario] if not only or fn.__name__ in only]
-    out.write(json.dumps({"plan": [fn.__name__ for fn in plan]}) + "\n")
+    out.write(json.dumps({"plan": [fn.__name__ for fn in plan], "mutation": mutation}) + "\n")
     for fn in plan:
         out.write(json.dumps({"check": fn.__name__, "state": "started"}) + "\n")
         info, t0 = {}, time.perf_counter()

@@ -41,10 +41,57 @@ def test_defaults_and_enabled():
     on = config.parse(with_fp8({"enabled": True}))
     assert on.enabled and on == config.parse(with_fp8({})) == config.parse(with_fp8(True))
     d = config.defaults()
-    for sec in ("weights", "gradients", "moe", "gemm"):
+    for sec in ("weights", "gradients", "moe"):
         assert d[sec]["enabled"] is True, sec
     assert d["weights"]["fmt"] == "e4m3" and d["gemm"]["recipe"] == "blockwise" and d["mode"] == "fp8"
     assert config.parse(with_fp8({"gemm": False})).gemm.enabled is False
+
+
+def test_gemm_is_opt_in():
+    """The flag promises FP8 communication: FP8 GEMMs only when the section asks for them (issue 20, section 3)."""
+    assert config.defaults()["gemm"]["enabled"] is False
+    for section in ({}, True, {"enabled": True}, {"weights": True, "gradients": True}, {"gemm": False}):
+        assert config.parse(with_fp8(section)).gemm.enabled is False, section
+    bare = config.parse(with_fp8({"gemm": True})).gemm
+    assert bare.enabled and bare.recipe == "blockwise"  # a bare true: the default recipe
+    explicit = config.parse(with_fp8({"gemm": {"enabled": True, "recipe": "tensorwise"}})).gemm
+    assert explicit.enabled and explicit.recipe == "tensorwise"
+    # an object is on unless it says otherwise (as the section itself): options alone are never silently ignored
+    assert config.parse(with_fp8({"gemm": {"recipe": "rowwise"}})).gemm.enabled
+    assert not config.parse(with_fp8({"gemm": {"enabled": False, "recipe": "not-a-recipe"}})).gemm.enabled
+    guard = config.parse(with_fp8({"guard": {"threshold": 0.01}})).guard
+    assert guard.enabled and guard.threshold == 0.01
+    assert not config.parse(with_fp8({"guard": {"enabled": False, "threshold": 0.01}})).guard.enabled
+
+
+def test_log_line_says_what_is_on():
+    """The one-line summary names every part, on or off: each traffic kind's wire, and the GEMMs with the recipe."""
+    from fp8comm.gemm import Fp8Linear
+
+    def model():
+        return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+
+    m = model()
+    fd.install(with_fp8({}), m)
+    line = fd.summary()
+    assert "; FP8 GEMMs off;" in line and not any(isinstance(x, Fp8Linear) for x in m.modules()), line
+    for part in (
+        "weight all-gather FP8 (e4m3 1x128 fp32 scales)",
+        "gradient reduce-scatter FP8 (e4m3 1x128",
+        "MoE dispatch FP8 (MoE layers: 0; combine native, backward native)",
+    ):
+        assert part in line, (part, line)
+    fd.install(with_fp8({"weights": False, "gradients": False, "moe": False, "gemm": {"enabled": True}}), model())
+    line = fd.summary()
+    for part in (
+        "weight all-gather native (DeepSpeed's own)",
+        "gradient reduce-scatter native (DeepSpeed's own)",
+        "MoE all-to-all native (DeepSpeed's own)",
+        "GEMMs FP8 blockwise (2 linears)",
+    ):
+        assert part in line, (part, line)
+    fd.install(with_fp8({"mode": "measure", "gemm": {"recipe": "rowwise"}}), model())
+    assert "MEASURE mode" in fd.summary() and fd.summary().endswith("GEMMs FP8 rowwise (2 linears)"), fd.summary()
 
 
 @pytest.mark.parametrize(
@@ -266,19 +313,87 @@ def test_gemm_converts_before_the_engine():
     assert "GEMMs FP8 tensorwise (2 linears)" in fd.summary()
 
 
+def _documented_table(doc: str) -> dict:
+    """{key path: default} from the Options table of docs/deepspeed.md (the key and default cells' backticked
+    items, in order; `.x` continues the row's first key, "`a`, `b`" defaults pair up with the keys)."""
+    import re
+
+    section = doc[doc.index("## Options") :]
+    section = section[: section.index("\n## ", 1)]
+    out: dict = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        keys = re.findall(r"`([^`]+)`", cells[0])
+        vals = [json.loads(v) for v in re.findall(r"`([^`]+)`", cells[1])]
+        assert len(keys) == len(vals), f"docs row {line!r}: {len(keys)} keys, {len(vals)} defaults"
+        head = keys[0].rsplit(".", 1)[0] if "." in keys[0] else ""
+        for k, v in zip(keys, vals):
+            k = head + k if k.startswith(".") else k
+            assert k not in out, f"{k} documented twice"
+            out[k] = v
+    return out
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _docstring_block() -> dict:
+    """The example section in the config module's docstring, comments dropped: valid JSON."""
+    import re
+
+    doc = config.__doc__ or ""
+    block = doc[doc.index('"fp8_comm": {') :]
+    block = block[: block.index("\n    }\n") + 6]
+    return json.loads("{" + re.sub(r"#[^\n]*", "", block) + "}")["fp8_comm"]
+
+
 def test_docs_list_every_option():
-    """docs/deepspeed.md documents every key of the section (and its default)."""
+    """docs/deepspeed.md's Options table and the config module's docstring document every key of the section with
+    its default: both are parsed and compared with the dataclass defaults (a documented default that differs, a
+    missing or an unknown key fails)."""
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[3] / "docs" / "deepspeed.md").read_text()
-    d = config.defaults()
-    for key, val in d.items():
-        if isinstance(val, dict):
-            for sub in val:
-                assert (
-                    f"{key}.{sub}" in doc
-                    or (f"`{key}.fmt`, `.scaling`" in doc and sub in ("fmt", "scaling", "block_size", "rounding"))
-                    or (sub.startswith("skip_") and "gemm.skip_first_blocks" in doc)
-                ), f"{key}.{sub} not documented"
-        else:
-            assert f"`{key}`" in doc, f"{key} not documented"
+    want = _flat(config.defaults())
+    for where, got in (
+        ("docs/deepspeed.md Options table", _flat(_documented_table(doc))),
+        ("config module docstring", _flat(_docstring_block())),
+    ):
+        assert set(got) == set(want), (where, sorted(set(want) ^ set(got)))
+        wrong = {k: (got[k], want[k]) for k in want if got[k] != want[k] or type(got[k]) is not type(want[k])}
+        assert not wrong, f"{where}: documented default != dataclass default: {wrong}"
+
+
+def test_docs_check_can_fail():
+    """The parsers see a changed default: the table with gemm.enabled back at true differs from the dataclass."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "deepspeed.md").read_text()
+    row = "| `gemm.enabled` | `false` |"
+    assert row in doc
+    table = _flat(_documented_table(doc.replace(row, "| `gemm.enabled` | `true` |")))
+    assert table["gemm.enabled"] is True != config.defaults()["gemm"]["enabled"]
+
+
+def test_mutations_name_real_checks():
+    """ds_mutations.py (the broken variants behind docs/deepspeed.md's "fails on" claims) names checks that exist in
+    the scenario it launches, so the script cannot silently run nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import ds_worker, ds_mutations\n"
+        "names = {s: {f.__name__ for f in fns} for s, fns in ds_worker.SCENARIOS.items()}\n"
+        "bad = [(m, c) for m, (_, s, cs) in ds_mutations.MUTATIONS.items() for c in cs if c not in names[s]]\n"
+        "print(len(ds_mutations.MUTATIONS), bad); sys.exit(1 if bad else 0)"
+    )
+    p = subprocess.run([sys.executable, "-c", code, str(here)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]

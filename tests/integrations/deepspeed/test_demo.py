@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed not installed (pip install deepspeed==0.19.8 torch==2.13.0)")
 
 pytestmark = pytest.mark.dist
+
+# Measured (2026-12-01, 2 CPU ranks, tiny GPT, blockwise FP8 GEMMs + FP8 communication vs the BF16 baseline, 4
+# steps): final train loss (the mean of the 4 step losses) 4.28629 vs 4.28568, 0.014% apart; step 0 (identical
+# weights, same batch: only FP8 rounding separates them) 4.57314 vs 4.57260, 0.012%. The bounds leave ~14x and ~8x:
+# another machine's float order moves FP8 rounding boundaries and so these differences. This is the demo's smoke
+# test: the exact checks of each FP8 path (gradients bit for bit or against the exact average, where a dropped
+# rank's gradient is 38% off) are test_deepspeed_dist.py's.
+DEMO_LOSS_RTOL = 0.002
+STEP0_LOSS_RTOL = 0.001
 
 
 def test_demo_smoke(tmp_path, capsys):
@@ -32,4 +42,13 @@ def test_demo_smoke(tmp_path, capsys):
         assert fp8["hook_stats"][role]["fp8_calls"] > 0
         assert fp8["bytes_per_step"][role] < base["bytes_per_step"][role]
     assert "GEMMs FP8 blockwise" in fp8["summary"] and "MEASURE mode" in base["summary"]
+    assert "FP8 GEMMs off" in base["summary"]  # the baseline: bf16 GEMMs (FP8 GEMMs are opt-in)
     assert "bytes on the wire" in out and "final train loss" in out
+    # The losses themselves: finite, the runs really differ, and the FP8 run tracks the baseline.
+    for run in (base, fp8):
+        assert all(math.isfinite(x) for x in run["losses"] + [run["final_train_loss"], run["val_loss"]]), run
+    assert fp8["losses"] != base["losses"], "the FP8 run is bit-identical to the baseline: FP8 changed nothing"
+    rel = abs(fp8["final_train_loss"] - base["final_train_loss"]) / base["final_train_loss"]
+    assert rel <= DEMO_LOSS_RTOL, f"final train loss differs by {rel:.3%} > {DEMO_LOSS_RTOL:.1%}"
+    step0 = abs(fp8["losses"][0] - base["losses"][0]) / base["losses"][0]
+    assert step0 <= STEP0_LOSS_RTOL, f"step-0 loss (same weights, same batch) differs by {step0:.3%}"
