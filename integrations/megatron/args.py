@@ -24,8 +24,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--fp8comm-grad-reduce",
         action="store_true",
         default=_D.grad_reduce,
-        help="FP8 gradient reduce-scatter in DDP (needs --use-distributed-optimizer); each rank "
-        "quantizes with its own block scales, the receiver sums in fp32",
+        help="FP8 gradient reduction in DDP: the reduce-scatter of --use-distributed-optimizer, or plain "
+        "DDP's all-reduce (FP8 reduce-scatter, fp32 sum, FP8 all-gather of the sums); each rank quantizes with "
+        "its own block scales, the receiver sums in fp32",
     )
     g.add_argument(
         "--fp8comm-param-gather",

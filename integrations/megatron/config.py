@@ -25,7 +25,7 @@ class Fp8CommMegatronError(Fp8CommConfigError):
 class Fp8CommMegatronConfig:
     """Plugin settings. Defaults match the argparse defaults in args.py (docs/megatron.md lists both)."""
 
-    grad_reduce: bool = False  # FP8 gradient reduce-scatter in DDP (distributed optimizer)
+    grad_reduce: bool = False  # FP8 gradient reduction in DDP: reduce-scatter (distributed optimizer) or all-reduce
     param_gather: bool = False  # FP8 parameter all-gather of the distributed optimizer
     moe_dispatch: bool = False  # FP8 token dispatch in MoEAlltoAllTokenDispatcher
     fmt: str = "e4m3"  # FP8 format of parameters and MoE tokens
@@ -80,14 +80,17 @@ class Fp8CommMegatronConfig:
     def any(self) -> bool:
         return self.grad_reduce or self.param_gather or self.moe
 
-    def describe(self) -> str:
-        """One line: which hooks are on and how they quantize (install() logs it)."""
+    def describe(self, dist_opt: bool | None = None) -> str:
+        """One line: which hooks are on and how they quantize (install() logs it). dist_opt: whether DDP uses the
+        distributed optimizer (gradients reduce-scattered) or not (all-reduced); None: unknown, both named."""
+        gemms = "; GEMMs untouched (FP8 GEMMs only through Megatron's own --fp8-format, Transformer Engine)"
         if not self.any:
-            return "fp8comm: no hook enabled (Megatron communication unchanged)"
+            return "fp8comm: no hook enabled (Megatron communication unchanged)" + gemms
+        grad = {True: "grad reduce-scatter", False: "grad all-reduce", None: "grad reduce-scatter/all-reduce"}
         fp8 = [
             n
             for n, f in (
-                ("grad reduce-scatter", self.grad_reduce),
+                (grad[dist_opt], self.grad_reduce),
                 ("param all-gather", self.param_gather),
                 ("MoE dispatch", self.moe_dispatch),
                 ("MoE combine", self.moe_combine == "fp8"),
@@ -110,7 +113,7 @@ class Fp8CommMegatronConfig:
         return (
             f"fp8comm: {head} active (params/tokens {self.fmt}, grads {self.grad_fmt}, 1x{self.block_size} "
             f"{self.scaling} scales, rounding {self.rounding}, hierarchical {'on' if self.hierarchical else 'off'}"
-            f", check {self.check}" + "".join(", " + e for e in extra) + ")"
+            f", check {self.check}" + "".join(", " + e for e in extra) + ")" + gemms
         )
 
     def wire(self, kind: str, check: bool | None = None, block_size: int | None = None) -> WireConfig:
@@ -152,8 +155,9 @@ def count(hook: str, key: str, n: int = 1) -> None:
 def hook_stats(reset: bool = False) -> dict[str, dict[str, int]]:
     """{hook: {fp8_calls, passthrough_calls (group of one rank: nothing to move), elements, [hook-specific]}}.
 
-    Hooks: grad_reduce_scatter, param_all_gather, moe_dispatch, moe_combine (calls that went through fp8comm, FP8
-    or bf16 wire: `bf16_calls`), error_feedback (`skipped_step_resets`: residuals zeroed after a skipped step).
+    Hooks: grad_reduce_scatter, grad_all_reduce (plain DDP), param_all_gather, moe_dispatch, moe_combine (calls
+    that went through fp8comm, FP8 or bf16 wire: `bf16_calls`), error_feedback (`skipped_step_resets`: residuals
+    zeroed after a skipped step).
     """
     out = {k: dict(v) for k, v in sorted(_HOOK_STATS.items())}
     if reset:

@@ -1,4 +1,4 @@
-"""DDP hooks: FP8 gradient reduce-scatter and FP8 parameter all-gather for Megatron's bucket groups.
+"""DDP hooks: FP8 gradient reduce-scatter or all-reduce and FP8 parameter all-gather for Megatron's bucket groups.
 
 Megatron's _ParamAndGradBucketGroup issues both collectives through module-level names of param_and_grad_buffer
 (`dist_reduce_scatter_func`, `dist_all_gather_func`, and `reduce_scatter_with_fp32_accumulation`, which its
@@ -11,6 +11,10 @@ functions only record their call inside the block; when the block exits (after M
 issued) the batch starts them in call order, and the object Megatron keeps as its handle waits the real manager
 and then every FP8 handle, whose wait() is where fp8comm dequantizes / accumulates in fp32 and writes the output.
 Synchronous blocks (overlap off) wait before the block returns, exactly like the original.
+
+Plain DDP (no distributed optimizer) all-reduces each bucket with a direct `torch.distributed.all_reduce` inside
+the same block; the wrapped `start_grad_sync` takes exactly those calls (make_start_grad_sync). Hierarchical mode's
+node groups are created at install for every data-parallel group of the job (prepare_node_groups).
 """
 
 from __future__ import annotations
@@ -125,27 +129,91 @@ def _check(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group) -> boo
     return True
 
 
-def hierarchical_groups(group):
-    """fp8comm node groups for a Megatron group (a strided DP group has fewer members per node than the node)."""
-    key = id(group)
-    cache = installed().node_groups
-    if key in cache:
-        return cache[key]
+def node_group_plan(rank_lists, local_world_size: int) -> list[tuple[tuple[int, ...], int | str]]:
+    """Every distinct group (sorted: the same order on every rank) with its members per node, or why it cannot be
+    split: node n holds global ranks n*L .. n*L+L-1 (torchrun); a strided group (DP with TP) has fewer per node."""
+    plan: list[tuple[tuple[int, ...], int | str]] = []
+    for ranks in sorted({tuple(int(r) for r in rl) for rl in rank_lists}):
+        nodes = [r // local_world_size for r in ranks]
+        per_node = {n: nodes.count(n) for n in nodes}
+        if len(set(per_node.values())) != 1 or nodes != sorted(nodes):
+            plan.append(
+                (
+                    ranks,
+                    f"fp8comm: hierarchical mode needs every node to hold the same number of consecutive members "
+                    f"of the group; group ranks {list(ranks)} with LOCAL_WORLD_SIZE={local_world_size} give "
+                    f"per-node counts {per_node}",
+                )
+            )
+        else:
+            plan.append((ranks, per_node[nodes[0]]))
+    return plan
+
+
+def _my_data_parallel_ranks() -> list[tuple[int, ...]]:
+    """Rank lists of the groups Megatron's DDP reduces and gathers buckets over, as this rank sees them (dense:
+    data x context parallel, full and partial; experts: expert data parallel, full and partial)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise Fp8CommMegatronError(
+            "fp8comm: --fp8comm-hierarchical: call install() after parallel_state.initialize_model_parallel(): "
+            "it creates the node groups of every data-parallel group, on every rank in one order"
+        )
+    getters = [
+        (ps.get_data_parallel_group, dict(with_context_parallel=True, with_gtp_remat=False, partial_data_parallel=p))
+        for p in (False, True)
+    ] + [
+        (ps.get_expert_data_parallel_group, dict(with_gtp_remat=False, partial_expert_data_parallel=p))
+        for p in (False, True)
+    ]
+    out = []
+    for fn, kw in getters:
+        for call_kw in (kw, {}):  # {}: a release without these keywords, its default group
+            try:
+                g = fn(**call_kw)
+            except TypeError:
+                continue
+            except (AssertionError, RuntimeError):  # a group this layout does not build
+                g = None
+            if g is not None:
+                out.append(tuple(dist.get_process_group_ranks(g)))
+            break
+    return out
+
+
+def prepare_node_groups() -> dict:
+    """{global ranks of a data-parallel group: fp8comm node groups, or why that group cannot be split}.
+
+    Collective over the whole world (install() runs on every rank): every rank learns every rank's DP groups,
+    then creates the node groups of all of them in one sorted order. dist.new_group must see the same members at
+    the same index on every rank; building only one's own DP group's groups, lazily, breaks that whenever there
+    are several DP groups (TP, PP, CP or EP > 1)."""
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     if not lws:
         raise Fp8CommMegatronError("fp8comm: --fp8comm-hierarchical needs LOCAL_WORLD_SIZE (set by torchrun)")
-    ranks = dist.get_process_group_ranks(group)
-    nodes = [r // int(lws) for r in ranks]
-    per_node = {n: nodes.count(n) for n in nodes}
-    local = per_node[nodes[0]]
-    if len(set(per_node.values())) != 1 or nodes != sorted(nodes):
+    mine = _my_data_parallel_ranks()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict = {}
+    for ranks, local in node_group_plan([r for lists in everyone for r in lists], int(lws)):
+        out[ranks] = local if isinstance(local, str) else fcomm.node_groups(ranks=list(ranks), local_size=local)
+    return out
+
+
+def hierarchical_groups(group):
+    """fp8comm node groups of a Megatron group, prepared at install (prepare_node_groups); never created here,
+    where only the group's own members are."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    hg = installed().node_groups.get(ranks)
+    if hg is None:
         raise Fp8CommMegatronError(
-            f"fp8comm: hierarchical mode needs every node to hold the same number of "
-            f"consecutive members of the group; group ranks {ranks} with "
-            f"LOCAL_WORLD_SIZE={lws} give per-node counts {per_node}"
+            f"fp8comm: --fp8comm-hierarchical: a bucket collective runs over ranks {list(ranks)}, which is not one of "
+            "the data-parallel groups whose node groups install() created (a process group passed to DDP "
+            "through pg_collection?); creating them now would deadlock: only this group's members get here"
         )
-    hg = fcomm.node_groups(group, local_size=local)
-    cache[key] = hg
+    if isinstance(hg, str):
+        raise Fp8CommMegatronError(hg)
     return hg
 
 
@@ -194,6 +262,103 @@ def make_reduce_scatter(orig, cfg: Fp8CommMegatronConfig):
 
     fp8comm_reduce_scatter.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_reduce_scatter
+
+
+class _Taking:
+    """One start_grad_sync on the all-reduce path: the gradient buffers of its buckets and the groups it may
+    reduce over (Megatron's data-parallel group, or the optimizer instance's group under force_all_reduce)."""
+
+    def __init__(self, bucket_group) -> None:
+        self.buffers = {id(b.grad_data): b.grad_data for b in bucket_group.buckets}
+        self.groups = [
+            g
+            for g in (
+                getattr(bucket_group, "data_parallel_group", None),
+                getattr(bucket_group, "intra_distributed_optimizer_instance_group", None),
+            )
+            if g is not None
+        ]
+
+    def matches(self, tensor, group) -> bool:
+        return self.buffers.get(id(tensor)) is tensor and any(group is g for g in self.groups)
+
+
+def _takings() -> list[_Taking]:
+    if not hasattr(_tls, "takings"):
+        _tls.takings = []
+    return _tls.takings
+
+
+def make_start_grad_sync(orig, cfg: Fp8CommMegatronConfig):
+    """Wraps _ParamAndGradBucketGroup.start_grad_sync so that its gradient all-reduce (plain DDP, or
+    force_all_reduce) is fp8comm's FP8 all_reduce.
+
+    megatron-core calls `torch.distributed.all_reduce(bucket.grad_data, ...)` directly (no module-level name to
+    patch). For the duration of this one call, on this thread, torch.distributed.all_reduce answers with a
+    function that takes only the all-reduce of one of THIS bucket group's gradient buffers over its own
+    data-parallel group; every other call (other tensors, groups, threads) goes to the previous function
+    unchanged. The distributed-optimizer path (a reduce-scatter, hooked by name) passes straight through.
+    """
+
+    def fp8comm_start_grad_sync(self, *args, **kwargs):
+        force = bool(kwargs.get("force_all_reduce", args[0] if args else False))
+        if self.ddp_config.use_distributed_optimizer and not force:
+            return orig(self, *args, **kwargs)
+        takings = _takings()
+        takings.append(_Taking(self))
+        prev = dist.all_reduce
+        dist.all_reduce = _make_taker(prev, cfg)
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            dist.all_reduce = prev
+            takings.pop()
+
+    fp8comm_start_grad_sync.__wrapped__ = orig  # type: ignore[attr-defined]
+    return fp8comm_start_grad_sync
+
+
+def _make_taker(prev, cfg: Fp8CommMegatronConfig):
+    def all_reduce(tensor, *args, **kwargs):
+        takings = _takings()
+        op = kwargs.get("op", args[0] if args else dist.ReduceOp.SUM)
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        if not takings or not takings[-1].matches(tensor, group):
+            return prev(tensor, *args, **kwargs)
+        async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+        return _fp8_all_reduce(prev, cfg, tensor, op, group, async_op)
+
+    all_reduce.__wrapped__ = prev  # type: ignore[attr-defined]
+    return all_reduce
+
+
+def _fp8_all_reduce(orig, cfg: Fp8CommMegatronConfig, tensor, op, group, async_op: bool):
+    """FP8 all-reduce of one gradient bucket, in place: FP8 reduce-scatter (each rank's own block scales, fp32
+    sum), then an FP8 all-gather of each rank's reduced chunk, which every rank decodes from the same bytes (so
+    replicas stay bit-identical). Error feedback covers the first quantization only (see docs/megatron.md)."""
+    if _size(group) == 1:
+        count("grad_all_reduce", "passthrough_calls")
+        return orig(tensor, op=op, group=group, async_op=async_op)
+    wire, bucket = guard.route("grad", tensor)
+    if wire == "bf16":
+        return orig(tensor, op=op, group=group, async_op=async_op)
+    ef = error_feedback.for_bucket(tensor) if cfg.error_feedback else None
+
+    def start():
+        count("grad_all_reduce", "fp8_calls")
+        count("grad_all_reduce", "elements", tensor.numel())
+        return fcomm.all_reduce_into(
+            tensor,
+            tensor,
+            group,
+            op,
+            async_op=True,
+            error_feedback=ef,
+            guard=bucket,
+            **_options(cfg, "grad", tensor, group),
+        )
+
+    return _issue(start, async_op)
 
 
 def make_all_gather(orig, cfg: Fp8CommMegatronConfig):

@@ -41,6 +41,7 @@ class PatchPoint:
     module: str
     name: str  # attribute of `module` (a "Class.method" for methods)
     users: tuple[str, ...]  # "Class.method" in `module` whose code must reference `name`
+    calls: tuple[str, ...] = ()  # names the patched function itself must still reference (what its wrapper takes)
 
 
 PATCH_POINTS = (
@@ -55,6 +56,11 @@ PATCH_POINTS = (
     # ddp_config.reduce_scatter_with_fp32_accumulation is on; patching it keeps FP8 in that mode too.
     PatchPoint("grad", PGB, "reduce_scatter_with_fp32_accumulation", ("_ParamAndGradBucketGroup.__init__",)),
     PatchPoint("param", PGB, "dist_all_gather_func", ("_ParamAndGradBucketGroup.start_param_sync",)),
+    # Plain DDP (and force_all_reduce): start_grad_sync calls torch.distributed.all_reduce(bucket.grad_data, ...)
+    # directly inside its coalescing block; the wrapper takes those calls for the duration of the method.
+    PatchPoint(
+        "grad", PGB, "_ParamAndGradBucketGroup.start_grad_sync", (), calls=("all_reduce", "_coalescing_manager")
+    ),
     PatchPoint(
         "moe",
         TD,
@@ -169,6 +175,9 @@ def check_patch_points(features=("ddp", "grad", "param", "ef", "moe", "moe_ag", 
                 continue
         if not callable(target):
             problems.append(f"{p.module}.{p.name} is not callable")
+        missing = [c for c in p.calls if c not in _code_names(target)]
+        if missing:
+            problems.append(f"{p.module}.{p.name} no longer calls {', '.join(missing)}: wrapping it would do nothing")
         for user in p.users:
             try:
                 fn = _resolve(mod, user)
@@ -259,11 +268,6 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
         errs.append(
             f"num_distributed_optimizer_instances={f.instances}: several distributed optimizer instances "
             "add an inter-instance all-reduce on a separate CUDA stream that fp8comm does not cover; use 1"
-        )
-    if cfg.grad_reduce and f.dist_opt is False:
-        errs.append(
-            "--fp8comm-grad-reduce needs --use-distributed-optimizer: plain DDP reduces gradients with a "
-            "direct all_reduce, so the reduce-scatter hook would silently do nothing"
         )
     if cfg.param_gather and f.dist_opt is False:
         errs.append("--fp8comm-param-gather needs --use-distributed-optimizer (only it all-gathers parameters)")
@@ -372,7 +376,7 @@ def install(
         facts = _facts_from_configs(ddp_config, transformer_config, params_dtype)
     errs = validate(cfg, facts)  # also when no hook is on: e.g. --fp8comm-error-feedback alone would do nothing
     if not cfg.any and not errs:
-        _log(cfg.describe())
+        _log(cfg.describe(facts.dist_opt))
         return cfg
     version = check_version(allow_untested_version)
     features = _features(cfg, facts)
@@ -384,11 +388,15 @@ def install(
     if errs:
         raise Fp8CommMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
     patches = _patches(cfg, features)
+    # Hierarchical node groups: created now, on every rank in one order (collective over the world), never
+    # lazily by a hook that only the members of one data-parallel group reach.
+    node_groups = ddp_hooks.prepare_node_groups() if cfg.hierarchical and "ddp" in features else {}
     inst = begin(cfg)
+    inst.node_groups.update(node_groups)
     for obj, name, new in patches:
         inst.saved.append((obj, name, getattr(obj, name) if not isinstance(obj, type) else obj.__dict__[name]))
         setattr(obj, name, new)
-    _log(cfg.describe() + f" [megatron-core {version}]")
+    _log(cfg.describe(facts.dist_opt) + f" [megatron-core {version}]")
     return cfg
 
 
@@ -431,6 +439,8 @@ def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[Any, 
                     ddp_hooks.make_reduce_scatter(pgb.reduce_scatter_with_fp32_accumulation, cfg),
                 )
             )
+            bg = pgb._ParamAndGradBucketGroup
+            patches.append((bg, "start_grad_sync", ddp_hooks.make_start_grad_sync(bg.__dict__["start_grad_sync"], cfg)))
         if cfg.param_gather:
             patches.append((pgb, "dist_all_gather_func", ddp_hooks.make_all_gather(pgb.dist_all_gather_func, cfg)))
     if "ef" in features:  # the optimizer step: error feedback's skipped-step reset, the guard's decision

@@ -23,7 +23,9 @@ class Installation:
     cfg: Fp8CommMegatronConfig
     saved: list[tuple[object, str, object]] = field(default_factory=list)  # (owner, name, original), patch order
     checked: set = field(default_factory=set)  # keys whose first call ran the metadata check (check="first")
-    node_groups: dict = field(default_factory=dict)  # id(Megatron group) -> fp8comm node groups (hierarchical)
+    # hierarchical: global ranks of each DP group -> its fp8comm node groups (or why it cannot be split), all
+    # created at install on every rank in one order
+    node_groups: dict = field(default_factory=dict)
     # id(bucket grad_data) -> (weakref to it, its residual); the weakref guards against a reused id after a free
     residuals: dict[int, tuple[weakref.ref, ErrorFeedback]] = field(default_factory=dict)
     guard: Guard | None = None

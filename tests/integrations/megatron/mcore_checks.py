@@ -10,6 +10,8 @@ Tolerances (also in docs/megatron.md):
   all steps within GNORM_MEAN_RTOL.
 - bytes: each hook's wire/dtype byte ratio within [ALIGN_SLACK, 1] x the ideal itemsize / (1 + scale/block).
 - parameters bit-identical across data-parallel replicas after training (FP8 gathers decode the same bytes).
+- element-wise: every FP8 run's gradient reduction, per step and bucket, against the exact fp64 reduction of the
+  same inputs (mcore_probe.GradProbe): SQNR >= 25 dB on every step, on every DP group (TP rank, pipeline stage).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import mcore_train as T
 import torch
 import torch.distributed as dist
+from mcore_probe import GradProbe
 
 ITERS = 20
 E4M3_REL = 2.0**-4
@@ -153,14 +156,37 @@ def check_replicas_identical(params: torch.Tensor, tag: str) -> None:
     assert not bad, f"{tag}: parameters differ from data-parallel peers {bad}"
 
 
+def probed_run(
+    ddp_kw: dict, hooks: dict, tag: str, train_kw: dict | None = None, on_install=None, **kw
+) -> tuple[dict, dict]:
+    """run() with a GradProbe on the FP8 gradient reduction: every step's element-wise SQNR checked."""
+    probe = GradProbe()
+    tk = dict(train_kw or {})
+    after = tk.get("after_backward")
+    tk["after_backward"] = lambda i: (probe.per_step(i), after and after(i))
+    if ddp_kw.get("use_distributed_optimizer", True):
+
+        def attach(model):
+            probe.attach(model)
+            if on_install is not None:
+                on_install(model)
+
+        f8 = run(ddp_kw, hooks, train_kw=tk, on_install=attach, **kw)
+    else:  # plain DDP: fp8comm's bucket all-reduce
+        with probe.all_reduce():
+            f8 = run(ddp_kw, hooks, train_kw=tk, on_install=on_install, **kw)
+    return f8, probe.check(tag, kw.get("iters", ITERS))
+
+
 def _dense_pair(rank, world, info, tp: int, overlaps=(False, True), hierarchical: bool = False) -> None:
     T.init_parallel(tp=tp)
     for ov in overlaps:
         tag = f"tp{tp}_dp{world // tp}_overlap_{'on' if ov else 'off'}" + ("_hier" if hierarchical else "")
         kw = dict(overlap_grad_reduce=ov, overlap_param_gather=ov)
         base = run(kw, None)
-        f8 = run(kw, dict(grad_reduce=True, param_gather=True, hierarchical=hierarchical))
+        f8, probe = probed_run(kw, dict(grad_reduce=True, param_gather=True, hierarchical=hierarchical), tag)
         check_parity(base, f8, info, tag)
+        info[tag]["probe"] = probe
         if ov:
             assert f8["bucket_groups"] > 1, f"{tag}: expected several buckets, got {f8['bucket_groups']}"
         h = f8["hooks"]
@@ -281,7 +307,10 @@ def plugin_end_to_end(rank, world, info):
 
     errors = {}
     for extra, needle in (
-        (["--bf16", "--fp8comm-grad-reduce"], "--use-distributed-optimizer"),
+        (
+            ["--bf16", "--fp8comm-grad-reduce", "--fp8comm-param-gather"],
+            "--fp8comm-param-gather needs --use-distributed",
+        ),
         (["--use-distributed-optimizer", "--fp8comm-param-gather"], "master weights"),
         (["--bf16", "--use-distributed-optimizer", "--fp8comm-moe-dispatch"], "--num-experts"),
         (
@@ -349,3 +378,82 @@ def gpt_dp4_hierarchical(rank, world, info):
     info["tp1_dp4_overlap_on_hier_ef"]["residual_bytes"] = held["bytes"]
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     assert held["bytes"] == 4 * elements // local, (held, elements)  # fp32, 1/LOCAL_WORLD_SIZE of each bucket
+
+
+def gpt_dp2_plain_ddp(rank, world, info):
+    """Plain DDP (no distributed optimizer): Megatron all-reduces each bucket; fp8comm's FP8 all-reduce (FP8
+    reduce-scatter, fp32 sum, FP8 all-gather of the sums) takes it. Overlap off (1 bucket) and on (several);
+    parity, bytes, the element-wise probe, replicas bit-identical; error feedback on the all-reduce path."""
+    T.init_parallel(tp=1)
+    for ov in (False, True):
+        tag = f"plain_ddp_overlap_{'on' if ov else 'off'}"
+        kw = dict(use_distributed_optimizer=False, overlap_grad_reduce=ov)
+        base = run(kw, None)
+        f8, probe = probed_run(kw, dict(grad_reduce=True), tag)
+        check_parity(base, f8, info, tag)
+        info[tag]["probe"] = probe
+        h = f8["hooks"]
+        assert h["grad_all_reduce"]["fp8_calls"] > 0 and "grad_reduce_scatter" not in h, h
+        buckets = sum(len(g.buckets) for g in f8["model"].bucket_groups)
+        assert h["grad_all_reduce"]["fp8_calls"] == ITERS * buckets, (h, buckets)
+        if ov:
+            assert f8["bucket_groups"] > 1, f"{tag}: expected several buckets, got {f8['bucket_groups']}"
+        check_bytes(f8, "all_reduce", 4, tag)  # fp32 gradient buckets, both phases on the wire
+        assert set(f8["comm"]) == {"all_reduce"}, f8["comm"]  # no other fp8comm collective ran
+        check_replicas_identical(f8["params"], tag)
+    kw = dict(use_distributed_optimizer=False, overlap_grad_reduce=True)
+    held: dict = {}
+    ef = run(
+        kw,
+        dict(grad_reduce=True, error_feedback=True),
+        iters=ITERS // 2,
+        train_kw={"after_backward": lambda i: held.update(bytes=_fm().error_feedback_nbytes())},
+    )
+    check_parity(run(kw, None), ef, info, "plain_ddp_ef")
+    elements = sum(b.grad_data.numel() for g in ef["model"].bucket_groups for b in g.buckets)
+    info["plain_ddp_ef"]["residual_bytes"] = held["bytes"]
+    assert held["bytes"] == 4 * elements, (held, elements)  # fp32: one residual per bucket, its padded size
+    check_replicas_identical(ef["params"], "plain_ddp_ef")
+
+
+def gpt_tp2_dp2_hierarchical(rank, world, info):
+    """TP=2 x DP=2 as 2 nodes x 2 ranks, hierarchical: two DP groups ([0, 2], [1, 3]), one member per node each.
+    Mechanism: every dist.new_group call of the run (install + training) is exchanged across all ranks as it
+    happens and must have the same members on every rank (the lazy per-group creation gave rank 0 [0], [2],
+    [0, 2] and rank 1 [1], [3], [1, 3] at the same indices: a hang or cross-talk); none may happen after
+    install. Then parity, bytes and the probe, as for the flat runs."""
+    T.init_parallel(tp=2)
+    calls: list = []
+    mark: dict = {}
+    real = dist.new_group
+
+    def new_group(ranks=None, *a, **k):
+        seen: list = [None] * world
+        dist.all_gather_object(seen, None if ranks is None else sorted(ranks))  # the world is every rank's group
+        calls.append(seen[rank])
+        assert all(s == seen[0] for s in seen), f"new_group call {len(calls)} differs across ranks: {seen}"
+        return real(ranks, *a, **k)
+
+    kw = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+    tag = "tp2_dp2_overlap_on_hier"
+    base = run(kw, None)
+    dist.new_group = new_group
+    try:
+        f8, probe = probed_run(
+            kw,
+            dict(grad_reduce=True, param_gather=True, hierarchical=True),
+            tag,
+            on_install=lambda m: mark.update(at_install=len(calls)),
+        )
+    finally:
+        dist.new_group = real
+    check_parity(base, f8, info, tag)
+    info[tag].update(probe=probe, new_group_calls=calls)
+    assert mark["at_install"] > 0, "install created no node group (cached by an earlier check?): nothing shown"
+    assert len(calls) == mark["at_install"], f"node groups created after install: {calls[mark['at_install'] :]}"
+    h = f8["hooks"]
+    assert h["grad_reduce_scatter"]["fp8_calls"] > 0 and h["param_all_gather"]["fp8_calls"] > 0, h
+    assert f8["comm"].get("all_gather.intra", {}).get("calls", 0) > 0, f"{tag}: hierarchical path not taken"
+    check_bytes(f8, "reduce_scatter", 4, tag)  # one member per node: everything crosses nodes in FP8
+    check_bytes(f8, "all_gather", 2, tag)
+    check_replicas_identical(f8["params"], tag)

@@ -16,70 +16,13 @@ import mcore_checks as C
 import mcore_train as T
 import torch
 import torch.distributed as dist
+from mcore_probe import STEP_SQNR_MIN_DB, GradProbe
 
 PGB = "megatron.core.distributed.param_and_grad_buffer"
 EF_KW = dict(overlap_grad_reduce=True, overlap_param_gather=True)  # several buckets, as gpt_dp2's overlap-on run
 GRADS_ONLY = dict(grad_reduce=True)
-# Bounds (measured values in the check's info; docs/megatron.md has them):
-STEP_SQNR_MIN_DB = 25.0  # E4M3 with 1x128 fp32 scales: ~31 dB per step on these gradients
+# Bounds (measured values in the check's info; docs/megatron.md has them). Per-step SQNR: mcore_probe.
 EF_CUMULATIVE_GAIN_DB = 6.0  # error feedback: the error of the summed gradient stays one step's residual
-
-
-class GradProbe:
-    """Wraps the installed FP8 reduce-scatter: records, per call, the output shard and the exact fp64 reduction.
-
-    The exact reduction comes from a list all_gather of the same input (it runs at once, even inside Megatron's
-    coalescing block); per_step() compares after forward-backward, when every FP8 handle has been waited.
-    """
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.cum: dict[tuple[int, int], list[torch.Tensor]] = {}  # output shard -> [sum of outputs, of exact]
-        self.step_db: list[float] = []
-        self.group = None
-
-    def attach(self, model) -> None:
-        pgb = importlib.import_module(PGB)
-        inner = pgb.dist_reduce_scatter_func
-
-        def probe(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            self.group = group
-            world, rank = dist.get_world_size(group), dist.get_rank(group)
-            parts = [torch.empty_like(input) for _ in range(world)]
-            dist.all_gather(parts, input.contiguous(), group=group)
-            total = torch.stack([p.double() for p in parts]).sum(0)
-            if op == dist.ReduceOp.AVG:
-                total /= world
-            n = output.numel()
-            self.pending.append((output, total[rank * n : (rank + 1) * n].clone()))
-            return inner(output, input, op=op, group=group, async_op=async_op)
-
-        pgb.dist_reduce_scatter_func = probe  # uninstall() restores Megatron's own function
-
-    def _db(self, pairs) -> float:
-        t = torch.zeros(2, dtype=torch.float64)
-        for out, exact in pairs:
-            t[0] += exact.pow(2).sum()
-            t[1] += (out - exact).pow(2).sum()
-        dist.all_reduce(t, group=self.group)
-        return 10 * math.log10(float(t[0] / t[1])) if t[1] > 0 else math.inf
-
-    def per_step(self, _i: int) -> None:
-        """After forward-backward: this step's SQNR (all buckets, all DP ranks); add it to the running sums."""
-        pairs = [(o.double(), e) for o, e in self.pending]
-        self.step_db.append(self._db(pairs))
-        for (out, _), (o, e) in zip(self.pending, pairs):  # buckets may reduce in another order each step
-            acc = self.cum.setdefault((out.data_ptr(), out.numel()), [torch.zeros_like(e), torch.zeros_like(e)])
-            acc[0] += o
-            acc[1] += e
-        self.pending.clear()
-
-    def summary(self) -> dict:
-        return {
-            "step_sqnr_db_mean": round(sum(self.step_db) / len(self.step_db), 2),
-            "step_sqnr_db_min": round(min(self.step_db), 2),
-            "summed_grad_sqnr_db": round(self._db([tuple(v) for v in self.cum.values()]), 2),
-        }
 
 
 def _probed(hooks: dict, **kw) -> tuple[dict, dict]:

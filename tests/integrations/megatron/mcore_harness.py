@@ -17,7 +17,14 @@ from pathlib import Path
 
 PG_TIMEOUT_S = 60  # gloo gives up on a stuck collective after this long
 # Modules whose functions are the named checks (a name is looked up in this order).
-CHECK_MODULES = ("mcore_checks", "mcore_checks_ef", "mcore_checks_moe", "mcore_checks_pp", "mcore_checks_guard")
+CHECK_MODULES = (
+    "mcore_checks",
+    "mcore_checks_ef",
+    "mcore_checks_moe",
+    "mcore_checks_pp",
+    "mcore_checks_guard",
+    "mcore_checks_example",
+)
 
 
 def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list[str]) -> None:

@@ -157,7 +157,12 @@ def test_only_requested_hooks_are_patched():
     fm.install(ddp_config=_ddp(), grad_reduce=True)
     after = _snapshot()
     changed = {k for k in before if after[k] is not before[k]}
-    assert changed == {"_coalescing_manager", "dist_reduce_scatter_func", "reduce_scatter_with_fp32_accumulation"}
+    assert changed == {
+        "_coalescing_manager",
+        "dist_reduce_scatter_func",
+        "reduce_scatter_with_fp32_accumulation",
+        "_ParamAndGradBucketGroup.start_grad_sync",
+    }
 
 
 def test_nothing_enabled_is_a_logged_no_op(capsys):
@@ -171,13 +176,167 @@ def test_one_log_line_says_what_is_active(capsys):
     fm.install(ddp_config=_ddp(), grad_reduce=True, param_gather=True)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "FP8 grad reduce-scatter, param all-gather active" in err[0], err
+    assert "GEMMs untouched" in err[0], err
+
+
+def test_defaults_are_communication_only(capsys):
+    """Issue 20 s3: nothing is on by default, and no setting turns on FP8 GEMMs: every hook, all of them on,
+    patches only communication names (DDP buckets, MoE dispatcher, the optimizer's step); the line says so."""
+    assert not fm.Fp8CommMegatronConfig().any
+    assert not [f for f in fm.Fp8CommMegatronConfig.__dataclass_fields__ if "gemm" in f or "linear" in f]
+    assert {p.module for p in fm.PATCH_POINTS} == {inst.PGB, inst.TD, inst.OPT}
+    fm.install(ddp_config=_ddp())
+    assert "no hook enabled" in capsys.readouterr().err
+    before = _snapshot()
+    fm.install(
+        ddp_config=_ddp(),
+        grad_reduce=True,
+        param_gather=True,
+        moe_dispatch=True,
+        moe_combine="fp8",
+        error_feedback=True,
+        guard=True,
+    )
+    err = capsys.readouterr().err
+    assert "GEMMs untouched" in err, err
+    touched = {(getattr(o, "__module__", None) or o.__name__) for o, _, _ in fm.installation().saved}
+    assert touched == {inst.PGB, inst.TD, inst.OPT}, touched
+    assert {k for k in before if _snapshot()[k] is not before[k]} <= {p.name for p in fm.PATCH_POINTS}
+
+
+def test_plain_ddp_gradients_are_all_reduced_in_fp8(capsys):
+    """Issue 21 s4: no distributed optimizer is accepted (FP8 all-reduce); the log line names the path."""
+    fm.install(ddp_config=_ddp(use_distributed_optimizer=False), grad_reduce=True)
+    assert "FP8 grad all-reduce active" in capsys.readouterr().err
+    fm.uninstall()
+    fm.install(ddp_config=None, grad_reduce=True)
+    assert "FP8 grad reduce-scatter/all-reduce active" in capsys.readouterr().err
+
+
+class _Bucket:
+    def __init__(self, n):
+        self.grad_data = torch.zeros(n)
+
+
+class _BucketGroup:
+    """What fp8comm's start_grad_sync wrapper reads of Megatron's _ParamAndGradBucketGroup."""
+
+    def __init__(self, dist_opt: bool):
+        self.ddp_config = types.SimpleNamespace(use_distributed_optimizer=dist_opt)
+        self.buckets = [_Bucket(4), _Bucket(8)]
+        self.data_parallel_group = object()
+        self.intra_distributed_optimizer_instance_group = object()
+
+
+def test_start_grad_sync_takes_only_its_own_bucket_all_reduces(monkeypatch):
+    """The wrapper takes all_reduce(grad_data of one of ITS buckets, its DP group) and nothing else: another
+    tensor, another group, the reduce-scatter path; torch.distributed.all_reduce is restored afterwards."""
+    from fp8comm.integrations.megatron import ddp_hooks
+
+    taken, passed = [], []
+    monkeypatch.setattr(
+        torch.distributed, "all_reduce", lambda t, op=None, group=None, async_op=False: passed.append(t)
+    )
+    monkeypatch.setattr(ddp_hooks, "_fp8_all_reduce", lambda orig, cfg, t, op, g, a: taken.append((t, g, a)))
+    real = torch.distributed.all_reduce
+    other = torch.zeros(4)
+
+    def megatron_start_grad_sync(self, force_all_reduce=False):  # what megatron-core 0.19 does, in short
+        for b in self.buckets:
+            torch.distributed.all_reduce(b.grad_data, op=None, group=self.data_parallel_group, async_op=True)
+        torch.distributed.all_reduce(other, group=self.data_parallel_group)  # e.g. a NaN check's flag
+        torch.distributed.all_reduce(self.buckets[0].grad_data, group=object())  # another group
+        return "done"
+
+    start = ddp_hooks.make_start_grad_sync(megatron_start_grad_sync, fm.Fp8CommMegatronConfig(grad_reduce=True))
+    plain = _BucketGroup(dist_opt=False)
+    assert start(plain) == "done" and torch.distributed.all_reduce is real
+    assert [(t, g, a) for t, g, a in taken] == [(b.grad_data, plain.data_parallel_group, True) for b in plain.buckets]
+    assert passed == [other, plain.buckets[0].grad_data]
+    taken.clear(), passed.clear()
+    start(_BucketGroup(dist_opt=True))  # reduce-scatter path: every all_reduce is Megatron's own
+    assert not taken and len(passed) == 4
+    passed.clear()
+    start(_BucketGroup(dist_opt=True), force_all_reduce=True)
+    assert len(taken) == 2 and torch.distributed.all_reduce is real
+
+
+def test_bucket_group_that_stops_calling_all_reduce_is_an_install_error(monkeypatch):
+    mod = _module(PGB)
+    orig = mod._ParamAndGradBucketGroup.start_grad_sync
+
+    def start_grad_sync(self, force_all_reduce=False):  # an "upgraded" version reducing some other way
+        with mod._coalescing_manager(None):
+            mod.dist_reduce_scatter_func(None, None)
+            torch.distributed.all_reduce_coalesced(None)
+
+    monkeypatch.setattr(mod._ParamAndGradBucketGroup, "start_grad_sync", start_grad_sync)
+    with pytest.raises(fm.Fp8CommMegatronError, match="start_grad_sync no longer calls all_reduce"):
+        fm.install(ddp_config=_ddp(use_distributed_optimizer=False), grad_reduce=True)
+    assert mod._ParamAndGradBucketGroup.start_grad_sync is start_grad_sync and orig is not start_grad_sync
+
+
+class _Group:
+    def __init__(self, ranks):
+        self.ranks = list(ranks)
+
+
+def test_hierarchical_node_groups_are_created_alike_on_every_rank(monkeypatch):
+    """Issue 20 s2: TP=2 x DP=2 on 2 nodes x 2 ranks has two DP groups, [0, 2] and [1, 3]. Every rank must make
+    the same dist.new_group calls (members, order); the old lazy per-group creation made rank 0 create
+    [0], [2], [0, 2] and rank 1 [1], [3], [1, 3] at the same indices. Simulated rank by rank (mocked dist)."""
+    from megatron.core import parallel_state as ps
+
+    from fp8comm.comm import hierarchical as hier
+    from fp8comm.integrations.megatron import ddp_hooks
+
+    world, tp = 4, 2
+    dp_of = {r: _Group(range(r % tp, world, tp)) for r in range(world)}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: list(g.ranks))
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
+
+    def all_gather_object(out, obj):
+        for r in range(world):  # what every rank contributes (this rank's own must be what it passed)
+            out[r] = [tuple(dp_of[r].ranks)] * 4
+        assert obj == out[me], (obj, out[me])
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    seqs = {}
+    for me in range(world):
+        calls: list = []
+        monkeypatch.setattr(hier, "_CACHE", {})  # a fresh process per simulated rank
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, me=me: me)
+        monkeypatch.setattr(torch.distributed, "new_group", lambda ranks, *a, calls=calls, **k: calls.append(ranks))
+        monkeypatch.setattr(ps, "get_data_parallel_group", lambda *a, me=me, **k: dp_of[me])
+        monkeypatch.setattr(ps, "get_expert_data_parallel_group", lambda *a, me=me, **k: dp_of[me])
+        fm.install(ddp_config=_ddp(), grad_reduce=True, hierarchical=True)
+        at_install = len(calls)
+        hg = ddp_hooks.hierarchical_groups(dp_of[me])  # what the reduce-scatter hook asks for
+        assert (hg.nodes, hg.local, hg.node) == (2, 1, me // 2), hg
+        assert len(calls) == at_install, f"rank {me}: the hook created groups lazily: {calls[at_install:]}"
+        with pytest.raises(fm.Fp8CommMegatronError, match="not one of the data-parallel groups"):
+            ddp_hooks.hierarchical_groups(_Group([0, 1]))
+        fm.uninstall()
+        seqs[me] = [list(c) for c in calls]
+    assert all(seqs[r] == seqs[0] for r in seqs), f"new_group calls differ across ranks: {seqs}"
+    assert seqs[0] == [[0], [2], [0, 2], [1], [3], [1, 3]], seqs[0]
+
+
+def test_node_group_plan_is_sorted_and_explains_uneven_groups():
+    from fp8comm.integrations.megatron import ddp_hooks
+
+    plan = ddp_hooks.node_group_plan([[1, 3], [0, 2], [1, 3], [0, 1, 2, 3], [0, 1, 2]], 2)
+    assert [r for r, _ in plan] == [(0, 1, 2), (0, 1, 2, 3), (0, 2), (1, 3)]
+    assert [x for _, x in plan][1:] == [2, 1, 1] and "per-node counts {0: 2, 1: 1}" in plan[0][1]
 
 
 # ------------------------------------------------------------------------------------- invalid combinations
 @pytest.mark.parametrize(
     "kwargs, ddp_kw, match",
     [
-        (dict(grad_reduce=True), dict(use_distributed_optimizer=False), "needs --use-distributed-optimizer"),
         (dict(param_gather=True), dict(use_distributed_optimizer=False), "only it all-gathers"),
         (dict(grad_reduce=True), dict(num_distributed_optimizer_instances=2), "several distributed optimizer"),
         (dict(param_gather=True), dict(fp8_param_gather=True), "Transformer Engine"),
@@ -334,6 +493,13 @@ def test_add_args_defaults_match_the_config_and_parse():
             "--fp8comm-error-feedback",
             "--fp8comm-error-feedback-dtype",
             "bf16",
+            "--fp8comm-guard",
+            "--fp8comm-guard-threshold",
+            "0.05",
+            "--fp8comm-guard-patience",
+            "2",
+            "--fp8comm-guard-cooldown",
+            "7",
         ]
     )
     cfg = fm.Fp8CommMegatronConfig.from_args(args)
@@ -352,16 +518,50 @@ def test_add_args_defaults_match_the_config_and_parse():
         moe_combine="fp8",
         error_feedback=True,
         error_feedback_dtype="bf16",
+        guard=True,
+        guard_threshold=0.05,
+        guard_patience=2,
+        guard_cooldown=7,
     )
+    assert (cfg.guard_policy.threshold, cfg.guard_policy.patience, cfg.guard_policy.cooldown) == (0.05, 2, 7)
     d = cfg.describe()
     assert "MoE dispatch, MoE combine" in d and "error feedback bf16 residuals" in d and "MoE backward fp8" in d, d
+    assert "guard (bf16 fallback above 5.00% for 2 steps, 7 steps)" in d, d
     for bad in (
         ["--fp8comm-format", "int8"],
         ["--fp8comm-moe-combine", "fp16"],
         ["--fp8comm-error-feedback-dtype", "fp8"],
+        ["--fp8comm-guard-patience", "1.5"],
+        ["--fp8comm-guard-threshold", "many"],
     ):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
+    for bad, match in (
+        (["--fp8comm-guard-threshold", "1.5"], "threshold"),
+        (["--fp8comm-guard-cooldown", "-1"], "cooldown"),
+    ):
+        with pytest.raises(fm.Fp8CommMegatronError, match=match):
+            fm.Fp8CommMegatronConfig.from_args(p.parse_args(["--fp8comm-guard", *bad]))
+
+
+def test_guard_flags_reach_the_installed_guard():
+    """--fp8comm-guard* through add_args and install(args): the installed guard runs with the parsed policy."""
+    args = fm.add_args(argparse.ArgumentParser()).parse_args(
+        [
+            "--fp8comm-grad-reduce",
+            "--fp8comm-guard",
+            "--fp8comm-guard-threshold",
+            "0.25",
+            "--fp8comm-guard-patience",
+            "4",
+            "--fp8comm-guard-cooldown",
+            "9",
+        ]
+    )
+    args.use_distributed_optimizer = True
+    fm.install(args)
+    g = fm.installation().guard
+    assert g is not None and (g.policy.threshold, g.policy.patience, g.policy.cooldown) == (0.25, 4, 9), g
 
 
 def test_install_from_args_without_add_args_is_an_error():
@@ -394,7 +594,7 @@ def _launch(world, names, tmp_path, env=None, timeout=300):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_two_ranks_dp2_error_feedback_moe_ep2_and_plugin(tmp_path):
+def test_two_ranks_dp2_error_feedback_moe_ep2_plugin_plain_ddp_and_example(tmp_path):
     # gpt_dp2 first: its overlap-on baseline is reused by gpt_dp2_error_feedback (mcore_checks.run).
     _launch(
         2,
@@ -407,6 +607,8 @@ def test_two_ranks_dp2_error_feedback_moe_ep2_and_plugin(tmp_path):
             "moe_ep2_guard",
             "moe_ep2_allgather",
             "plugin_end_to_end",
+            "gpt_dp2_plain_ddp",
+            "megatron_simple_loop",
         ],
         tmp_path,
     )
@@ -415,10 +617,10 @@ def test_two_ranks_dp2_error_feedback_moe_ep2_and_plugin(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_four_ranks_tp2_dp2_pp2_dp2_and_hierarchical(tmp_path):
-    # 4 ranks = 2 simulated nodes x 2 (LOCAL_WORLD_SIZE) for the hierarchical check.
+    # 4 ranks = 2 simulated nodes x 2 (LOCAL_WORLD_SIZE) for the hierarchical checks (TP=2 x DP=2: two DP groups).
     _launch(
         4,
-        ["gpt_tp2_dp2", "gpt_pp2_dp2", "gpt_pp2_dp2_guard", "gpt_dp4_hierarchical"],
+        ["gpt_tp2_dp2", "gpt_tp2_dp2_hierarchical", "gpt_pp2_dp2", "gpt_pp2_dp2_guard", "gpt_dp4_hierarchical"],
         tmp_path,
         env={"LOCAL_WORLD_SIZE": "2"},
     )
