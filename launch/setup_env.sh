@@ -4,7 +4,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FP8COMM_VENV:-$root/.venv}"
-extras="${FP8COMM_EXTRAS:-dev,triton,tools}"
+extras="${FP8COMM_EXTRAS:-dev,triton,tools,hf,titan}"
 py="${PYTHON:-python3}"
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 stamp="$venv/.fp8comm-stamp"
@@ -18,12 +18,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
             "${pip[@]}" "torch==2.13.0"  # CPU: the pinned CPU wheel (unpinned torch would pull a multi-GB CUDA build)
         fi
     fi
-    "${pip[@]}" -e "$root[$extras]"
+    # torch stays pinned in every command below so no extra (transformers, torchtitan, ...) can swap the CPU build
+    # for a CUDA one.
+    torch_pin="torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+    "${pip[@]}" -e "$root[$extras]" "$torch_pin"
     if [ "${FP8COMM_FRAMEWORKS:-1}" = 1 ]; then
         # The engines the demo and the integration tests run on. megatron-core 0.19.x declares Python >= 3.12 but
-        # runs on 3.11 (every module compiles), hence --ignore-requires-python; torch stays pinned in the same
-        # command so neither package can swap the CPU build for a CUDA one.
-        torch_pin="torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+        # runs on 3.11 (every module compiles), hence --ignore-requires-python.
         "${pip[@]}" --ignore-requires-python "megatron-core==0.19.2" "deepspeed==0.19.8" "$torch_pin"
     fi
     echo "$want" > "$stamp"

@@ -1,7 +1,9 @@
-"""DeepSpeed integration: one config section turns on FP8 weight gathers, gradient reduction, MoE dispatch and GEMMs.
+"""DeepSpeed integration: one config section turns on FP8 weight gathers, gradient reduction and MoE dispatch
+(FP8 GEMMs only with "gemm": {"enabled": true}).
 
     import deepspeed
-    import fp8comm.integrations.deepspeed   # from now on deepspeed.initialize honours "fp8_comm"
+    import fp8comm.integrations.deepspeed   # optional where the package is installed: its autoload hook already
+                                            # makes deepspeed.initialize honour "fp8_comm" (FP8COMM_AUTOLOAD=0: off)
 
     config = {..., "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "fp8_comm": {"enabled": True}}
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -11,6 +13,8 @@ option, what each hook replaces, the supported versions and how to check that FP
 """
 
 from __future__ import annotations
+
+import sys
 
 from fp8comm.deprecation import renamed
 from fp8comm.errors import Fp8CommConfigError, Fp8CommError, Fp8CommStateError, Fp8CommUnsupportedError
@@ -75,7 +79,21 @@ def summary(engine=None) -> str:
     return "" if es is None else es.summary
 
 
-enable_config_flag()
+def _take_over_from_autoload() -> None:
+    """The autoload hook (_fp8comm_autoload, run by the installed .pth) gives deepspeed.initialize back before the
+    flag wraps it, so the flag wraps DeepSpeed's own function once; if the flag cannot be enabled, the hook returns."""
+    hook = sys.modules.get("_fp8comm_autoload")
+    if hook is not None:
+        hook.release()
+    try:
+        enable_config_flag()
+    except BaseException:
+        if hook is not None:
+            hook.reattach()  # keep the section from being silently ignored by later initialize() calls
+        raise
+
+
+_take_over_from_autoload()
 
 __all__ = [
     "initialize",
