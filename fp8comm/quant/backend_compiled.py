@@ -14,6 +14,7 @@ import torch
 
 from . import backend_reference as _ref
 from . import reference as ref
+from .layout import decode_e8m0
 from .scaling import scale_from_amax
 
 name = "compiled"
@@ -72,9 +73,10 @@ def _scale_bits(s: torch.Tensor, scaling) -> torch.Tensor:
 
 
 def _scale_values(b: torch.Tensor, scaling) -> torch.Tensor:
-    """Inverse of _scale_bits (tensor.decode_scales): fp32 scales from an fp32 view or E8M0 bytes."""
+    """Inverse of _scale_bits (layout.decode_scales): fp32 scales from an fp32 view or E8M0 bytes (OCP MX: byte 0
+    is 2**-127, 255 is NaN)."""
     if scaling.encoding == "e8m0":
-        return (b.to(torch.int32) << 23).view(torch.float32)
+        return decode_e8m0(b)
     return b
 
 

@@ -141,10 +141,14 @@ def _plan_cached(m: int, k: int, br: int, bc: int, tile: int, fit_limit: int) ->
     return _Plan(fit, rows2d, rstep, seg, r, nb, segw, (_cdiv(m, rstep), _cdiv(nseg, nb)))
 
 
-def launch(kernel, grid, *args, num_warps: int = 4, **meta) -> None:
+def launch(kernel, grid, *args, writes: tuple = (), num_warps: int = 4, **meta) -> None:
+    """kernel[grid](*args, **meta); `writes`: the tensors the kernel stores into, whose autograd version counters
+    are bumped, as a torch op's would be (autograd's in-place checks and version-keyed caches see the write)."""
     # FMA contraction off: the reference rounds every product and every sum separately (unpack_sum's acc + q*s).
     # The interpreter drops launch options it does not know.
     compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **meta)
+    if writes:
+        torch.autograd.graph.increment_version(writes)
     if not _interpreting() and compiled is not None:
         LAUNCHED.setdefault(kernel.fn.__name__, {})[id(compiled)] = compiled
 
@@ -205,12 +209,13 @@ def chunk_tables(layout: ChunkLayout, device: torch.device):
 
     On CUDA a cache miss (every MoE step: its splits change) must not stall the host: the tables are built in
     pinned memory and copied asynchronously on the current stream (a pageable copy would synchronize). The
-    pinned source stays referenced with the entry; the caching host allocator also keeps it until the copy ran."""
+    pinned source stays referenced with the entry, as long as the device tables are cached (the copy may still
+    be queued when this returns)."""
     key = (layout, device)
-    t = _TABLES.get(key)
-    if t is not None:
+    entry = _TABLES.get(key)
+    if entry is not None:
         _TABLES.move_to_end(key)
-        return t
+        return entry[0]
     n = len(layout.rows)
     pin = device.type == "cuda"
     host: tuple[torch.Tensor, ...] = (
@@ -221,7 +226,7 @@ def chunk_tables(layout: ChunkLayout, device: torch.device):
     if pin:
         host = tuple(v.pin_memory() for v in host)
     t = tuple(v.to(device, non_blocking=True) for v in host) if device.type != "cpu" else host
-    _TABLES[key] = t
+    _TABLES[key] = (t, host)  # (the tables, their copy source): the source lives as long as the entry
     while len(_TABLES) > TABLES_MAX:
         _TABLES.popitem(last=False)
     return t
@@ -255,6 +260,7 @@ def _amax_big(x: torch.Tensor, bf16: bool, amax: torch.Tensor, m: int, k: int, b
         TR=tr,
         TC=tc,
         IN_BF16=bf16,
+        writes=(amax,),
         num_warps=min(8, max(1, tr * tc // 1024)),
     )
 
@@ -318,6 +324,7 @@ def quantize_2d(
         PADC=1,
         IN_BF16=bf16,
         HW=_hw(dev),
+        writes=(codes, amax) if given else (codes, amax, s_out),
         num_warps=p.num_warps,
         **p.meta(),
         **_quant_meta(fmt, scaling, rounding),
@@ -383,6 +390,7 @@ def quantize_2d_t(
         WRITE_T=transposed,
         IN_BF16=bf16,
         HW=_hw(dev),
+        writes=(codes, codes_t) if given else (codes, codes_t, s_out),
         num_warps=warps,
         **_quant_meta(fmt, scaling, rounding),
     )
@@ -433,6 +441,7 @@ def quantize_2d_rowcol(x2: torch.Tensor, fmt: Fp8Format, scaling: Scaling, round
             B=b,
             IN_BF16=bf16,
             HW=_hw(dev),
+            writes=(codes, codes_t, s, a, s_t, a_t),
             num_warps=min(8, max(1, b * b // 2048)),
             **_quant_meta(fmt, scaling, rounding),
         )
@@ -474,6 +483,7 @@ def dequantize_2d(
         NCH_STEPS=0,
         K16=k % 16 == 0,
         OUT_BF16=bf16,
+        writes=(o,),
         num_warps=p.num_warps,
         **p.meta(),
         **decode_meta(fmt, c.device),
@@ -535,6 +545,7 @@ def pack_chunks(
         PADC=min(_p2(n), 64),
         IN_BF16=bf16,
         HW=_hw(dev),
+        writes=(out,) if counters is None else (out, counters),
         num_warps=p.num_warps,
         **p.meta(),
         **_quant_meta(fmt, layout.scaling, rounding),
@@ -572,6 +583,7 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: t
         NCH_STEPS=(n - 1).bit_length(),
         K16=k % 16 == 0,
         OUT_BF16=bf16,
+        writes=(o,),
         num_warps=p.num_warps,
         **p.meta(),
         **decode_meta(fmt, buf.device),
@@ -611,6 +623,7 @@ def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torc
         NCH_STEPS=0,
         K16=k % 16 == 0,
         OUT_BF16=False,
+        writes=(o,),
         num_warps=p.num_warps,
         **p.meta(),
         **decode_meta(fmt, buf.device),

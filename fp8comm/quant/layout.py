@@ -39,9 +39,24 @@ def encode_scales(scale: torch.Tensor, scaling: Scaling) -> torch.Tensor:
     return scale.view(torch.uint8)
 
 
+# The two E8M0 bytes that are not an fp32 normal exponent (OCP MX spec): 0 is 2**-127, an fp32 subnormal, and
+# 255 is NaN. fp8comm never emits either (scales lie in [2**-126, 2**127]); other producers do (TE and torchao
+# write 0 for all-zero or tiny blocks, torchao 255 for non-finite ones).
+E8M0_MIN_BITS = 0x00400000  # fp32 bits of 2**-127
+E8M0_NAN_BITS = 0x7FC00000  # fp32 bits of the quiet NaN that byte 255 decodes to
+
+
+def decode_e8m0(b: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8) -> fp32 per the OCP MX spec: 2**(b - 127), byte 0 -> 2**-127, byte 255 -> NaN."""
+    b = b.to(torch.int32)
+    bits = torch.where(b == 0, E8M0_MIN_BITS, b << 23)
+    return torch.where(b == 255, E8M0_NAN_BITS, bits).view(torch.float32)
+
+
 def decode_scales(b: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """Inverse of encode_scales: wire bytes -> fp32 scales (E8M0 bytes per decode_e8m0)."""
     if scaling.encoding == "e8m0":
-        return (b.to(torch.int32) << 23).view(torch.float32)
+        return decode_e8m0(b)
     return b.contiguous().view(torch.float32)
 
 

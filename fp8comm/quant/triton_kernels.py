@@ -247,9 +247,13 @@ def _chunk_of(row, starts_ptr, nchunks, NCH_STEPS: tl.constexpr):
 
 @triton.jit
 def _scale_from_bytes(ptr, off, mask, SCALE_BYTES: tl.constexpr):
-    """Wire scale at byte offsets `off`: an E8M0 byte (the fp32 biased exponent) or 4 little-endian fp32 bytes."""
+    """Wire scale at byte offsets `off`: an E8M0 byte (the fp32 biased exponent; OCP MX: byte 0 is 2**-127, built
+    from its bits since it is an fp32 subnormal, and 255 is NaN, as layout.decode_e8m0) or 4 little-endian fp32
+    bytes."""
     if SCALE_BYTES == 1:
-        bits = tl.load(ptr + off, mask=mask, other=127).to(tl.int32) << 23
+        e = tl.load(ptr + off, mask=mask, other=127).to(tl.int32)
+        bits = tl.where(e == 0, 0x00400000, e << 23)
+        bits = tl.where(e == 255, 0x7FC00000, bits)
     else:
         bits = tl.load(ptr + off, mask=mask, other=0).to(tl.int32)
         bits = bits | (tl.load(ptr + off + 1, mask=mask, other=0).to(tl.int32) << 8)

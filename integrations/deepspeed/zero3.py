@@ -122,6 +122,11 @@ class _UnpadHandle:
 
     def wait(self, *args, **kwargs):
         if not self._done:
+            if self._padded.is_cuda:
+                # allocated on the issuing stream, decoded and copied on this one (DeepSpeed may wait on another
+                # stream than it issued on): without this, freeing it lets the allocator hand the memory out on
+                # the issuing stream while the decode and copy queued here have not run yet
+                self._padded.record_stream(torch.cuda.current_stream(self._padded.device))
             self._inner.wait()
             src = self._padded.view(self._world, -1)
             dst = self._out.view(self._world, -1)

@@ -384,6 +384,123 @@ def test_api_routes_to_triton(bt):
     same(dequantize(a, backend="triton"), dequantize(b, backend="reference"), "api dequant")
 
 
+# --- autograd version counters: kernel stores must bump them as torch ops do -------------------------------------
+def test_kernel_writes_bump_version_counters(bt):
+    """Every caller-visible tensor a kernel stores into (pack buffer, guard counters, unpack / unpack_sum outputs,
+    also when the output is a view of a bigger tensor or bf16 stored as int16 bits) has its _version bumped."""
+    sc, fmt = Scaling(1, 32), E4M3
+    layout = ChunkLayout((3, 5), 64, sc)
+    x = mixed(8, 64, seed=5)
+    buf = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    counters = torch.zeros(3, dtype=torch.int64)
+    v_buf, v_cnt = buf._version, counters._version
+    bt.pack_chunks(x, layout, fmt, "nearest", 0, buf, counters)
+    assert buf._version > v_buf, "pack_chunks wrote the send buffer without bumping its version"
+    assert counters._version > v_cnt, "pack_chunks added to the guard counters without bumping their version"
+    for dt in (torch.float32, torch.bfloat16):
+        big = torch.empty(12, 64, dtype=dt)
+        out = big[2:10]  # one piece of a bigger output (contiguous view)
+        v = big._version
+        bt.unpack_chunks(buf, layout, fmt, out)
+        assert big._version > v, f"unpack_chunks ({dt}) wrote the output without bumping its version"
+    eq = ChunkLayout((4, 4), 64, sc)
+    wire = bt.pack_chunks(x, eq, fmt, "nearest", 0, torch.empty(eq.total_bytes, dtype=torch.uint8))
+    acc = torch.empty(4, 64)
+    v = acc._version
+    bt.unpack_sum(wire, eq, fmt, acc)
+    assert acc._version > v, "unpack_sum wrote the output without bumping its version"
+
+
+@pytest.fixture
+def gloo_one_rank():
+    """A one-rank gloo default group for the test (the collectives' real path, no second process)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_all_gather_out_bumps_version_like_reference(bt, gloo_one_rank):
+    """all_gather(out=) through the Triton backend moves out._version like the reference backend does (autograd's
+    in-place checks and Fp8Linear's version-keyed step cache rely on it)."""
+    import fp8comm.comm as fc
+
+    x = mixed(4, 128, seed=9)
+    got = {}
+    for backend in ("reference", "triton"):
+        out = torch.empty(4, 128)
+        v = out._version
+        fc.all_gather(x, out=out, backend=backend, check=False)
+        got[backend] = out._version - v
+    assert got["reference"] >= 1, got
+    assert got["triton"] >= 1, f"the Triton all_gather(out=) left out._version unchanged: {got}"
+
+
+TRITON_GEMM_VERSION = """
+import torch
+from fp8comm.gemm.triton_gemm import triton_gemm
+from fp8comm.quant import Scaling, quantize
+a = quantize(torch.randn(16, 64), "e4m3", scaling=Scaling(1, 32, "e8m0"))
+b = quantize(torch.randn(16, 64), "e4m3", scaling=Scaling(1, 32, "e8m0"))
+print("version", triton_gemm(a, b)._version)
+"""
+
+
+def test_triton_gemm_output_version_bumped():
+    """The Triton GEMM's output is written by a kernel: its version is bumped like a torch op's output write."""
+    import subprocess
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", TRITON_GEMM_VERSION], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "version 0" not in r.stdout and "version " in r.stdout, r.stdout
+
+
+# --- chunk tables: the pinned copy source lives as long as the cached device tables ------------------------------
+def test_chunk_tables_keep_pinned_source_with_entry(bt, monkeypatch):
+    """On CUDA the tables are copied asynchronously from pinned host tensors: those stay referenced by the cache
+    entry (not only by the caching host allocator), and go when the entry does. CUDA is mocked: pin_memory and
+    the copy to a cuda device return CPU clones; the pinned sources are watched by weak references."""
+    import gc
+    import weakref
+
+    pinned: list = []
+    real_to = torch.Tensor.to
+
+    def fake_pin(self):
+        c = self.clone()
+        pinned.append(weakref.ref(c))
+        return c
+
+    def fake_to(self, *args, **kwargs):
+        dev = args[0] if args else kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.type == "cuda":
+            return self.clone()
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    dev = torch.device("cuda", 0)
+    layout = ChunkLayout((3, 1, 4), 48, Scaling(1, 16))
+    tables = bt.chunk_tables(layout, dev)
+    gc.collect()
+    assert [t.tolist() for t in tables] == [[0, 3, 4, 8], list(layout.offsets) + [layout.total_bytes], [144, 48, 192]]
+    assert len(pinned) == 3
+    assert all(r() is not None for r in pinned), "the pinned copy sources were freed while their entry is cached"
+    assert bt.chunk_tables(layout, dev) is tables and len(pinned) == 3  # a hit: no new copy
+    del bt._TABLES[(layout, dev)]
+    del tables
+    gc.collect()
+    assert all(r() is None for r in pinned), "the pinned sources outlive their cache entry"
+
+
 # --- launch/device_check.py: the parts that run without a GPU ---------------------------------------------------
 def _device_check():
     import importlib.util
