@@ -212,6 +212,18 @@ def exchange(
     return mine.numel() * 8 * (world - 1), settle
 
 
+def exchange_sizes(values: list[int], group, world: int) -> tuple[list[list[int]], int]:
+    """Every rank's `values` (the same count on each rank), by one small all_gather; (rows by rank, bytes sent).
+
+    For plans every rank must agree on (the all-to-all's piece count) when the metadata check's table is absent.
+    It reads the result on the host: callers use it where that is no device sync (CPU groups)."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    dev = meta_device(group)
+    table = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
+    _all_gather_flat(table, mine.to(dev), group)
+    return table.view(world, -1).cpu().tolist(), mine.numel() * 8 * (world - 1)
+
+
 def settled() -> None:
     """The settle() of a check that is already done (or off)."""
 

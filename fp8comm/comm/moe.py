@@ -17,13 +17,13 @@ from ..quant.formats import get_format
 from ..quant.tensor import Fp8Tensor
 from ..quant.wire import ChunkLayout, layout_of, unpack_chunks, unpack_codes
 from .buffers import Handle, Lease
-from .checks import Meta, as_int_list, group_rank_size, out_problem, split_problem, tensor_problem
+from .checks import Meta, as_int_list, exchange_sizes, group_rank_size, out_problem, split_problem, tensor_problem
 from .collectives import start_call
 from .config import WireSpec
 from .core import Call, Pieces, _slices, guarded, quantize_input, update_residual
 from .feedback import ErrorFeedback
 from .guard import GuardBucket
-from .pieces import row_part
+from .pieces import row_part, sized_plan
 from .state import CommState
 
 WIRES = ("fp8", "bf16", "native")
@@ -119,7 +119,9 @@ def all_to_all(
     # Auto pipelining needs a size every rank agrees on: even splits (the token count is checked to be equal), or
     # the largest rank's token count from the metadata check's table of every rank's splits.
     h = tensor.shape[1]
-    mx = meta.max_tokens(world)  # None while the check is deferred (even splits)
+    mx = meta.max_tokens(world)  # None while the check is deferred (even splits) or when this call is unchecked
+    if mx is None and not even:
+        mx = _plan_sizes(call, tensor, ins, outs, wire == "fp8" and error_feedback is None, grad_wire == "fp8")
     if mx is not None:
         call.size_hint, bwd = mx[0] * h, mx[1] * h
     elif even:
@@ -158,6 +160,23 @@ def all_to_all(
         call, lambda: _start(call, tensor.detach(), s.out_splits, s.in_splits, wire, "all_to_all", ef=error_feedback)
     )
     return Handle([h], lambda: _Attach.apply(tensor, h.wait(), s), call.lease)
+
+
+def _plan_sizes(call: Call, tensor: torch.Tensor, ins, outs, fwd: bool, bwd: bool) -> tuple[int, int] | None:
+    """(max over ranks of tokens sent, of tokens received) for the automatic piece plan, by one exchange of two
+    int64 per rank, when given splits and no check table leave no size every rank agrees on; else None.
+
+    Without it an unchecked call (the "first" policy's steady state) travels in one piece on CPU: quantize, wire
+    and dequantize in sequence instead of overlapped (the all-to-all regression of 24936a2, docs/benchmarks.md).
+    The decision uses only options and the call's form (splits given), never split values, so every rank makes
+    the same one: a rank whose own splits happen to be even must still take part."""
+    dev, pipe = tensor.device, call.pipeline
+    need = (fwd and sized_plan(dev, call.spec.rounding, pipe)) or (bwd and sized_plan(dev, call.spec.rounding, 0))
+    if not need:
+        return None
+    rows, sent = exchange_sizes([sum(ins), sum(outs)], call.group, call.world)
+    call.state.stats.record("all_to_all", 0, 0, 0, calls=0, plan_bytes=sent)
+    return max(r[0] for r in rows), max(r[1] for r in rows)
 
 
 def _splits(tensor, output_split_sizes, input_split_sizes, world, meta: Meta):

@@ -22,9 +22,15 @@ def piece_count(numel: int | None, device: torch.device, rounding: str, pipeline
     """
     if device.type != "cpu" or rounding != "nearest":
         return 1
-    # numel None: no size every rank agrees on (an all-to-all with its own splits and the check off): one piece.
+    # numel None: no size every rank agrees on (an all-to-all with its own splits, planned without sizes): one piece.
     auto = min(PIPELINE_MAX, numel // PIPELINE_PIECE) if numel is not None else 1
     return max(1, pipeline or auto)
+
+
+def sized_plan(device: torch.device, rounding: str, pipeline: int) -> bool:
+    """Whether piece_count depends on the message size here (CPU, nearest rounding, automatic pipelining): then
+    every rank needs the same size, e.g. the all-to-all's largest message, exchanged when the splits are given."""
+    return device.type == "cpu" and rounding == "nearest" and not pipeline
 
 
 def plan_pieces(

@@ -17,6 +17,7 @@ class OpStats:
     wire_bytes: int = 0  # FP8 payload + scales (+ alignment) sent to other ranks
     dtype_bytes: int = 0  # what the same call moves in its input dtype
     check_bytes: int = 0  # metadata-check descriptors sent to other ranks
+    plan_bytes: int = 0  # token counts sent to plan an all-to-all's pieces (CPU, given splits, unchecked calls)
     elements: int = 0  # elements quantized by this rank
 
     @property
@@ -29,6 +30,7 @@ class OpStats:
             "wire_bytes": self.wire_bytes,
             "dtype_bytes": self.dtype_bytes,
             "check_bytes": self.check_bytes,
+            "plan_bytes": self.plan_bytes,
             "elements": self.elements,
             "ratio": self.ratio,
         }
@@ -43,7 +45,14 @@ class Stats:
         self._lock = threading.Lock()
 
     def record(
-        self, op: str, wire_bytes: int, dtype_bytes: int, elements: int = 0, check_bytes: int = 0, calls: int = 1
+        self,
+        op: str,
+        wire_bytes: int,
+        dtype_bytes: int,
+        elements: int = 0,
+        check_bytes: int = 0,
+        calls: int = 1,
+        plan_bytes: int = 0,
     ) -> None:
         with self._lock:
             s = self.ops.setdefault(op, OpStats())
@@ -51,12 +60,13 @@ class Stats:
             s.wire_bytes += int(wire_bytes)
             s.dtype_bytes += int(dtype_bytes)
             s.check_bytes += int(check_bytes)
+            s.plan_bytes += int(plan_bytes)
             s.elements += int(elements)
         if self.parent is not None:
-            self.parent.record(op, wire_bytes, dtype_bytes, elements, check_bytes, calls)
+            self.parent.record(op, wire_bytes, dtype_bytes, elements, check_bytes, calls, plan_bytes)
 
     def snapshot(self, reset: bool = False) -> dict[str, dict]:
-        """{op: {calls, wire_bytes, dtype_bytes, check_bytes, elements, ratio}}; reset=True clears (this object)."""
+        """{op: {calls, wire_bytes, dtype_bytes, check_bytes, plan_bytes, elements, ratio}}; reset=True clears this."""
         with self._lock:
             out = {k: v.as_dict() for k, v in sorted(self.ops.items())}
             if reset:
@@ -72,7 +82,8 @@ PROCESS_STATS = Stats()  # every Buffer's records, summed: what this process sen
 
 
 def comm_stats(reset: bool = False) -> dict[str, dict]:
-    """{op: {calls, wire_bytes, dtype_bytes, check_bytes, elements, ratio}} for this process; reset=True clears."""
+    """{op: {calls, wire_bytes, dtype_bytes, check_bytes, plan_bytes, elements, ratio}} for this process; reset=True
+    clears."""
     return PROCESS_STATS.snapshot(reset)
 
 

@@ -55,3 +55,45 @@ def test_bench_comm_prints_ratios():
     sq = [float(m) for m in re.findall(r"^\w+\s+65536\s+32768\s+fp8\s.*\s([\d.]+)$", out, re.M)]
     assert sq and all(25 < v < 40 for v in sq), sq
     assert "metadata check, all_gather" in out and re.search(r"^error_feedback\s+[\d.]+\s+[\d.]+$", out, re.M)
+
+
+def _load(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(fp8_ms: float, bf16_ms: float, op: str = "all_to_all") -> list[dict]:
+    return [
+        {"op": op, "size": 1 << 26, "variant": v, "median_ms": t, "times_ms": [t]}
+        for v, t in (("bf16", bf16_ms), ("fp32", 2 * bf16_ms), ("fp8", fp8_ms))
+    ]
+
+
+def test_bench_check_flags_ratio_drops_beyond_the_tolerance():
+    """launch/bench_check.py compares FP8/bf16 speed ratios of one run with the committed run's: a drop past the
+    tolerance is flagged (the issue-22 regression: 1.86x -> 1.35x), a smaller one or a gain is not."""
+    bc = _load("bench_check")
+    committed = _rows(334, 620)  # 1.86x
+    lines, flagged = bc.compare(_rows(442, 600), committed, 0.15)  # 1.36x: -27%
+    assert len(flagged) == 1 and "all_to_all" in flagged[0] and "DROP" in "\n".join(lines), lines
+    assert bc.compare(_rows(360, 620), committed, 0.15)[1] == []  # 1.72x: -7.2%, within the tolerance
+    assert bc.compare(_rows(300, 620), committed, 0.15)[1] == []  # faster
+    lines, flagged = bc.compare(_rows(300, 620, op="all_gather"), committed, 0.15)
+    assert flagged == [] and any("new row" in ln for ln in lines) and any("not run now" in ln for ln in lines)
+    # Launches of one checkout pool their per-call times; the median is over the pool.
+    a, b = _rows(300, 600), _rows(400, 600)
+    a[2]["times_ms"], b[2]["times_ms"] = [300.0, 310.0], [400.0]
+    merged = {r["variant"]: r for r in bc.merge([a, b])}
+    assert merged["fp8"]["times_ms"] == [300.0, 310.0, 400.0] and merged["fp8"]["median_ms"] == 310.0
+
+
+def test_benchmarks_md_collective_tables_are_generated():
+    """docs/benchmarks.md's bench comm table is what launch/bench_tables.py renders from docs/results/*.json."""
+    bt = _load("bench_tables")
+    assert bt.stale(bt.DOC.read_text()) == [], "run launch/bench_tables.py --write"

@@ -1,8 +1,12 @@
 """FP8 collectives vs plain torch.distributed (bf16, fp32), side by side in one run, nccl-tests style.
 
-Starts --nproc ranks itself (gloo on 127.0.0.1), or runs as one rank under torchrun. Sizes are bytes of the full
-buffer in bf16 (all_gather: the output; reduce_scatter, all_reduce, all_to_all: the input); fp32 rows move the
-same elements. "wire" = bytes one rank sends to other ranks (FP8 rows: payload + scales + alignment).
+Starts --nproc ranks itself (gloo on 127.0.0.1), or runs as one rank under torchrun (launch/bench_check.py runs it
+so on the simulated cluster). Sizes are bytes of the full buffer in bf16 (all_gather: the output; reduce_scatter,
+all_reduce, all_to_all: the input); fp32 rows move the same elements. "wire" = bytes one rank sends to other ranks
+(FP8 rows: payload + scales + alignment). Every row, FP8 or torch, writes into an output allocated once (engines
+keep their buffers); time = median over --iters calls, each started after a barrier, the slowest rank's.
+`python PATH/TO/comm.py ARGS` (the file itself) benchmarks whichever fp8comm the path resolves first, e.g. an older
+checkout on PYTHONPATH: the A/B runs of docs/benchmarks.md use that.
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ef-steps", type=int, default=16, help="steps for the error-feedback table (0: skip)")
     p.add_argument("--json", default="", help="also write every row as JSON lines here")
+    p.add_argument(
+        "--check-cost-size",
+        type=_size,
+        default=None,
+        help="size for the metadata-check cost lines (default --min-size; 0: skip them)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="kill the ranks after this many seconds")
 
 
@@ -135,8 +145,11 @@ def _sqnr(out, ref) -> float:
     return 10 * math.log10(t[0] / t[1]) if t[1] > 0 else float("inf")
 
 
-def _timeit(fn, args) -> tuple[float, int]:
-    """Mean seconds per call (max over ranks) after one warm-up; iterations fit --target-s, agreed by all ranks."""
+def _timeit(fn, args) -> tuple[float, int, list[float]]:
+    """(median seconds per call, iterations, every call's seconds): each call starts after a barrier and counts as
+    the slowest rank's time; one warm-up first; iterations fit --target-s (at most --iters), agreed by all ranks."""
+    import statistics
+
     import torch
     import torch.distributed as dist
 
@@ -147,13 +160,15 @@ def _timeit(fn, args) -> tuple[float, int]:
     t1 = torch.tensor([time.perf_counter() - t0])
     dist.all_reduce(t1, op=dist.ReduceOp.MAX)
     iters = max(1, min(args.iters, int(args.target_s / max(float(t1), 1e-6))))
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    ts = torch.zeros(iters, dtype=torch.float64)
+    for i in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
         fn()
-    t = torch.tensor([(time.perf_counter() - t0) / iters])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t), iters
+        ts[i] = time.perf_counter() - t0
+    dist.all_reduce(ts, op=dist.ReduceOp.MAX)
+    times = [float(v) for v in ts]
+    return statistics.median(times), iters, times
 
 
 def _ag_single(out, inp):
@@ -185,7 +200,8 @@ def _problem(op: str, count: int, world: int, hidden: int, rank: int):
             out = torch.empty(n * world, dtype=t.dtype)
             return lambda: (_ag_single(out, t), out)[1]
 
-        return x, lambda t, **kw: fc.all_gather(t, **kw), plain_ag, lambda isz: (world - 1) * n * isz
+        ag_out = torch.empty(n * world, dtype=torch.bfloat16)
+        return x, lambda t, **kw: fc.all_gather_into(ag_out, t, **kw), plain_ag, lambda isz: (world - 1) * n * isz
     if op in ("reduce_scatter", "all_reduce"):
         n = count // world * world
         x = torch.randn(n, generator=g).to(torch.bfloat16)
@@ -195,13 +211,25 @@ def _problem(op: str, count: int, world: int, hidden: int, rank: int):
                 out = torch.empty(n // world, dtype=t.dtype)
                 return lambda: (_rs_single(out, t), out)[1]
 
-            return x, lambda t, **kw: fc.reduce_scatter(t, **kw), plain_rs, lambda isz: (world - 1) * n // world * isz
+            rs_out = torch.empty(n // world, dtype=torch.bfloat16)
+            return (
+                x,
+                lambda t, **kw: fc.reduce_scatter_into(rs_out, t, **kw),
+                plain_rs,
+                lambda isz: (world - 1) * n // world * isz,
+            )
 
         def plain_ar(t):
             buf = t.clone()  # in place, as torch's all_reduce is; the first call's result is the one compared
             return lambda: (buf.copy_(t), dist.all_reduce(buf), buf)[2]
 
-        return x, lambda t, **kw: fc.all_reduce(t, **kw), plain_ar, lambda isz: 2 * (world - 1) * n // world * isz
+        ar_out = torch.empty(n, dtype=torch.bfloat16)
+        return (
+            x,
+            lambda t, **kw: fc.all_reduce_into(ar_out, t, **kw),
+            plain_ar,
+            lambda isz: 2 * (world - 1) * n // world * isz,
+        )
     per = max(1, count // hidden // world)
     x = torch.randn(per * world, hidden, generator=g).to(torch.bfloat16)
     splits = [per] * world
@@ -210,9 +238,11 @@ def _problem(op: str, count: int, world: int, hidden: int, rank: int):
         out = torch.empty_like(t)
         return lambda: (dist.all_to_all_single(out, t, splits, splits), out)[1]
 
+    a2a_out = torch.empty_like(x)
+    # Given splits (as MoE dispatchers pass them): the piece plan of an unchecked call needs every rank's sizes.
     return (
         x,
-        lambda t, **kw: fc.all_to_all(t, splits, splits, **kw),
+        lambda t, **kw: fc.all_to_all(t, splits, splits, out=a2a_out, **kw),
         plain_a2a,
         lambda isz: (world - 1) * per * hidden * isz,
     )
@@ -236,15 +266,16 @@ def _table(args) -> None:
         s *= args.factor
     _say(
         f"# fp8comm bench comm  {datetime.datetime.now():%Y-%m-%d %H:%M}  {platform.node()}  "
-        f"{platform.machine()}  cpus={os.cpu_count()}  torch {torch.__version__}"
+        f"{platform.machine()}  cpus={os.cpu_count()}  torch {torch.__version__}  "
+        f"fp8comm from {os.path.dirname(os.path.dirname(os.path.abspath(fc.__file__)))}"
     )
     _say(
         f"# world {world} (gloo, {'hierarchical ' + str(args.local_size) + '/node' if hg else 'flat'}), "
         f"{args.fmt}, 1x128 blocks; size = bytes of the bf16 buffer; FP8 rows start from bf16 input"
     )
     _say(
-        "# algbw = buffer bytes in the row's input dtype / time; busbw = algbw * nccl-tests factor; "
-        "SQNR vs the fp32 result"
+        "# time = median per call (barrier before each, slowest rank); algbw = buffer bytes in the row's input "
+        "dtype / time; busbw = algbw * nccl-tests factor; SQNR vs the fp32 result"
     )
     hdr = (
         f"{'op':<15}{'size':>11}{'count':>11}  {'variant':<10}{'time(us)':>12}{'algbw':>8}{'busbw':>8}"
@@ -265,10 +296,11 @@ def _table(args) -> None:
             for dt, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
                 fn = plain(x.to(dt))
                 first = fn().clone()
-                t, it = _timeit(fn, args)
+                t, it, ts = _timeit(fn, args)
                 res[name] = dict(
                     time=t,
                     iters=it,
+                    times=ts,
                     wire=wire_of(2 if dt == torch.bfloat16 else 4),
                     sqnr=_sqnr(first.float(), ref),
                     nbytes=nbytes_bf16 * (1 if name == "bf16" else 2),
@@ -278,15 +310,16 @@ def _table(args) -> None:
                 if hg is not None and op != "all_to_all":
                     kw["hierarchical"] = hg
                 fc.reset_comm_stats()
-                first = fp8(x, **kw)
+                first = fp8(x, **kw).clone()  # the output buffer is reused by the timed calls
                 st = fc.comm_stats(reset=True)
                 wire = sum(v["wire_bytes"] for k, v in st.items() if k.startswith(op))
                 base = sum(v["dtype_bytes"] for k, v in st.items() if k.startswith(op))
-                t, it = _timeit(lambda fp8=fp8, x=x, kw=kw: fp8(x, **kw), args)
+                t, it, ts = _timeit(lambda fp8=fp8, x=x, kw=kw: fp8(x, **kw), args)
                 name = "fp8" if enc == "fp32" else f"fp8-{enc}"
                 res[name] = dict(
                     time=t,
                     iters=it,
+                    times=ts,
                     wire=wire,
                     sqnr=_sqnr(first.float(), ref),
                     nbytes=nbytes_bf16,
@@ -315,7 +348,8 @@ def _table(args) -> None:
             f"# {name}: wire bytes vs bf16 {min(r[0] for r in rs):.3f}x..{max(r[0] for r in rs):.3f}x, "
             f"vs fp32 {min(r[1] for r in rs):.3f}x..{max(r[1] for r in rs):.3f}x (min..max over sizes)"
         )
-    _check_cost(args, ops)
+    if args.check_cost_size != 0:
+        _check_cost(args, ops)
     if args.ef_steps:
         _ef_table(args)
     if jf:
@@ -330,8 +364,9 @@ def _check_cost(args, ops) -> None:
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    size = args.check_cost_size or args.min_size
     for op in ops:
-        x, fp8, _, _ = _problem(op, args.min_size // 2, world, args.hidden, rank)
+        x, fp8, _, _ = _problem(op, size // 2, world, args.hidden, rank)
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(max(7, args.iters)):
             for chk in (True, False):
@@ -343,7 +378,7 @@ def _check_cost(args, ops) -> None:
                 times[chk].append(float(t))
         on, off = statistics.median(times[True]), statistics.median(times[False])
         _say(
-            f"# metadata check, {op} at {args.min_size} B: median {on * 1e6:.0f} us with, {off * 1e6:.0f} us "
+            f"# metadata check, {op} at {size} B: median {on * 1e6:.0f} us with, {off * 1e6:.0f} us "
             f"without ({(on - off) * 1e6:+.0f} us; one all_gather of {16 + 2 * world} int64 + host read)"
         )
 
@@ -400,3 +435,14 @@ def _sqnr_table(args) -> None:
     for f, e, r in cols:
         vals.append(_sqnr(fc.reduce_scatter(x, fmt=f, scaling=e, rounding=r, backend=args.backend), ref))
     _say(f"{world:<7}" + "".join(f"{v:>16.2f}" for v in vals))
+
+
+def main(argv=None) -> int:
+    """`python .../comm.py ARGS`: the benchmark of whichever fp8comm is first on the path (A/B against a checkout)."""
+    p = argparse.ArgumentParser(prog="comm.py", description=__doc__.splitlines()[0])
+    add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

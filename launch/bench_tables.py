@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Render docs/benchmarks.md tables from committed result files, so the tables are generated, not hand-written.
+
+  launch/bench_tables.py            print every table
+  launch/bench_tables.py --write    replace each table's block in docs/benchmarks.md (between its markers)
+  launch/bench_tables.py --check    exit 1 when a block in docs/benchmarks.md differs from its rendering
+
+A block is the text between `<!-- bench_tables:NAME -->` and `<!-- /bench_tables:NAME -->`; TABLES maps NAME to
+(result file, renderer). docs/results/bench_comm.json comes from launch/bench_check.py --update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "benchmarks.md"
+
+
+def _mib(nbytes: int) -> str:
+    v = nbytes / 2**20
+    return f"{v:g}" if v >= 1 else f"{nbytes / 2**10:g} KiB"
+
+
+def _label(run: dict, key: str) -> str:
+    return f"{run['commit']}" + (" (this change)" if key == "this" else " (base)")
+
+
+def render_bench_comm(res: dict) -> str:
+    """`fp8comm bench comm` on the simulated cluster: per op, every run in the file (this change, the A/B base)."""
+    m = res["meta"]
+    runs = res["runs"]
+    lines = [
+        f"Measured {m['date']} on {m['machine']}; {m['cluster']}; load average {m['load_at_start']} at start, "
+        f"{m.get('load_at_end', '?')} at the end. Command: `{m['command']}` (bench comm arguments: "
+        f"`{' '.join(m['bench_args'])}`)." + (f" Note: {m['note']}." if m.get("note") else ""),
+        "",
+        "| op | MiB (bf16 buffer) | fp8comm | FP8 ms (median) | FP8 ms min-max | bf16 ms | fp32 ms "
+        "| FP8/bf16 speed | calls | wire B/rank FP8 / bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = list(runs)
+    ops = sorted({(r["op"], r["size"]) for run in runs.values() for r in run["rows"]}, key=lambda k: (k[0], k[1]))
+    for op, size in ops:
+        for key in keys:
+            rows = {r["variant"]: r for r in runs[key]["rows"] if r["op"] == op and r["size"] == size}
+            f8, b16, f32 = rows.get("fp8"), rows.get("bf16"), rows.get("fp32")
+            if not (f8 and b16):
+                continue
+            ratio = b16["median_ms"] / f8["median_ms"]
+            fp32 = f"{f32['median_ms']:.0f}" if f32 else "-"
+            lines.append(
+                f"| {op} | {_mib(size)} | {_label(runs[key], key)} | {f8['median_ms']:.0f} | "
+                f"{min(f8['times_ms']):.0f}-{max(f8['times_ms']):.0f} | {b16['median_ms']:.0f} | {fp32} | "
+                f"**{ratio:.2f}x** | {len(f8['times_ms'])} | {f8['wire_bytes']} / {b16['wire_bytes']} |"
+            )
+    per_launch = []
+    for key in keys:
+        for i, launch in enumerate(runs[key].get("launches", [])):
+            rows = {(r["op"], r["variant"]): r["median_ms"] for r in launch["rows"]}
+            parts = [
+                f"{op} {rows[(op, 'bf16')] / rows[(op, 'fp8')]:.2f}x"
+                for op, _ in ops
+                if (op, "fp8") in rows and (op, "bf16") in rows
+            ]
+            when = f"load {launch['load_before']} before, " if "load_before" in launch else "load "
+            load = f"{when}{launch['load_after']} after"
+            per_launch.append(f"{runs[key]['commit']} launch {i + 1} ({load}): {', '.join(parts)}")
+    if per_launch:
+        lines += ["", "FP8/bf16 speed per launch (launches interleaved): " + "; ".join(per_launch) + "."]
+    return "\n".join(lines)
+
+
+# NAME -> (result file, renderer)
+TABLES: dict[str, tuple[Path, Callable[[dict], str]]] = {
+    "bench_comm": (REPO / "docs" / "results" / "bench_comm.json", render_bench_comm),
+}
+
+
+def render(name: str) -> str:
+    path, fn = TABLES[name]
+    return fn(json.loads(path.read_text()))
+
+
+def _block(name: str) -> re.Pattern:
+    return re.compile(
+        rf"(<!-- bench_tables:{re.escape(name)} -->\n)(.*?)(<!-- /bench_tables:{re.escape(name)} -->)", re.S
+    )
+
+
+def stale(doc: str) -> list[str]:
+    """Names whose block in `doc` is missing or differs from its rendering."""
+    out = []
+    for name in TABLES:
+        m = _block(name).search(doc)
+        if m is None or m.group(2) != render(name) + "\n":
+            out.append(name)
+    return out
+
+
+def write(doc: str) -> str:
+    for name in TABLES:
+        pat = _block(name)
+        if not pat.search(doc):
+            raise SystemExit(f"docs/benchmarks.md has no block for {name!r} (add the two marker lines)")
+        doc = pat.sub(lambda m, name=name: m.group(1) + render(name) + "\n" + m.group(3), doc)
+    return doc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--write", action="store_true")
+    g.add_argument("--check", action="store_true")
+    a = p.parse_args(argv)
+    doc = DOC.read_text()
+    if a.write:
+        DOC.write_text(write(doc))
+        return 0
+    if a.check:
+        bad = stale(doc)
+        if bad:
+            print(f"docs/benchmarks.md is out of date for {', '.join(bad)}: run launch/bench_tables.py --write")
+            return 1
+        return 0
+    for name in TABLES:
+        print(f"## {name}\n{render(name)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
