@@ -3,6 +3,8 @@
 from .api import dequantize, quantize, quantize_with_transpose
 from .dispatch import resolve_backend
 from .formats import E4M3, E5M2, Fp8Format, get_format
+from .fp4 import MXFP4, NVFP4, Fp4Format, Fp4Tensor, get_fp4_format
+from .fp4_api import dequantize_fp4, quantize_fp4
 from .scaling import (
     BlockScaling,
     DelayedScaling,
@@ -38,4 +40,11 @@ __all__ = [
     "pack_chunks",
     "unpack_chunks",
     "unpack_sum",
+    "MXFP4",
+    "NVFP4",
+    "Fp4Format",
+    "Fp4Tensor",
+    "get_fp4_format",
+    "quantize_fp4",
+    "dequantize_fp4",
 ]
