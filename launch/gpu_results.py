@@ -188,17 +188,18 @@ class Runner:
         """Run `cmd` in its own process group, echoing its output; killed (group) at the section's deadline, which
         then raises SectionCut. Returns {"rc", "seconds", "tail"}."""
         t0 = self.clock()
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.children.add(proc.pid)
-        self.spawned.append(proc.pid)
+        with _no_alarm():  # a cut between the fork and the bookkeeping would leave an unkilled child
+            proc = subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            self.children.add(proc.pid)
+            self.spawned.append(proc.pid)
         lines: list[str] = []
 
         def pump() -> None:
@@ -208,12 +209,13 @@ class Runner:
                 print("    | " + line.rstrip(), flush=True)
 
         reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
         try:
+            reader.start()  # inside the try: the alarm may land anywhere from here on, and must kill the child
             proc.wait(timeout=max(self.left(), 0.01))
         except (subprocess.TimeoutExpired, SectionCut) as e:
-            self._kill(proc.pid)
-            proc.wait()
+            with _no_alarm():
+                self._kill(proc.pid)
+                proc.wait()
             raise SectionCut(f"{Path(cmd[1] if len(cmd) > 1 else cmd[0]).name}: killed at the deadline") from e
         finally:
             self.children.discard(proc.pid)
