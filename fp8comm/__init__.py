@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from .errors import (
     CommMismatchError,
+    Fp8CommCaptureError,
     Fp8CommConfigError,
     Fp8CommError,
     Fp8CommNotImplementedError,
@@ -22,7 +23,7 @@ from .errors import (
     Fp8CommUnsupportedError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 __all__ = [
     "quantize",
     "dequantize",
@@ -43,6 +44,7 @@ __all__ = [
     "comm_stats",
     "reset_comm_stats",
     "format_comm_stats",
+    "shutdown",
     "Fp8Linear",
     "convert_to_fp8",
     "ConversionReport",
@@ -59,6 +61,7 @@ __all__ = [
     "Fp8CommNotImplementedError",
     "Fp8CommUnsupportedError",
     "Fp8CommStateError",
+    "Fp8CommCaptureError",
 ]
 _FROM = {  # subpackage -> the names this package re-exports from it
     "comm": (
@@ -72,6 +75,7 @@ _FROM = {  # subpackage -> the names this package re-exports from it
         "reduce_scatter",
         "reduce_scatter_into",
         "reset_comm_stats",
+        "shutdown",
         "WireConfig",
         "Buffer",
         "ErrorFeedback",
@@ -122,6 +126,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager form
         reduce_scatter,
         reduce_scatter_into,
         reset_comm_stats,
+        shutdown,
     )
     from .gemm import ConversionReport, Fp8Linear, Fp8Recipe, convert_to_fp8, get_recipe
     from .quant import (

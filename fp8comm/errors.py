@@ -38,3 +38,8 @@ class Fp8CommUnsupportedError(Fp8CommError, RuntimeError):
 
 class Fp8CommStateError(Fp8CommError, RuntimeError):
     """Installed hooks and what is being built disagree (different settings, hooks already installed)."""
+
+
+class Fp8CommCaptureError(Fp8CommError, RuntimeError):
+    """An fp8comm collective (or a handle's wait) inside CUDA graph capture: refused before anything is queued,
+    since its scratch memory, host-side checks and multi-phase steps cannot be replayed safely."""

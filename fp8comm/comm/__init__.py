@@ -5,7 +5,7 @@ the receiver; see docs/collectives.md for options, error bounds and the metadata
 """
 
 from ..errors import CommMismatchError, Fp8CommConfigError, Fp8CommError
-from .api import Buffer
+from .api import Buffer, shutdown, unpin_default_groups
 from .buffers import Handle, ScratchPool
 from .collectives import all_gather, all_gather_into, all_reduce, all_reduce_into, reduce_scatter, reduce_scatter_into
 from .config import (
@@ -27,6 +27,11 @@ from .stats import Stats, comm_stats, format_comm_stats, reset_comm_stats
 
 DEFAULT_POOL = default_state().pool  # the functional API's scratch pool (0.1 name)
 
+# Importing fp8comm imported torch._dynamo, and with it torch.distributed.nn.functional, whose default arguments
+# would otherwise pin the default process group (see api.unpin_default_groups); shutdown() repeats this for
+# anything imported later.
+unpin_default_groups()
+
 __all__ = [
     "all_gather",
     "all_gather_into",
@@ -36,6 +41,7 @@ __all__ = [
     "all_reduce_into",
     "all_to_all",
     "comm_stats",
+    "shutdown",
     "reset_comm_stats",
     "format_comm_stats",
     "Buffer",

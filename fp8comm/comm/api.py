@@ -7,7 +7,11 @@ buf.stats.snapshot()                                              # this Buffer'
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import torch
+import torch.distributed as dist
 
 from ..errors import Fp8CommConfigError
 from .buffers import Handle, ScratchPool
@@ -15,7 +19,7 @@ from .collectives import all_gather, all_gather_into, all_reduce, all_reduce_int
 from .config import WireConfig, resolve
 from .hierarchical import HierarchicalGroups
 from .moe import all_to_all
-from .state import CommState
+from .state import CommState, default_state
 from .stats import Stats
 
 Result = torch.Tensor | Handle
@@ -85,3 +89,40 @@ class Buffer:
     def release(self) -> None:
         """Free the scratch memory this Buffer holds (it is re-allocated on the next call)."""
         self.state.pool.clear()
+
+
+def unpin_default_groups() -> int:
+    """Drop the process-group references that torch binds as default arguments at import time; returns how many
+    functions it changed.
+
+    torch.distributed.nn.functional declares `group=group.WORLD` defaults, evaluated when it is first imported, and
+    torch._dynamo imports it (fp8comm imports torch._dynamo: torch.compiler.disable, the compiled kernels). Imported
+    after init_process_group, those defaults hold the live default group, so dist.destroy_process_group() cannot
+    free it: its gloo worker and socket threads keep running into interpreter teardown (measured: 3 threads left per
+    rank, 0 without fp8comm). None means "the default group" to every torch.distributed call, so replacing the
+    bound groups by None changes no behaviour (and no longer points at a destroyed group after a re-init)."""
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None or not dist.is_available():
+        return 0
+    changed = 0
+    for fn in list(vars(mod).values()):
+        defaults = getattr(fn, "__defaults__", None) if inspect.isfunction(fn) else None
+        if defaults and any(isinstance(v, dist.ProcessGroup) for v in defaults):
+            fn.__defaults__ = tuple(None if isinstance(v, dist.ProcessGroup) else v for v in defaults)
+            changed += 1
+    return changed
+
+
+def shutdown() -> None:
+    """Release what fp8comm holds on process groups and scratch memory; call it before dist.destroy_process_group().
+
+    Idempotent, local (no collective), safe without torch.distributed. It drops the node groups that hierarchical
+    mode created (cached per parent group, re-created on the next hierarchical call), the default state's scratch
+    memory, and the group references torch binds at import time (unpin_default_groups), so that
+    destroy_process_group() really stops every backend thread before the interpreter exits. Handles not yet waited
+    must be waited first (their collectives are in flight); a Buffer's scratch is freed by Buffer.release()."""
+    from . import hierarchical
+
+    hierarchical._CACHE.clear()
+    default_state().pool.clear()
+    unpin_default_groups()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..errors import Fp8CommError
 from ..quant.layout import view_2d
 from ..quant.tensor import Fp8Tensor
-from .buffers import Handle, Lease, completed
+from .buffers import Handle, Lease, completed, refuse_capture
 from .checks import Meta, exchange, group_rank_size, out_problem, tensor_problem
 from .config import WireConfig, WireSpec, resolve
 from .core import Call, ag_phase, chunk_rows, gathered_into, guarded, rs_phase
@@ -43,13 +43,17 @@ def start_call(
     defer: bool = True,
     fp8_wire: bool = True,
     ef: ErrorFeedback | None = None,
+    device=None,
 ) -> Call:
     """Resolve the call's WireConfig (kw: config, buffer, seed and option overrides), validate, run the metadata
     check if this call is checked (raises on every rank) and lease scratch memory from the buffer's state.
 
     extra(spec) -> problem | None: a further local check that needs the resolved wire spec. fp8_wire=False (an
     all_to_all moving bf16 or the native dtype): the FP8 options are validated but not compared across ranks.
-    ef: the call's ErrorFeedback state; a config with error_feedback=True needs one (state is per buffer)."""
+    ef: the call's ErrorFeedback state; a config with error_feedback=True needs one (state is per buffer).
+    device: where the call's tensors live. Inside CUDA graph capture the call is refused first
+    (Fp8CommCaptureError), before the metadata check and the lease (see buffers.refuse_capture)."""
+    refuse_capture(op, device)
     rank, world = group_rank_size(group)
     buffer = kw.pop("buffer", None)
     state = buffer.state if buffer is not None else default_state()
@@ -139,8 +143,14 @@ def _nothing_to_move(call: Call, result, async_op: bool):
     return completed(result) if async_op else result
 
 
-def _run(call: Call, works: list, finish, async_op: bool):
-    h = Handle(works, finish, call.lease)
+def _dev(t):
+    """The device of the call's tensor (None for a non-tensor: its error comes from the metadata check)."""
+    return t.device if isinstance(t, torch.Tensor) else None
+
+
+def _run(call: Call, works: list, finish, async_op: bool, device, later_phases: bool = False):
+    """The call's Handle (async_op) or its result; later_phases: finish() issues further collectives (all_reduce)."""
+    h = Handle(works, finish, call.lease, later_phases=later_phases, device=device)
     return h if async_op else h.wait()
 
 
@@ -166,7 +176,9 @@ def all_gather(
     """
     meta = _meta("all_gather", tensor, "tensor")
     hg = _hier(hierarchical, group, meta)
-    call = start_call("all_gather", group, meta, kw, _ag_out_problem(tensor, group, hierarchical, fp8_out, out))
+    call = start_call(
+        "all_gather", group, meta, kw, _ag_out_problem(tensor, group, hierarchical, fp8_out, out), device=_dev(tensor)
+    )
     hg = hg()
     shape = (call.world * tensor.shape[0],) + tuple(tensor.shape[1:])
     if fp8_out:
@@ -221,7 +233,7 @@ def _all_gather_fp8(call: Call, shape: tuple, x: torch.Tensor, async_op: bool, o
         fin()
         return result
 
-    return _run(call, [work], finish, async_op)
+    return _run(call, [work], finish, async_op, x.device)
 
 
 def all_gather_into(
@@ -243,7 +255,7 @@ def all_gather_into(
         elif output.device != input.device:
             meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
     hg = _hier(hierarchical, group, meta)
-    call = start_call("all_gather", group, meta, kw)
+    call = start_call("all_gather", group, meta, kw, device=_dev(input))
     hg = hg()
     return _all_gather_flat(call, hg, output, input, async_op)
 
@@ -265,7 +277,7 @@ def _all_gather_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_o
         fin()
         return out
 
-    return _run(call, [work], finish, async_op)
+    return _run(call, [work], finish, async_op, x.device)
 
 
 # ------------------------------------------------------------------------------------------ reduce-scatter
@@ -285,7 +297,7 @@ def reduce_scatter(
     """
     meta = _meta("reduce_scatter", tensor, "tensor", op=op)
     hg = _hier(hierarchical, group, meta)
-    call = start_call("reduce_scatter", group, meta, kw, ef=error_feedback)
+    call = start_call("reduce_scatter", group, meta, kw, ef=error_feedback, device=_dev(tensor))
     hg = hg()
     c, mine = chunk_rows(tensor.shape[0], call.world, call.rank)
     out = torch.empty((mine,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
@@ -321,7 +333,7 @@ def reduce_scatter_into(
         elif output.device != input.device:
             meta.fail(("device", f"output is on {output.device}, input on {input.device}"))
     hg = _hier(hierarchical, group, meta)
-    call = start_call("reduce_scatter", group, meta, kw, ef=error_feedback)
+    call = start_call("reduce_scatter", group, meta, kw, ef=error_feedback, device=_dev(input))
     hg = hg()
     L = chunk_rows(input.numel(), call.world, call.rank)[0]
     return _reduce_scatter_flat(call, hg, output, input, L, meta.reduce_op, error_feedback, async_op)
@@ -353,7 +365,7 @@ def _reduce_scatter_flat(
         out.view(-1).copy_(acc[: out.numel()])
         return out
 
-    return _run(call, [work], finish, async_op)
+    return _run(call, [work], finish, async_op, x.device)
 
 
 # ---------------------------------------------------------------------------------------------- all-reduce
@@ -370,6 +382,8 @@ def all_reduce(
     """Sum (or mean) over ranks, same shape and dtype: FP8 reduce-scatter, then FP8 all-gather of the sums.
 
     Every rank ends bit-identical; error feedback applies to the reduce-scatter (sender) quantization.
+    async_op=True: the reduce-scatter starts now and the handle's wait() issues the all-gather phase, so call wait()
+    at the same point of the collective sequence on every rank; is_completed() stays False until then.
     """
     out = torch.empty_like(tensor) if isinstance(tensor, torch.Tensor) else tensor
     return all_reduce_into(
@@ -401,7 +415,7 @@ def all_reduce_into(
                 )
             )
     hg = _hier(hierarchical, group, meta)
-    call = start_call("all_reduce", group, meta, kw, ef=error_feedback)
+    call = start_call("all_reduce", group, meta, kw, ef=error_feedback, device=_dev(input))
     hg = hg()
     n = input.numel()
     out_flat = output.view(-1)
@@ -427,4 +441,5 @@ def all_reduce_into(
             out_flat.copy_(dest.view(-1)[:n])
         return output
 
-    return _run(call, [work], finish, async_op)
+    # wait() issues the all-gather phase; is_completed() never does (collective order must not follow poll timing)
+    return _run(call, [work], finish, async_op, input.device, later_phases=True)

@@ -45,6 +45,8 @@ class Call:
     def pack(self, x2: torch.Tensor, layout: ChunkLayout, out: torch.Tensor, backend: str) -> None:
         """Quantize x2 into `out` as `layout` (the call's format, rounding and seed; its guard counts)."""
         g = self.guard
+        if g is not None:
+            g.before_pack()  # CUDA: after the guard step's last read-and-zero of the counters
         pack_chunks(
             x2,
             layout,
@@ -56,6 +58,7 @@ class Call:
             counters=None if g is None else g.counters,
         )
         if g is not None:
+            g.after_pack()  # CUDA: the next guard step reads only after this stream's adds
             g.add_elements(x2.numel())
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ never trigger a fallback: they must reach the engine's overflow check, as withou
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -25,6 +26,17 @@ from .stats import PROCESS_STATS
 
 log = logging.getLogger("fp8comm.guard")
 COUNTS = ("saturated", "underflow", "nonfinite")  # per bucket, as the kernels add them (int64)
+# Device types whose counters are added to on several streams (the engines' gather and reduce streams) and read on
+# the step stream: ordered by events. A test adds "cpu" with fake streams to check the ordering logic.
+_STREAM_DEVICE_TYPES = ("cuda",)
+
+
+def _current_stream(device: torch.device):
+    return torch.cuda.current_stream(device)
+
+
+def _new_event():
+    return torch.cuda.Event()
 
 
 @dataclass(frozen=True)
@@ -48,15 +60,47 @@ class GuardPolicy:
 class GuardBucket:
     """One bucket's device counters (saturated, underflow, nonfinite) and the host count of elements quantized.
 
-    Pass it to a collective (`guard=`) and the packing kernels add into `counters`."""
+    Pass it to a collective (`guard=`) and the packing kernels add into `counters`. On CUDA the kernels add on
+    whatever stream the collective runs on and Guard.step() reads and zeroes on its own: before_pack/after_pack
+    (called around every pack) and the step's read/zero order the two with events, on the GPU (no host wait)."""
 
     def __init__(self, key: str, device: torch.device) -> None:
         self.key = key
         self.counters = torch.zeros(len(COUNTS), dtype=torch.int64, device=device)
         self.elements = 0  # host-side: the call knows how many elements it quantized
+        self._streamed = self.counters.device.type in _STREAM_DEVICE_TYPES
+        self._added: dict = {}  # stream -> event recorded after the last pack that added on it since the last read
+        self._reset = None  # event recorded on the step stream after the last read-and-zero
+        self._after_reset: set = set()  # streams already ordered behind that event
 
     def add_elements(self, n: int) -> None:
         self.elements += int(n)
+
+    def before_pack(self) -> None:
+        """Order a pack on the current stream after the step's last read-and-zero (else it adds into counts that
+        are then zeroed, or into the previous step's read)."""
+        if self._streamed and self._reset is not None:
+            s = _current_stream(self.counters.device)
+            if s not in self._after_reset:
+                s.wait_event(self._reset)
+                self._after_reset.add(s)
+
+    def after_pack(self) -> None:
+        """Record where the counters were just added to: the step's read waits for the last such event per stream."""
+        if self._streamed:
+            s = _current_stream(self.counters.device)
+            ev = _new_event()
+            ev.record(s)
+            self._added[s] = ev
+
+    def _before_read(self, stream) -> None:
+        for s, ev in self._added.items():
+            if s != stream:
+                stream.wait_event(ev)
+        self._added.clear()
+
+    def _after_zero(self, stream, event) -> None:
+        self._reset, self._after_reset = event, {stream}
 
 
 @dataclass
@@ -127,6 +171,12 @@ class Guard:
             return None
         dev = next(iter(self.buckets.values())).counters.device
         cuda = dev.type == "cuda"
+        # The packs add on the collectives' streams: this (the step) stream reads only after the last of them, and
+        # the packs after this step wait for the zeroing below (GuardBucket.before_pack).
+        step_stream = _current_stream(dev) if dev.type in _STREAM_DEVICE_TYPES else None
+        if step_stream is not None:
+            for b in self.buckets.values():
+                b._before_read(step_stream)
         elements = torch.tensor([[b.elements] for b in self.buckets.values()], dtype=torch.int64)
         if cuda:  # pinned and async: no host wait for the upload either
             elements = elements.pin_memory().to(dev, non_blocking=True)
@@ -134,10 +184,15 @@ class Guard:
         for b in self.buckets.values():
             b.counters.zero_()
             b.elements = 0
+        if step_stream is not None:
+            zeroed = _new_event()
+            zeroed.record(step_stream)
+            for b in self.buckets.values():
+                b._after_zero(step_stream, zeroed)
         work = None
         if dist.is_available() and dist.is_initialized():
             if len(keys) != self._reduced_buckets:  # new buckets (the first steps): all ranks must agree
-                _same_buckets(len(keys), self.group, dev)
+                _same_buckets(keys, self.group, dev)
                 self._reduced_buckets = len(keys)
             work = dist.all_reduce(rows, group=self.group, async_op=True)
         host = torch.empty(rows.shape, dtype=torch.int64, pin_memory=cuda)
@@ -232,14 +287,22 @@ class Guard:
         plt.close(fig)
 
 
-def _same_buckets(n: int, group, device: torch.device) -> None:
-    """Every rank must reduce the same bucket table: a clear error on every rank if the counts differ (read on the
-    host: this runs only in the steps that register new buckets)."""
-    t = torch.tensor([n, -n], dtype=torch.int64, device=device)
+def _same_buckets(keys: list[str], group, device: torch.device) -> None:
+    """Every rank must reduce the same bucket table, row for row: a clear error on every rank if the counts or the
+    ordered keys (a digest) differ. Read on the host: this runs only in the steps that register new buckets."""
+    n, digest = len(keys), zlib.crc32("\0".join(keys).encode())
+    t = torch.tensor([n, -n, digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    hi, lo = (int(v) for v in t.tolist())
+    hi, lo, dhi, dlo = (int(v) for v in t.tolist())
     if hi != -lo:
         raise Fp8CommError(
             f"fp8comm guard: ranks registered different numbers of buckets (max {hi}, min {-lo}); "
             "every rank must make the same guarded collectives"
+        )
+    if dhi != -dlo:
+        shown = keys if n <= 8 else keys[:8] + ["..."]
+        raise Fp8CommError(
+            f"fp8comm guard: ranks registered their {n} buckets in a different order or under different keys "
+            f"(this rank: {shown}); the counts are summed row by row, so every rank must register the same keys "
+            "in the same order (make the same guarded collectives in the same order)"
         )

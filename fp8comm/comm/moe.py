@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..quant.formats import get_format
 from ..quant.tensor import Fp8Tensor
 from ..quant.wire import ChunkLayout, layout_of, unpack_chunks, unpack_codes
-from .buffers import Handle, Lease
+from .buffers import Handle, Lease, refuse_capture
 from .checks import Meta, as_int_list, exchange_sizes, group_rank_size, out_problem, split_problem, tensor_problem
 from .collectives import start_call
 from .config import WireSpec
@@ -113,7 +113,17 @@ def all_to_all(
     even = input_split_sizes is None and output_split_sizes is None
     # Deferred with even splits: the check travels while the first piece is quantized. Uneven splits need its
     # table first (the piece plan below depends on every rank's token count).
-    call = start_call("all_to_all", group, meta, kw, out_check, defer=even, fp8_wire=wire == "fp8", ef=error_feedback)
+    call = start_call(
+        "all_to_all",
+        group,
+        meta,
+        kw,
+        out_check,
+        defer=even,
+        fp8_wire=wire == "fp8",
+        ef=error_feedback,
+        device=tensor.device if isinstance(tensor, torch.Tensor) else None,
+    )
     spec = call.spec
     grad_spec = WireSpec(grad_format or spec.fmt, spec.scaling, spec.rounding, spec.backend)
     # Auto pipelining needs a size every rank agrees on: even splits (the token count is checked to be equal), or
@@ -314,6 +324,7 @@ def _start(
 
 
 def _backward(ctx_spec: _Spec, g: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    refuse_capture("all_to_all.backward", g.device)
     s = ctx_spec
     call = Call(
         "all_to_all.backward",

@@ -547,6 +547,7 @@ def check_is_completed(ctx: Ctx) -> None:
     """An async handle says is_completed() only once its output is valid (decoded), without wait() being called."""
     r = ctx.rank
     x = randn((4000,), 1600 + r)
+    pending = 0  # polls that answered False: the staged backend's works stay "in flight" for a few polls
     for name, start, want in (
         ("all_gather_into", lambda o: fc.all_gather_into(o, x, async_op=True), fc.all_gather(x)),
         ("reduce_scatter_into", lambda o: fc.reduce_scatter_into(o, x, async_op=True), fc.reduce_scatter(x)),
@@ -555,10 +556,14 @@ def check_is_completed(ctx: Ctx) -> None:
         h = start(out)
         deadline = time.monotonic() + 30
         while not h.is_completed():
+            pending += 1
             assert time.monotonic() < deadline, f"{name}: never completed"
             time.sleep(0.001)
         assert torch.equal(out, want), f"{name}: is_completed() before the output was written"
         assert h.wait() is out
+    ctx.info["polls_in_flight"] = pending
+    if dist.get_backend() == "staged":  # its works report in flight first: the polling path must have seen it
+        assert pending > 0, "every poll answered True at once: the in-flight path was never exercised"
 
 
 def check_guard(ctx: Ctx) -> None:
@@ -612,6 +617,41 @@ def check_guard(ctx: Ctx) -> None:
             assert moe.elements == tokens.numel() and int(moe.counters.sum()) == 0, moe.counters.tolist()
 
 
+def check_poll_issues_no_collective(ctx: Ctx) -> None:
+    """Polling never issues a collective: rank 0 polls an async all_reduce (its reduce-scatter finished: the barrier
+    waits for it) before its next all_gather, the other ranks do not poll. A poll that started the all-gather phase
+    would put it before that all_gather on rank 0 only (gloo: a reset connection or a timeout)."""
+    r, W = ctx.rank, ctx.world
+    x = randn((W * 512,), 1800 + r)
+    want = fc.all_reduce(x)
+    h = fc.all_reduce(x, async_op=True)
+    dist.barrier()  # gloo: completes after the work queued before it, the reduce-scatter phase
+    if r == 0:
+        polls = [h.is_completed() for _ in range(3)]
+        assert polls == [False] * 3, f"is_completed() before wait() on a two-phase op: {polls}"
+    z = randn((W * 128 + 256,), 1810 + r)
+    got = fc.all_gather(z)
+    assert torch.equal(got.view(W, -1)[r], qdq(z.view(1, -1), "e4m3", "fp32")[0]), "all_gather after the poll"
+    out = h.wait()
+    assert torch.equal(out, want), "the polled all_reduce differs from the same call made synchronously"
+    assert h.is_completed()
+
+
+def check_guard_bucket_order(ctx: Ctx) -> None:
+    """The guard sums bucket counts row by row: buckets registered in a different order on one rank (same count)
+    are a clear error on every rank, not counts added to the wrong bucket."""
+    r = ctx.rank
+    guard = fc.Guard(fc.GuardPolicy())
+    for key in ("attn", "mlp") if r == 0 else ("mlp", "attn"):
+        guard.bucket(key, torch.device("cpu")).add_elements(128)
+    msg, _ = expect_error(guard.step, fc.Fp8CommError, "order", "attn")
+    ctx.info["error"] = msg[:120]
+    same = fc.Guard(fc.GuardPolicy())
+    for key in ("attn", "mlp"):
+        same.bucket(key, torch.device("cpu")).add_elements(128)
+    assert same.step() == {"attn": "fp8", "mlp": "fp8"}
+
+
 CHECKS_GRAD = [
     check_all_gather,
     check_reduce_scatter,
@@ -625,7 +665,9 @@ CHECKS_GRAD = [
     check_mismatch,
     check_check_policy,
     check_is_completed,
+    check_poll_issues_no_collective,
     check_guard,
+    check_guard_bucket_order,
 ]
 
 from dist_checks_more import CHECKS_MORE  # noqa: E402  (MoE, subgroups, hierarchical)

@@ -180,7 +180,7 @@ def test_zero3_padded_gather_buffer_recorded_on_wait_stream(monkeypatch):
     """ZeRO-3's padded all-gather output is allocated on the issuing stream and decoded + copied on the stream
     that calls wait(): it must be record_stream-ed there before the handle (and with it the buffer) is dropped."""
     pytest.importorskip("deepspeed")
-    from integrations.deepspeed import zero3
+    from fp8comm.integrations.deepspeed import zero3
 
     wait_stream = FakeStream("wait")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: wait_stream)

@@ -80,3 +80,67 @@ def test_unpack_codes_is_the_quantizer_output():
         unpack_codes(buf, lay, codes[:, 2 : 2 + k], torch.empty(5, 2))
     with pytest.raises(ValueError, match="wire buffer"):
         unpack_codes(buf[:10], lay, codes[:, 2 : 2 + k], scales)
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo default group (the collectives' real path, no second process)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.fail("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_cpu_tensors_never_ask_about_capture(one_rank, monkeypatch):
+    """The capture query is asked only for CUDA tensors: the CPU build raises in it."""
+    import fp8comm.comm as fc
+
+    def boom():
+        raise RuntimeError("is_current_stream_capturing asked for a CPU call")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", boom)
+    x = torch.randn(256)
+    assert torch.equal(fc.all_reduce(x, check=True), fc.all_reduce(x.clone(), check=False))
+    assert fc.all_gather(x, async_op=True).wait().shape == (256,)
+
+
+def test_graph_capture_refused_before_anything_moves(one_rank, monkeypatch):
+    """Inside CUDA graph capture every collective raises Fp8CommCaptureError at its start (before the metadata
+    check and the scratch lease), and a handle started before the capture refuses wait() during it and completes
+    normally after. CPU tensors stand in for CUDA ones (the device-type list and the query are patched)."""
+    import fp8comm.comm as fc
+    import fp8comm.comm.buffers as fb
+    from fp8comm.errors import Fp8CommCaptureError
+
+    capturing = {"on": False}
+    monkeypatch.setattr(fb, "_GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
+    x = torch.randn(512)
+    state = fc.default_state()
+    want = fc.all_reduce(x)
+    h = fc.all_gather(x, async_op=True)  # started before the capture
+    capturing["on"] = True
+    allocs, checks = state.pool.allocations, fc.comm_stats().get("all_gather", {}).get("check_bytes", 0)
+    calls = {
+        "all_gather": lambda: fc.all_gather(x, check=True),
+        "all_gather_into": lambda: fc.all_gather_into(torch.empty(512), x, check=True),
+        "reduce_scatter": lambda: fc.reduce_scatter(x, check=True),
+        "reduce_scatter_into": lambda: fc.reduce_scatter_into(torch.empty(512), x, check=True),
+        "all_reduce": lambda: fc.all_reduce(x, check=True, async_op=True),
+        "all_to_all": lambda: fc.all_to_all(x.view(4, 128), [4], [4], check=True),
+        "Handle.wait": h.wait,
+    }
+    for name, fn in calls.items():
+        op = name.replace("_into", "")  # the into-buffer variants report their op's name
+        with pytest.raises(Fp8CommCaptureError, match=f"fp8comm.{op}: called inside CUDA graph capture"):
+            fn()
+    with pytest.raises(Fp8CommCaptureError):
+        h.is_completed()  # would run the decode inside the capture
+    assert state.pool.allocations == allocs, "a refused call leased scratch memory"
+    assert fc.comm_stats().get("all_gather", {}).get("check_bytes", 0) == checks, "a refused call ran the check"
+    capturing["on"] = False
+    assert torch.equal(h.wait(), fc.all_gather(x)) and h.is_completed()
+    assert torch.equal(fc.all_reduce(x), want)

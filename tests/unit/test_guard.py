@@ -65,3 +65,67 @@ def test_plot(tmp_path):
         g.step()
     g.plot(str(tmp_path / "guard.png"))
     assert (tmp_path / "guard.png").stat().st_size > 1000
+
+
+class _FakeEvent:
+    def __init__(self, log: list) -> None:
+        self.log, self.stream = log, None
+
+    def record(self, stream) -> None:
+        self.stream = stream
+        self.log.append(("record", stream.name, id(self)))
+
+
+class _FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_event(self, ev) -> None:
+        self.log.append(("wait", self.name, id(ev)))
+
+
+def test_counters_ordered_across_streams_by_events(monkeypatch):
+    """The guard's CUDA ordering logic with fake streams and events (CPU counters standing in for device ones): the
+    step stream waits for the last pack on every other stream before it reads the counters, and a pack after the
+    step waits for the step's zeroing, once per stream; nothing waits on its own stream."""
+    import fp8comm.comm.guard as gm
+    from fp8comm.comm.core import Call
+
+    log: list = []
+    streams = {n: _FakeStream(n, log) for n in ("gather", "reduce", "step")}
+    current = {"s": streams["gather"]}
+    monkeypatch.setattr(gm, "_STREAM_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(gm, "_current_stream", lambda device: current["s"])
+    monkeypatch.setattr(gm, "_new_event", lambda: _FakeEvent(log))
+    packs: list = []
+    monkeypatch.setattr("fp8comm.comm.core.pack_chunks", lambda *a, **k: packs.append(k["counters"]))
+    g = Guard(GuardPolicy())
+    b = g.bucket("w", torch.device("cpu"))
+    call = Call.__new__(Call)  # only what Call.pack reads
+    call.guard, call.spec, call.seed = b, type("S", (), {"fmt": None, "rounding": "nearest"})(), 0
+
+    def pack(stream: str) -> None:
+        current["s"] = streams[stream]
+        Call.pack(call, torch.zeros(1, 4), None, None, "reference")
+
+    pack("gather")
+    pack("gather")
+    pack("reduce")
+    assert [e[0] for e in log] == ["record"] * 3 and packs == [b.counters] * 3
+    last = {e[1]: e[2] for e in log if e[0] == "record"}  # the last event recorded on each stream
+    log.clear()
+    current["s"] = streams["step"]
+    g.step()
+    waits = [e for e in log if e[0] == "wait"]
+    assert sorted(waits) == sorted([("wait", "step", last["gather"]), ("wait", "step", last["reduce"])]), log
+    zero = [e for e in log if e[0] == "record"]
+    assert len(zero) == 1 and zero[0][1] == "step" and log.index(zero[0]) > max(log.index(w) for w in waits), log
+    log.clear()
+    pack("gather")
+    pack("gather")  # the same stream is ordered behind the zeroing once
+    pack("reduce")
+    current["s"] = streams["step"]
+    pack("step")  # the stream that zeroed needs no wait
+    assert [e for e in log if e[0] == "wait"] == [("wait", "gather", zero[0][2]), ("wait", "reduce", zero[0][2])]
+    first = [e[0] for e in log if e[1] == "gather"]
+    assert first[:2] == ["wait", "record"], log  # the wait comes before the pack that adds
