@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import fp8comm
 from fp8comm.tools.gpt import GPT, GPTConfig
 
 
@@ -221,6 +222,7 @@ def main(argv=None) -> None:
                 with open(args.json, "w") as fh:
                     json.dump(res, fh, indent=1)
     finally:
+        fp8comm.shutdown()  # what fp8comm holds on the groups goes before them
         dist.destroy_process_group()
 
 

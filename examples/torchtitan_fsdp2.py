@@ -31,6 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import fp8comm
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -222,6 +224,7 @@ def main(argv=None) -> dict:
         return res
     finally:
         if own_group:
+            fp8comm.shutdown()  # what fp8comm holds on the groups goes before them
             dist.destroy_process_group()
 
 

@@ -401,6 +401,9 @@ def main() -> int:
         flush=True,
     )
     ok = "all_ranks_ok=True" in line
+    from .comm import shutdown
+
+    shutdown()
     dist.destroy_process_group()
     return 0 if ok else 1
 

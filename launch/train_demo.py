@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import fp8comm
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp8comm.comm as fc
 from fp8comm.distributed import init_distributed
@@ -250,6 +252,7 @@ def main(argv=None) -> int:
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps(out, indent=1))
+    fp8comm.shutdown()
     dist.destroy_process_group()
     return 0
 

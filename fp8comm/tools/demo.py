@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import fp8comm
+
 SIZES = {  # n_layer, n_head, n_embd, block, micro-batch per rank
     "tiny": (2, 4, 64, 64, 8),
     "small": (4, 4, 128, 64, 16),
@@ -388,6 +390,7 @@ def _worker(opts: dict) -> int:
     if rank == 0:
         (Path(opts["folder"]) / "report.json").write_text(json.dumps(report, indent=1))
     dist.barrier()
+    fp8comm.shutdown()
     dist.destroy_process_group()  # in order, before interpreter teardown destroys gloo's threads at random
     return 0
 

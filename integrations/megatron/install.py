@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from fp8comm.comm import shutdown as fcomm_shutdown
+
 from . import ddp_hooks, error_feedback, guard, moe_hooks
 from .config import HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError
 from .installation import begin, current, end
@@ -491,6 +493,7 @@ def uninstall() -> None:
         obj, name, orig = inst.saved.pop()
         setattr(obj, name, orig)
     moe_hooks.reset_marks()
+    fcomm_shutdown()  # nothing of fp8comm's (node groups, scratch, pinned default groups) outlives the adapter
 
 
 def active_config() -> Fp8CommMegatronConfig | None:

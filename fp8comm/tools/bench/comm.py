@@ -19,6 +19,8 @@ import os
 import platform
 import time
 
+import fp8comm
+
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 BUSBW = {
     "all_gather": lambda w: (w - 1) / w,
@@ -70,6 +72,7 @@ def run(args) -> int:
 
         dist.init_process_group("gloo")
         _worker_body(args, "table")
+        fp8comm.shutdown()
         dist.destroy_process_group()
         return 0
     if args.sqnr_ranks:
@@ -116,6 +119,7 @@ def _worker(rank: int, world: int, port: int, argd: dict, mode: str) -> None:
     try:
         _worker_body(argparse.Namespace(**argd), mode)
     finally:
+        fp8comm.shutdown()
         dist.destroy_process_group()
 
 

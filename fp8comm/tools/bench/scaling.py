@@ -23,6 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
+import fp8comm
+
 from ...distributed import link_bytes
 
 HIDDEN = 4096  # MoE token width for the all-to-all rows
@@ -274,6 +276,7 @@ def worker(a) -> int:
         }
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    fp8comm.shutdown()
     dist.destroy_process_group()
     return 0
 
