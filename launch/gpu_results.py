@@ -188,38 +188,46 @@ class Runner:
         """Run `cmd` in its own process group, echoing its output; killed (group) at the section's deadline, which
         then raises SectionCut. Returns {"rc", "seconds", "tail"}."""
         t0 = self.clock()
-        with _no_alarm():  # a cut between the fork and the bookkeeping would leave an unkilled child
-            proc = subprocess.Popen(
-                cmd,
-                cwd=cwd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            self.children.add(proc.pid)
-            self.spawned.append(proc.pid)
         lines: list[str] = []
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                print("    | " + line.rstrip(), flush=True)
-
-        reader = threading.Thread(target=pump, daemon=True)
+        proc: subprocess.Popen | None = None
+        reader: threading.Thread | None = None
         try:
-            reader.start()  # inside the try: the alarm may land anywhere from here on, and must kill the child
+            # The alarm may land anywhere in here (a held one lands right after _no_alarm): once the child exists,
+            # every cut goes through the except below and kills it.
+            with _no_alarm():
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=cwd,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+                self.children.add(proc.pid)
+                self.spawned.append(proc.pid)
+
+            def pump(p: subprocess.Popen = proc) -> None:
+                assert p.stdout is not None
+                for line in p.stdout:
+                    lines.append(line)
+                    print("    | " + line.rstrip(), flush=True)
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
             proc.wait(timeout=max(self.left(), 0.01))
         except (subprocess.TimeoutExpired, SectionCut) as e:
+            if proc is None:
+                raise
             with _no_alarm():
                 self._kill(proc.pid)
                 proc.wait()
             raise SectionCut(f"{Path(cmd[1] if len(cmd) > 1 else cmd[0]).name}: killed at the deadline") from e
         finally:
-            self.children.discard(proc.pid)
-            reader.join(timeout=5)
+            if proc is not None:
+                self.children.discard(proc.pid)
+            if reader is not None:
+                reader.join(timeout=5)
         return {"rc": proc.returncode, "seconds": round(self.clock() - t0, 1), "tail": "".join(lines)[-tail:]}
 
     @staticmethod

@@ -185,6 +185,7 @@ def _engaged(run: dict) -> int:
 
 
 # -------------------------------------------------------------------------------------------- the fresh venvs
+@pytest.mark.slow  # builds two venvs and installs the package into each: ~20 s
 def test_pth_installed_and_startup_imports_nothing(venvs):
     """The .pth is in site-packages (after the editable finder's .pth), and interpreter start loads the hook but
     none of torch, deepspeed, fp8comm."""
@@ -343,6 +344,8 @@ def test_wrapper_hands_over_and_release_restores(hook, monkeypatch):
     ds = types.ModuleType("deepspeed")
     ds.initialize = ds_init
     monkeypatch.setitem(sys.modules, "deepspeed", ds)
+    # An adapter imported by an earlier test in this process would take every call (by design): start without it.
+    monkeypatch.delitem(sys.modules, ADAPTER, raising=False)
     hook.state["released"] = False
     hook._wrap(ds)
     wrapper = ds.initialize
