@@ -34,6 +34,14 @@ def _note_skip(report) -> None:
         _unlisted.append(f"{report.nodeid or '<collection>'}: {reason}")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    # Every multi-process test shares a torchrun launch whose start-up alone (interpreters, torch, gloo rendezvous)
+    # takes 10-30 s on 2 cores: `dist` implies `slow`, so `-m "not slow"` is the single-process fast tier.
+    for item in items:
+        if item.get_closest_marker("dist") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collectreport(report) -> None:
     if report.skipped:  # module-level importorskip / pytest.skip(allow_module_level=True)
         _note_skip(report)

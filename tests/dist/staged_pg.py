@@ -19,17 +19,32 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 NAME = "staged"
 
 
+# A real backend's async work is not complete when the call returns; one whose work always is would let the
+# polling and ordering logic of fp8comm's handles pass without ever seeing an incomplete work. So every work here
+# answers is_completed() False for its first LATE_POLLS polls (until wait()), deterministically, at no time cost.
+LATE_POLLS = 2
+
+
 class _Done(dist.Work):
-    """The Work of a collective that already finished (results are in place)."""
+    """The Work of a collective whose results are in place, but which reports completion only after LATE_POLLS
+    polls or a wait(), like an async collective still in flight."""
+
+    polls_pending = 0  # is_completed() answers that were False, over all works of this process (tests read it)
 
     def __init__(self, result=None) -> None:
         super().__init__()
         self._result = result
+        self._late = LATE_POLLS
 
     def wait(self, timeout=None) -> bool:
+        self._late = 0
         return True
 
     def is_completed(self) -> bool:
+        if self._late > 0:
+            self._late -= 1
+            _Done.polls_pending += 1
+            return False
         return True
 
     def result(self):
@@ -46,7 +61,8 @@ def _back(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class StagedGroup(dist.ProcessGroup):
-    """gloo underneath, tensors of any device on top; every call completes before it returns."""
+    """gloo underneath, tensors of any device on top; every call's data is in place when it returns (its Work
+    still reports itself in flight for a few polls)."""
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, size)

@@ -42,6 +42,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t).contiguous().view(torch.int32)
 
 
+@pytest.mark.slow  # every bf16 pattern through a fresh compile: 40-60 s on 2 cores
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_compiled_bit_exact_all_bf16(all_bf16, fmt):
     for sc in [TensorScaling(), BlockScaling(128), MXScaling(), BlockScaling(128, 128)]:

@@ -205,6 +205,7 @@ WHEEL_CHECKS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # builds a wheel and runs the demo from it: ~25 s
 def test_demo_runs_from_an_installed_wheel(wheel_site, tmp_path):
     """From outside the checkout, with fp8comm only from the wheel: the demo's launcher and worker modules, the
     model, the command; no module comes from the checkout and the worker command names a module, not a path."""

@@ -70,6 +70,7 @@ def test_fused_wire_graphs_bit_exact(fmt, sc, dtype):
     assert torch.equal(bits(s_got), bits(s_want))
 
 
+@pytest.mark.slow  # compiles the stochastic graph: ~25 s
 def test_fused_pack_stochastic_uses_reference_bits():
     f, sc = get_format("e5m2"), BlockScaling(128)
     x = nasty(4, 256, torch.float32, 3)

@@ -381,6 +381,7 @@ def test_docs_check_can_fail():
     assert table["gemm.enabled"] is True != config.defaults()["gemm"]["enabled"]
 
 
+@pytest.mark.slow  # a subprocess imports DeepSpeed: 15-50 s
 def test_mutations_name_real_checks():
     """ds_mutations.py (the broken variants behind docs/deepspeed.md's "fails on" claims) names checks that exist in
     the scenario it launches, so the script cannot silently run nothing."""
