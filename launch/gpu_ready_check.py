@@ -174,6 +174,74 @@ def version_counters(run) -> dict:
     return {"status": "fail" if bad else "ok", "forms": res, "not_bumped": bad}
 
 
+def capture_refused(run) -> dict:
+    """Inside CUDA graph capture a collective, and wait() of a call started before the capture, raise
+    Fp8CommCaptureError before anything is queued; after the capture both work and match the eager result."""
+    import fp8comm.comm as fc
+    from fp8comm.errors import Fp8CommCaptureError
+
+    init_nccl_1rank()
+    x = torch.randn(1 << 16, device="cuda")
+    want = fc.all_gather(x, check=False)
+    h = fc.all_gather(x, async_op=True, check=False)  # started before the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    refused: dict = {}
+    for name, fn in (("all_gather", lambda: fc.all_gather(x, check=False)), ("Handle.wait", h.wait)):
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side), torch.cuda.graph(g):
+                fn()
+            refused[name] = False
+        except Fp8CommCaptureError:
+            refused[name] = True
+        except Exception as e:  # the capture failed some other way: report it, it is not the refusal
+            refused[name] = _first_line(e)
+    torch.cuda.synchronize()
+    after = bool(torch.equal(h.wait(), want)) and bool(torch.equal(fc.all_gather(x, check=False), want))
+    ok = all(v is True for v in refused.values()) and after
+    run.row("capture_refused_calls", sum(v is True for v in refused.values()), len(refused), "calls")
+    return {"status": "ok" if ok else "fail", "refused": refused, "eager_after_capture_ok": after}
+
+
+def guard_streams(run) -> dict:
+    """Guard counters across streams: packs on two side streams (one delayed by a GPU sleep) and Guard.step() on a
+    third. Every block has one outlier, so each bucket's underflow fraction is 127/128 at every step; a count lost
+    or read before its pack (unordered counters) shows as a smaller or zero fraction."""
+    import fp8comm.comm as fc
+
+    init_nccl_1rank()
+    dev = torch.device("cuda")
+    guard = fc.Guard(fc.GuardPolicy(threshold=0.999, patience=1000, cooldown=1))
+    buckets = {k: guard.bucket(k, dev) for k in ("delayed", "plain")}
+    x = torch.randn(1 << 20, device=dev)
+    x[::128] = 1e12
+    streams = {"delayed": torch.cuda.Stream(), "plain": torch.cuda.Stream()}
+    step_stream = torch.cuda.Stream()
+    for s in (*streams.values(), step_stream):
+        s.wait_stream(torch.cuda.current_stream())
+    steps = 6
+    for _ in range(steps):
+        for key, s in streams.items():
+            with torch.cuda.stream(s):
+                if key == "delayed":
+                    torch.cuda._sleep(int(2e8))
+                fc.reduce_scatter(x, guard=buckets[key], check=False)
+        with torch.cuda.stream(step_stream):
+            guard.step()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(step_stream):
+        guard.step()  # decisions lag one step: this one reads the last step's counts
+    torch.cuda.synchronize()
+    want = 127 / 128
+    seen = [{k: h.get(k) for k in buckets} for h in guard.history]
+    counted = [row for row in seen if all(v is not None for v in row.values())]
+    bad = [row for row in counted if any(abs(v - want) > 1e-6 for v in row.values())]
+    ok = len(counted) >= steps - 1 and not bad
+    run.row("guard_streams_steps_exact", len(counted) - len(bad), len(counted), "steps")
+    return {"status": "ok" if ok else "fail", "fractions": seen, "want": want}
+
+
 def e8m0_decode(run) -> dict:
     """All 256 E8M0 scale bytes through every decoder on the GPU (torch ops, the compiled backend, the Triton
     kernels: unpack_chunks fp32 and bf16, unpack_sum, Fp8Tensor.unpack): byte b -> 2^(b-127), 0 -> 2^-127 (an fp32
@@ -675,6 +743,8 @@ SECTIONS = [
     Section("streams", streams, 30, 10),
     Section("version_counters", version_counters, 60, 10),
     Section("e8m0_decode", e8m0_decode, 60, 10),
+    Section("capture_refused", capture_refused, 30, 10),
+    Section("guard_streams", guard_streams, 60, 10),
     Section("host_ahead", host_ahead, 60, 15),
     Section("blockwise_gemm", blockwise_gemm, 90, 30),
     Section("pack_vs_copy", pack_vs_copy, 60, 20),
