@@ -219,9 +219,14 @@ class Runner:
         except (subprocess.TimeoutExpired, SectionCut) as e:
             if proc is None:
                 raise
-            with _no_alarm():
-                self._kill(proc.pid)
-                proc.wait()
+            try:
+                with _no_alarm():
+                    if threading.current_thread() is threading.main_thread():
+                        signal.setitimer(signal.ITIMER_REAL, 0)  # the section ends here: no second cut later
+                    self._kill(proc.pid)
+                    proc.wait()
+            except SectionCut:
+                pass  # the section's alarm, pending while held, lands here: the child is already dead
             raise SectionCut(f"{Path(cmd[1] if len(cmd) > 1 else cmd[0]).name}: killed at the deadline") from e
         finally:
             if proc is not None:
