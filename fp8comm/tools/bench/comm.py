@@ -30,6 +30,12 @@ BUSBW = {
 }
 
 
+def _shutdown() -> None:
+    """fp8comm.shutdown() before destroy_process_group(); launch/bench_check.py --with runs this file against older
+    checkouts, which predate it (0.2 and earlier)."""
+    getattr(fp8comm, "shutdown", lambda: None)()
+
+
 def _size(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -72,7 +78,7 @@ def run(args) -> int:
 
         dist.init_process_group("gloo")
         _worker_body(args, "table")
-        fp8comm.shutdown()
+        _shutdown()
         dist.destroy_process_group()
         return 0
     if args.sqnr_ranks:
@@ -119,7 +125,7 @@ def _worker(rank: int, world: int, port: int, argd: dict, mode: str) -> None:
     try:
         _worker_body(argparse.Namespace(**argd), mode)
     finally:
-        fp8comm.shutdown()
+        _shutdown()
         dist.destroy_process_group()
 
 
