@@ -1,4 +1,4 @@
-"""FP8 collectives (all-gather, reduce-scatter, all-reduce, MoE all-to-all) built on the packed wire format.
+"""FP8 and 4-bit collectives (all-gather, reduce-scatter, all-reduce, MoE all-to-all) on the packed wire format.
 
 Every call quantizes with per-block scales, moves payload and scales in ONE uint8 collective, and dequantizes on
 the receiver; see docs/collectives.md for options, error bounds and the metadata check.
@@ -19,11 +19,12 @@ from .config import (
     default_check_policy,
 )
 from .feedback import ErrorFeedback
-from .guard import Guard, GuardBucket, GuardPolicy
+from .guard import Guard, GuardBucket, GuardPolicy, config_for
 from .hierarchical import HierarchicalGroups, node_groups
 from .moe import WIRES, all_to_all
 from .state import CommState, default_state
 from .stats import Stats, comm_stats, format_comm_stats, reset_comm_stats
+from .updates import ReplicaUpdate
 
 DEFAULT_POOL = default_state().pool  # the functional API's scratch pool (0.1 name)
 
@@ -69,4 +70,6 @@ __all__ = [
     "Guard",
     "GuardPolicy",
     "GuardBucket",
+    "config_for",
+    "ReplicaUpdate",
 ]

@@ -30,7 +30,8 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_to_all.b
 ERROR_KINDS = ("", "dtype", "contiguity", "shape", "splits", "device", "option", "group")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAGIC = 0xF8C0
-_FIXED = 16
+_FIXED = 17
+WIRE_NAMES = ("e4m3", "e5m2", "mxfp4", "nvfp4")
 
 
 def tensor_problem(t, what: str, allow_0d: bool = False) -> tuple[str, str] | None:
@@ -146,7 +147,8 @@ class Meta:
             v[3] = _DTYPES.index(self.dtype) + 1 if self.dtype in _DTYPES else 0
             if self.spec is not None:
                 s = self.spec
-                v[4] = 1 + ("e4m3", "e5m2").index(s.fmt.name)
+                v[4] = 1 + WIRE_NAMES.index(s.wire_name)
+                v[16] = (s.hadamard << 32) | s.hadamard_seed if s.hadamard else 0
                 v[5] = 1 + ENCODINGS.index(s.scaling.encoding)
                 v[6] = s.scaling.cols or 0
                 v[7] = s.scaling.margin + 100
@@ -168,7 +170,7 @@ class Meta:
 
 _FIELD_NAMES = {
     3: "input dtype",
-    4: "FP8 format",
+    4: "wire format",
     5: "scale encoding",
     6: "block size",
     7: "scale margin",
@@ -176,6 +178,7 @@ _FIELD_NAMES = {
     13: "reduce op / wire mode",
     14: "hierarchical node size",
     15: "pipeline pieces",
+    16: "Hadamard transform (size << 32 | sign seed)",
 }
 
 
@@ -289,7 +292,7 @@ def _decode(idx: int, vals: list[int]) -> list:
     if idx == 3:
         return [str(_DTYPES[v - 1]) if v else "?" for v in vals]
     if idx == 4:
-        return [("e4m3", "e5m2")[v - 1] if v else "?" for v in vals]
+        return [WIRE_NAMES[v - 1] if v else "?" for v in vals]
     if idx == 5:
         return [ENCODINGS[v - 1] if v else "?" for v in vals]
     if idx == 8:

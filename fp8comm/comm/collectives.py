@@ -69,6 +69,14 @@ def start_call(
         meta.fail(("option", str(e)))
     if cfg is not None:
         meta.spec, meta.pipeline = cfg.spec, cfg.pipeline
+        if cfg.is_fp4 and (op == "all_to_all" or meta.hier):
+            meta.fail(
+                (
+                    "option",
+                    f"fmt={cfg.fmt!r} (4-bit) is available for reduce_scatter, all_reduce and all_gather without "
+                    + ("hierarchical=...; use the flat call" if meta.hier else "splits; all_to_all takes e4m3/e5m2"),
+                )
+            )
         if extra is not None:
             meta.fail(extra(cfg.spec))
         if cfg.error_feedback and ef is None:
@@ -197,6 +205,8 @@ def _ag_out_problem(tensor, group, hierarchical, fp8_out, out):
                 return p
         if not fp8_out:
             return None
+        if spec.fp4 is not None:
+            return "option", "fp8_out=True returns FP8 codes; a 4-bit wire (fmt=mxfp4/nvfp4) has no such output"
         if hierarchical:
             return "option", "fp8_out=True is not available with hierarchical=...; use the flat all-gather"
         b = spec.scaling.cols

@@ -16,11 +16,15 @@ import torch
 from ..errors import Fp8CommConfigError
 from ..quant.api import ROUNDINGS
 from ..quant.dispatch import BACKENDS
+from ..quant.formats import E4M3, Fp8Format, get_format
 from ..quant.formats import FORMATS as _FORMATS
-from ..quant.formats import Fp8Format, get_format
+from ..quant.fp4 import FP4_FORMATS, HADAMARD_SIZES, Fp4Format
 from ..quant.scaling import ENCODINGS, PRESETS, Scaling
 
-FORMATS = tuple(_FORMATS)
+FP8_FORMATS = tuple(_FORMATS)
+FP4_WIRE_FORMATS = tuple(FP4_FORMATS)  # block and scale kind are part of the format (docs/fp4.md)
+FORMATS = FP8_FORMATS + FP4_WIRE_FORMATS
+HADAMARD = (0, *HADAMARD_SIZES)
 SCALE_ENCODINGS = ENCODINGS  # fp32 (amax / max), pow2 (power of two as fp32), e8m0 (power of two, one byte)
 KERNEL_BACKENDS = ("auto", *BACKENDS)
 CHECK_POLICIES = ("first", "always", "never")
@@ -45,12 +49,20 @@ PIPELINE_MAX_PIECES = 1024
 
 @dataclass(frozen=True)
 class WireSpec:
-    """The resolved form the kernels use: FP8 format, 1xB block scaling, rounding and kernel backend."""
+    """The resolved form the kernels use: FP8 format, 1xB block scaling, rounding and kernel backend; for a 4-bit
+    wire `fp4` is its format (fmt and scaling then only describe it) and `hadamard` the transform block (0: none)."""
 
     fmt: Fp8Format
     scaling: Scaling
     rounding: str
     backend: str
+    fp4: Fp4Format | None = None
+    hadamard: int = 0
+    hadamard_seed: int = 0
+
+    @property
+    def wire_name(self) -> str:
+        return self.fp4.name if self.fp4 is not None else self.fmt.name
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,10 @@ class WireConfig:
     preset / Scaling with rows=1); rounding: nearest or stochastic; backend: quant kernels (auto: Triton on CUDA,
     torch.compile for big CPU buffers); check: the metadata-check policy (None: FP8COMM_CHECK, default "first");
     pipeline: pieces per call (None/"auto" from the size, False/1 one piece, n pieces); error_feedback: engines
-    keep a residual per bucket (pass its ErrorFeedback state on each call), residual_dtype its precision."""
+    keep a residual per bucket (pass its ErrorFeedback state on each call), residual_dtype its precision.
+    fmt="mxfp4" | "nvfp4": the 4-bit wire (docs/fp4.md); its block and scale kind are the format's, so block_size
+    and scaling are ignored at their defaults and must agree otherwise; hadamard=16|32 applies the block Hadamard
+    transform before quantizing (4-bit only), its random signs drawn from hadamard_seed (the same on every rank)."""
 
     fmt: str = "e4m3"
     scaling: str | Scaling = "fp32"
@@ -70,12 +85,18 @@ class WireConfig:
     pipeline: int = 0
     error_feedback: bool = False
     residual_dtype: str = "float32"
+    hadamard: int = 0
+    hadamard_seed: int = 0
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "fmt", get_format(self.fmt).name)
-        except ValueError:
-            raise _bad("fmt", self.fmt, FORMATS) from None
+        if isinstance(self.fmt, str) and self.fmt.lower() in FP4_WIRE_FORMATS:
+            object.__setattr__(self, "fmt", self.fmt.lower())
+        else:
+            try:
+                object.__setattr__(self, "fmt", get_format(self.fmt).name)
+            except ValueError:
+                raise _bad("fmt", self.fmt, FORMATS) from None
+        _check_fp4_fields(self)
         if self.block_size is not None and (
             not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0
         ):
@@ -95,8 +116,16 @@ class WireConfig:
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise _bad("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
 
+    @property
+    def is_fp4(self) -> bool:
+        return self.fmt in FP4_WIRE_FORMATS
+
     @cached_property
     def spec(self) -> WireSpec:
+        if self.is_fp4:
+            f = FP4_FORMATS[self.fmt]
+            sc = Scaling(1, f.block, "e8m0" if f.scale == "e8m0" else "fp32")  # descriptive only
+            return WireSpec(E4M3, sc, self.rounding, self.backend, f, self.hadamard, self.hadamard_seed)
         return WireSpec(
             get_format(self.fmt), _block_scaling(self.scaling, self.block_size), self.rounding, self.backend
         )
@@ -111,7 +140,12 @@ class WireConfig:
 
     def describe(self) -> str:
         s = self.spec
-        out = f"{s.fmt.name} {s.scaling.describe()} scales"
+        if s.fp4 is not None:
+            out = f"{s.fp4.name} (E2M1, 1x{s.fp4.block} {s.fp4.scale.upper()} scales)"
+            if s.hadamard:
+                out += f", Hadamard {s.hadamard}"
+        else:
+            out = f"{s.fmt.name} {s.scaling.describe()} scales"
         if self.rounding == "stochastic":
             out += ", stochastic rounding"
         if self.error_feedback:
@@ -124,6 +158,39 @@ FIELDS = tuple(f.name for f in fields(WireConfig))
 
 def _bad(name: str, value, valid) -> Fp8CommConfigError:
     return Fp8CommConfigError(f"{name}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
+
+
+def _check_fp4_fields(cfg: WireConfig) -> None:
+    """A 4-bit format fixes its block and scale kind: block_size / scaling may only restate them (or stay at their
+    defaults); hadamard is a 4-bit option and must fit inside one block."""
+    h, hs = cfg.hadamard, cfg.hadamard_seed
+    if not isinstance(h, int) or isinstance(h, bool) or h not in HADAMARD:
+        raise _bad("hadamard", h, HADAMARD)
+    if not isinstance(hs, int) or isinstance(hs, bool) or not 0 <= hs < 2**32:
+        raise Fp8CommConfigError(f"hadamard_seed must be an int in [0, 2**32), got {hs!r}")
+    if cfg.fmt not in FP4_WIRE_FORMATS:
+        if h:
+            raise Fp8CommConfigError(
+                f"hadamard={h} applies to the 4-bit formats ({', '.join(FP4_WIRE_FORMATS)}); fmt={cfg.fmt!r}"
+            )
+        return
+    f = FP4_FORMATS[cfg.fmt]
+    if cfg.block_size not in (128, f.block):
+        raise Fp8CommConfigError(
+            f"fmt={cfg.fmt!r} has 1x{f.block} blocks; block_size={cfg.block_size!r} disagrees (leave it at the default "
+            f"or pass {f.block})"
+        )
+    ok_scaling = ("fp32", "e8m0") if f.scale == "e8m0" else ("fp32",)
+    if not (isinstance(cfg.scaling, str) and cfg.scaling in ok_scaling):
+        raise Fp8CommConfigError(
+            f"fmt={cfg.fmt!r} has {f.scale.upper()} block scales (part of the format); scaling={cfg.scaling!r} "
+            "disagrees (leave it at the default)"
+        )
+    if h and f.block % h:
+        raise Fp8CommConfigError(
+            f"hadamard={h} does not fit inside one {f.block}-element {cfg.fmt} block (valid: "
+            f"{', '.join(str(n) for n in HADAMARD_SIZES if f.block % n == 0)}, or 0)"
+        )
 
 
 def _block_scaling(scaling, block_size) -> Scaling:

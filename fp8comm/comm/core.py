@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ..quant.dispatch import backend_name
+from ..quant.layout import align
 from ..quant.wire import ChunkLayout, layout_of, pack_chunks, unpack_chunks, unpack_codes, unpack_sum
+from ..quant.wire4 import Fp4Layout, fp4_backend, fp4_layout, pack_fp4, unpack_fp4, unpack_fp4_sum
 from .buffers import Lease
 from .checks import settled
 from .config import WireSpec
@@ -60,6 +62,30 @@ class Call:
         if g is not None:
             g.after_pack()  # CUDA: the next guard step reads only after this stream's adds
             g.add_elements(x2.numel())
+
+    def pack4(self, x2: torch.Tensor, layout: Fp4Layout, out: torch.Tensor, backend: str) -> None:
+        """Quantize x2 into `out` as the 4-bit `layout` (the call's format, rounding, seed and Hadamard transform;
+        its guard counts flushed and non-finite elements, and learns the bucket is 4-bit)."""
+        g, s = self.guard, self.spec
+        if g is not None:
+            g.before_pack()
+        pack_fp4(
+            x2,
+            layout,
+            s.rounding,
+            self.seed,
+            s.hadamard,
+            s.hadamard_seed,
+            out=out,
+            backend=backend,
+            counters=None if g is None else g.counters,
+        )
+        if g is not None:
+            g.after_pack()
+            g.add_elements(x2.numel(), fp4=True)
+
+    def kernel4(self, device: torch.device, numel: int) -> str:
+        return fp4_backend(self.spec.backend, device, numel)
 
     def __post_init__(self) -> None:
         if self.state is None:
@@ -183,6 +209,8 @@ def rs_phase(
     spec, dev = call.spec, x.device
     total = gsize * L
     xin = quantize_input(call, x, total, ef)
+    if spec.fp4 is not None:
+        return _rs_phase4(call, xin, L, group, gsize, ef, stats_op, stats_dtype, calls)
     pieces = call.pieces(L, total, dev) if ef is None else [(0, L)]
     lays = [layout_of((1,) * gsize, b - a, spec.scaling) for a, b in pieces]
     kb = call.kernel(dev, total)
@@ -226,6 +254,8 @@ def ag_phase(
     Pipelined like rs_phase (column pieces of whole blocks, one all_gather each), bit-identical to one piece.
     """
     spec, dev, n = call.spec, src.device, src.numel()
+    if spec.fp4 is not None:
+        return _ag_phase4(call, src, dest, group, gsize, stats_op, stats_dtype, calls)
     pieces = call.pieces(n, n, dev)
     lays = [layout_of((1,), b - a, spec.scaling) for a, b in pieces]
     sizes = [lay.total_bytes for lay in lays]
@@ -256,6 +286,88 @@ def ag_phase(
         return dest
 
     return Pieces(works), finish
+
+
+# ------------------------------------------------------------------------------------------------- 4-bit wire
+def _rows4(call: Call, xin: torch.Tensor, rows: int, L: int) -> torch.Tensor:
+    """xin viewed as [rows, L], zero-padded to whole 4-bit blocks per row (the tail block of every destination
+    chunk travels padded: zeros change no scale and are dropped on the receiver)."""
+    lp = align(L, call.spec.fp4.block)  # type: ignore[union-attr]
+    if lp == L:
+        return xin.view(rows, L)
+    x2 = call.lease.take(rows * lp, xin.dtype, xin.device).view(rows, lp)
+    x2[:, :L].copy_(xin.view(rows, L))
+    x2[:, L:].zero_()
+    return x2
+
+
+def update_residual4(call: Call, ef: ErrorFeedback, xin: torch.Tensor, send: torch.Tensor, lay: Fp4Layout, L: int):
+    """The 4-bit residual, in the original (un-transformed) domain: what we meant to send minus the inverse
+    transform of what we sent (that inverse is exact up to fp32 rounding, docs/fp4.md); non-finite -> 0."""
+    s = call.spec
+    deq = call.lease.take(lay.total_rows * lay.k, torch.float32, xin.device).view(lay.total_rows, lay.k)
+    unpack_fp4(send, lay, s.hadamard, s.hadamard_seed, out=deq, backend=call.kernel4(xin.device, xin.numel()))
+    r = ef.take(xin.numel(), xin.device)
+    d = deq[:, :L]
+    if r.dtype == torch.float32:
+        torch.sub(xin.view(lay.total_rows, L), d, out=r.view(lay.total_rows, L))
+    else:
+        r.view(lay.total_rows, L).copy_(xin.view(lay.total_rows, L) - d)
+    r.masked_fill_(~torch.isfinite(r), 0.0)
+
+
+def _rs_phase4(call: Call, xin, L: int, group, gsize: int, ef, stats_op: str, stats_dtype: torch.dtype, calls: int):
+    """rs_phase on the 4-bit wire: one piece; each destination chunk is a row of [gsize, L] padded to whole blocks,
+    quantized with its own block (and, NVFP4, tensor) scales; the receiver sums in fp32 and inverts the Hadamard
+    transform once on the sum."""
+    s, dev = call.spec, xin.device
+    x2 = _rows4(call, xin, gsize, L)
+    lay = fp4_layout((1,) * gsize, x2.shape[1], s.fp4)
+    kb = call.kernel4(dev, x2.numel())
+    send = call.lease.take(lay.total_bytes, torch.uint8, dev)
+    recv = call.lease.take(lay.total_bytes, torch.uint8, dev)
+    call.pack4(x2, lay, send, kb)
+    call.checked()
+    if ef is not None:
+        update_residual4(call, ef, xin, send, lay, L)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    chunk = lay.chunk_bytes[0] if L else 0
+    call.record(stats_op, (gsize - 1) * chunk, (gsize - 1) * L * stats_dtype.itemsize, gsize * L, calls=calls)
+
+    def finish() -> torch.Tensor:
+        acc = call.lease.take(lay.k, torch.float32, dev).view(1, lay.k)
+        work.wait()
+        unpack_fp4_sum(recv, lay, s.hadamard, s.hadamard_seed, out=acc, backend=kb)
+        return acc.view(-1)[:L]
+
+    return Pieces([work]), finish
+
+
+def _ag_phase4(call: Call, src, dest, group, gsize: int, stats_op: str, stats_dtype: torch.dtype, calls: int):
+    """ag_phase on the 4-bit wire: the shard padded to whole blocks, one chunk; every rank (the owner too) decodes
+    the same bytes, inverts the transform and writes dest [gsize, N] in its dtype: bit-identical replicas."""
+    if isinstance(dest, tuple):  # refused before the call starts (collectives._ag_out_problem); never reached
+        raise AssertionError("fp8_out has no 4-bit form")
+    s, dev, n = call.spec, src.device, src.numel()
+    x2 = _rows4(call, src.reshape(-1), 1, n)
+    lay = fp4_layout((1,), x2.shape[1], s.fp4)
+    send = call.lease.take(lay.total_bytes, torch.uint8, dev)
+    recv = call.lease.take(gsize * lay.total_bytes, torch.uint8, dev)
+    call.pack4(x2, lay, send, call.kernel4(dev, n))
+    call.checked()
+    work = all_gather_bytes(recv, send, group, async_op=True)
+    call.record(stats_op, (gsize - 1) * lay.total_bytes, (gsize - 1) * n * stats_dtype.itemsize, n, calls=calls)
+    kd = call.kernel4(dev, gsize * n)
+
+    def finish():
+        work.wait()
+        all_rows = lay.with_rows((1,) * gsize)
+        dec = call.lease.take(gsize * lay.k, torch.float32, dev).view(gsize, lay.k)
+        unpack_fp4(recv, all_rows, s.hadamard, s.hadamard_seed, out=dec, backend=kd)
+        dest.copy_(dec[:, :n])
+        return dest
+
+    return Pieces([work]), finish
 
 
 def gathered_into(call: Call, out_flat: torch.Tensor, n_valid: int, L: int, gsize: int) -> torch.Tensor:

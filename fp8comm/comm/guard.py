@@ -10,6 +10,13 @@ complete when the engine synchronized), so every rank sees the same numbers and 
 A bucket whose saturated-or-underflowed fraction is above `threshold` for `patience` consecutive steps sends BF16
 (the engine's own collective) for the next `cooldown` steps, then FP8 again. Non-finite elements are counted but
 never trigger a fallback: they must reach the engine's overflow check, as without fp8comm.
+
+4-bit buckets (a step whose packs were MXFP4/NVFP4): at 4 bits flushing small elements to zero is normal (an E2M1
+block keeps nothing below ~1/24 of its amax: 5-15% of Gaussian data), so the FP8 rule would fall back constantly.
+Their measure is the fraction of elements that were finite and non-zero and became +-0 (an E2M1 block never
+saturates), against
+`fp4_threshold`; over it for `patience` steps the bucket sends FP8 for `cooldown` steps (then 4 bits again), and
+while on FP8 the FP8 rule can take it on to BF16: the fallback goes 4 bits -> FP8 -> BF16, per bucket.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from .stats import PROCESS_STATS
 
 log = logging.getLogger("fp8comm.guard")
 COUNTS = ("saturated", "underflow", "nonfinite")  # per bucket, as the kernels add them (int64)
+WIRES = ("fp4", "fp8", "bf16")  # what Guard.wire says a bucket sends next: its 4-bit config, FP8, or the engine's
 # Device types whose counters are added to on several streams (the engines' gather and reduce streams) and read on
 # the step stream: ordered by events. A test adds "cpu" with fake streams to check the ordering logic.
 _STREAM_DEVICE_TYPES = ("cuda",)
@@ -42,15 +50,19 @@ def _new_event():
 @dataclass(frozen=True)
 class GuardPolicy:
     """threshold: fraction of a bucket's elements that saturated or underflowed in one step; patience: steps over
-    it before the bucket falls back to BF16; cooldown: steps in BF16 before FP8 is tried again."""
+    it before the bucket falls back to BF16; cooldown: steps in BF16 before FP8 is tried again. fp4_threshold: the
+    same for a 4-bit bucket's fraction of non-zero elements flushed to zero (then FP8 for cooldown steps)."""
 
     threshold: float = 1e-3
     patience: int = 3
     cooldown: int = 50
+    fp4_threshold: float = 0.25
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.threshold, float | int) and 0 < self.threshold < 1):
-            raise Fp8CommConfigError(f"guard threshold must be a fraction in (0, 1), got {self.threshold!r}")
+        for name in ("threshold", "fp4_threshold"):
+            v = getattr(self, name)
+            if not (isinstance(v, float | int) and not isinstance(v, bool) and 0 < v < 1):
+                raise Fp8CommConfigError(f"guard {name} must be a fraction in (0, 1), got {v!r}")
         for name in ("patience", "cooldown"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -68,13 +80,16 @@ class GuardBucket:
         self.key = key
         self.counters = torch.zeros(len(COUNTS), dtype=torch.int64, device=device)
         self.elements = 0  # host-side: the call knows how many elements it quantized
+        self.fp4_elements = 0  # of which in 4 bits (the bucket's measure is then the 4-bit one)
         self._streamed = self.counters.device.type in _STREAM_DEVICE_TYPES
         self._added: dict = {}  # stream -> event recorded after the last pack that added on it since the last read
         self._reset = None  # event recorded on the step stream after the last read-and-zero
         self._after_reset: set = set()  # streams already ordered behind that event
 
-    def add_elements(self, n: int) -> None:
+    def add_elements(self, n: int, fp4: bool = False) -> None:
         self.elements += int(n)
+        if fp4:
+            self.fp4_elements += int(n)
 
     def before_pack(self) -> None:
         """Order a pack on the current stream after the step's last read-and-zero (else it adds into counts that
@@ -105,12 +120,15 @@ class GuardBucket:
 
 @dataclass
 class BucketState:
-    """Where one bucket stands: consecutive steps over the threshold, BF16 steps left, switches so far."""
+    """Where one bucket stands: consecutive steps over the threshold, BF16 (and, 4-bit buckets, FP8) steps left,
+    switches so far, whether its last measured step packed 4 bits."""
 
     over: int = 0
     bf16_left: int = 0
     switches: int = 0
     last_fraction: float = 0.0
+    fp8_left: int = 0
+    fp4: bool = False
 
 
 @dataclass
@@ -138,18 +156,29 @@ class Guard:
     _pending: _Pending | None = None
     _reduced_buckets: int = 0
 
-    def bucket(self, key: str, device: torch.device) -> GuardBucket:
-        """The bucket `key` (created on first use, on `device`)."""
+    def bucket(self, key: str, device: torch.device, fp4: bool = False) -> GuardBucket:
+        """The bucket `key` (created on first use, on `device`); fp4=True: its collectives are configured in 4
+        bits, so `wire(key)` answers "fp4" (not "fp8") until the guard demotes it."""
         b = self.buckets.get(key)
         if b is None:
             b = self.buckets[key] = GuardBucket(key, torch.device(device))
             self.states.setdefault(key, BucketState())
+        if fp4:
+            self.states[key].fp4 = True
         return b
 
     def wire(self, key: str) -> str:
-        """ "fp8", or "bf16" while `key` is falling back (the same answer on every rank at the same step)."""
+        """ "bf16" while `key` falls back to the engine's own collective; "fp8" (an FP8 bucket, or a 4-bit one
+        demoted to FP8); "fp4" (a 4-bit bucket on its own wire). The same answer on every rank at the same step;
+        `config_for` turns it into the call's WireConfig."""
         st = self.states.get(key)
-        return "bf16" if st is not None and st.bf16_left > 0 else "fp8"
+        if st is None:
+            return "fp8"
+        if st.bf16_left > 0:
+            return "bf16"
+        if st.fp8_left > 0:
+            return "fp8"
+        return "fp4" if st.fp4 else "fp8"
 
     def step(self) -> dict[str, str]:
         """Call once per optimizer step where the engine synchronizes anyway: decides from the previous step's
@@ -161,6 +190,10 @@ class Guard:
                 st.bf16_left -= 1
                 if st.bf16_left == 0:
                     self._switch("fp8", st, "cooldown over: FP8 again")
+            elif st.fp8_left > 0:
+                st.fp8_left -= 1
+                if st.fp8_left == 0:
+                    self._switch("fp4", st, "cooldown over: 4 bits again")
         if done is not None:
             self._decide(done)
         return {k: self.wire(k) for k in self.buckets}
@@ -177,13 +210,13 @@ class Guard:
         if step_stream is not None:
             for b in self.buckets.values():
                 b._before_read(step_stream)
-        elements = torch.tensor([[b.elements] for b in self.buckets.values()], dtype=torch.int64)
+        elements = torch.tensor([[b.elements, b.fp4_elements] for b in self.buckets.values()], dtype=torch.int64)
         if cuda:  # pinned and async: no host wait for the upload either
             elements = elements.pin_memory().to(dev, non_blocking=True)
         rows = torch.cat([torch.stack([b.counters for b in self.buckets.values()]), elements], dim=1)
         for b in self.buckets.values():
             b.counters.zero_()
-            b.elements = 0
+            b.elements = b.fp4_elements = 0
         if step_stream is not None:
             zeroed = _new_event()
             zeroed.record(step_stream)
@@ -210,22 +243,30 @@ class Guard:
             p.event.synchronize()  # complete since the engine's own synchronization: returns at once
         counts = p.host.tolist()  # a host tensor, complete after the event: no device sync
         fractions = {}
-        for key, (sat, under, _nonfinite, elements) in zip(p.keys, counts):
+        for key, (sat, under, _nonfinite, elements, fp4_elements) in zip(p.keys, counts):
             st = self.states[key]
             frac = (sat + under) / elements if elements else 0.0
             st.last_fraction = fractions[key] = frac
             if st.bf16_left > 0:
                 continue
-            st.over = st.over + 1 if frac > self.policy.threshold else 0
+            if fp4_elements:  # a 4-bit step: flushed fraction vs fp4_threshold; over it -> FP8
+                st.fp4 = True
+                if st.fp8_left > 0:  # a step from before the demotion (one step of lag): decided already
+                    continue
+                limit, to, what = self.policy.fp4_threshold, "fp8", "non-zero elements flushed to zero"
+            elif elements or st.fp8_left == 0:
+                limit, to, what = self.policy.threshold, "bf16", "elements saturated or underflowed"
+            else:
+                continue
+            st.over = st.over + 1 if frac > limit else 0
             if st.over >= self.policy.patience:
                 st.over = 0
-                st.bf16_left = self.policy.cooldown
+                if to == "bf16":
+                    st.bf16_left = self.policy.cooldown
+                else:
+                    st.fp8_left = self.policy.cooldown
                 self._switch(
-                    "bf16",
-                    st,
-                    f"{frac:.2%} of its elements saturated or underflowed for "
-                    f"{self.policy.patience} steps (threshold {self.policy.threshold:.2%})",
-                    key,
+                    to, st, f"{frac:.2%} of its {what} for {self.policy.patience} steps (threshold {limit:.2%})", key
                 )
         self.history.append({"step": self.steps, **fractions})
 
@@ -263,6 +304,7 @@ class Guard:
                 "switches": s.switches,
                 "last_fraction": s.last_fraction,
                 "bf16_left": s.bf16_left,
+                "fp8_left": s.fp8_left,
             }
             for k, s in self.states.items()
         }
@@ -285,6 +327,18 @@ class Guard:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def config_for(cfg, wire: str, fp8_fmt: str = "e4m3"):
+    """The WireConfig a bucket sends with under Guard.wire's answer: None for "bf16" (the engine's own collective),
+    `cfg` itself, or for a 4-bit cfg demoted to "fp8" the same options in `fp8_fmt` with 1x128 block scales."""
+    if wire not in WIRES:
+        raise Fp8CommError(f"unknown guard wire {wire!r}; valid: {', '.join(WIRES)}")
+    if wire == "bf16":
+        return None
+    if wire == "fp8" and cfg.is_fp4:
+        return cfg.replace(fmt=fp8_fmt, block_size=128, scaling="fp32", hadamard=0, hadamard_seed=0)
+    return cfg
 
 
 def _same_buckets(keys: list[str], group, device: torch.device) -> None:

@@ -367,7 +367,7 @@ def check_stats(ctx: Ctx) -> None:
     cb = 1008 + 32  # payload 1000 -> 1008 (16-byte aligned), 8 fp32 scales = 32 bytes
     s = fc.comm_stats()["all_gather"]
     assert (s["calls"], s["wire_bytes"], s["dtype_bytes"]) == (1, (W - 1) * cb, (W - 1) * 2000), s
-    assert s["check_bytes"] == (16 + 2 * W) * 8 * (W - 1), s
+    assert s["check_bytes"] == (17 + 2 * W) * 8 * (W - 1), s
     for enc, lo in (("fp32", 1.939), ("e8m0", 1.984)):
         fc.reset_comm_stats()
         fc.reduce_scatter(randn((W * 4096,), 910 + r, torch.bfloat16), scaling=enc)
@@ -432,7 +432,7 @@ def check_mismatch(ctx: Ctx) -> None:
         lambda: fc.reduce_scatter(torch.randn(W * 8).to(dt)), fc.CommMismatchError, "input dtype"
     )
     _, times["option"] = expect_error(
-        lambda: fc.all_reduce(torch.randn(W * 8), fmt="e5m2" if r == 0 else "e4m3"), fc.CommMismatchError, "FP8 format"
+        lambda: fc.all_reduce(torch.randn(W * 8), fmt="e5m2" if r == 0 else "e4m3"), fc.CommMismatchError, "wire format"
     )
     outs = [1] * W
     if r == 0:
@@ -538,7 +538,7 @@ def check_check_policy(ctx: Ctx) -> None:
     fc.reduce_scatter(x, group=g, check="always")
     mid = fc.comm_stats()["reduce_scatter"]["check_bytes"]
     fc.reduce_scatter(x, group=g, check=False)
-    assert mid == before + 2 * (16 + 2 * W) * 8 * (W - 1) and fc.comm_stats()["reduce_scatter"]["check_bytes"] == mid
+    assert mid == before + 2 * (17 + 2 * W) * 8 * (W - 1) and fc.comm_stats()["reduce_scatter"]["check_bytes"] == mid
     expect_error(lambda: fc.reduce_scatter(x, group=g, check="sometimes"), fc.Fp8CommError, "check")
     dist.destroy_process_group(g)
 
@@ -670,6 +670,7 @@ CHECKS_GRAD = [
     check_guard_bucket_order,
 ]
 
+from dist_checks_fp4 import CHECKS_FP4  # noqa: E402  (the 4-bit wire)
 from dist_checks_more import CHECKS_MORE  # noqa: E402  (MoE, subgroups, hierarchical)
 
-CHECKS = CHECKS_GRAD + CHECKS_MORE
+CHECKS = CHECKS_GRAD + CHECKS_MORE + CHECKS_FP4

@@ -129,3 +129,59 @@ def test_counters_ordered_across_streams_by_events(monkeypatch):
     assert [e for e in log if e[0] == "wait"] == [("wait", "gather", zero[0][2]), ("wait", "reduce", zero[0][2])]
     first = [e[0] for e in log if e[1] == "gather"]
     assert first[:2] == ["wait", "record"], log  # the wait comes before the pack that adds
+
+
+# ------------------------------------------------------------------------------------------- 4-bit buckets
+def feed4(guard: Guard, key: str, flushed: int, elements: int = 1000) -> None:
+    """One step of a 4-bit bucket as the collectives count it: 4-bit packs while the guard says "fp4", FP8 packs
+    (with `flushed` standing for FP8 underflow) while demoted, nothing while on BF16."""
+    b = guard.bucket(key, torch.device("cpu"), fp4=True)
+    w = guard.wire(key)
+    if w == "bf16":
+        return
+    b.counters += torch.tensor([0, flushed if w == "fp4" else 0, 0])
+    b.add_elements(elements, fp4=w == "fp4")
+
+
+def test_fp4_bucket_falls_back_to_fp8_then_returns():
+    g = Guard(GuardPolicy(threshold=0.01, patience=2, cooldown=3, fp4_threshold=0.25))
+    wires = []
+    for step in range(10):
+        feed4(g, "normal", flushed=120)  # 12% flushed: normal at 4 bits, 120x the FP8 threshold
+        feed4(g, "spiky", flushed=400 if step < 4 else 50)  # 40% for 4 steps
+        wires.append(g.step())
+    assert [w["normal"] for w in wires] == ["fp4"] * 10
+    assert [w["spiky"] for w in wires] == ["fp4", "fp4", "fp8", "fp8", "fp8", "fp4", "fp4", "fp4", "fp4", "fp4"]
+    assert g.summary()["spiky"]["switches"] == 2
+
+
+def test_fp4_bucket_demoted_to_fp8_can_go_on_to_bf16():
+    g = Guard(GuardPolicy(threshold=0.01, patience=1, cooldown=4, fp4_threshold=0.25))
+    b = g.bucket("k", torch.device("cpu"), fp4=True)
+    assert g.wire("k") == "fp4"
+    seen = []
+    for _ in range(6):
+        w = g.wire("k")
+        if w != "bf16":  # 4 bits: 30% flushed; FP8: 5% underflowed (over the FP8 threshold as well)
+            b.counters += torch.tensor([0, 300 if w == "fp4" else 50, 0])
+            b.add_elements(1000, fp4=w == "fp4")
+        seen.append(g.step()["k"])
+    # one step of lag: step 0's 4-bit counts demote at step() #2; step 1's (4-bit, already decided) are passed over;
+    # step 2's FP8 counts take it on to BF16 at step() #4
+    assert seen[:4] == ["fp4", "fp8", "fp8", "bf16"], seen
+    assert g.summary()["k"]["switches"] == 2
+
+
+def test_config_for_demotes_4bit_configs_only():
+    from fp8comm.comm import WireConfig, config_for
+
+    c4 = WireConfig(fmt="mxfp4", rounding="stochastic", hadamard=32)
+    assert config_for(c4, "fp4") is c4
+    d = config_for(c4, "fp8", "e5m2")
+    assert (d.fmt, d.block_size, d.hadamard, d.rounding) == ("e5m2", 128, 0, "stochastic")
+    c8 = WireConfig(fmt="e4m3")
+    assert config_for(c8, "fp8") is c8 and config_for(c8, "bf16") is None
+    with pytest.raises(ValueError, match="unknown guard wire"):
+        config_for(c8, "int4")
+    with pytest.raises(ValueError, match="fp4_threshold"):
+        GuardPolicy(fp4_threshold=1.0)

@@ -1,0 +1,250 @@
+"""The 4-bit wire format: rows of an [M, K] tensor cut into destination chunks, each ONE contiguous uint8 section.
+
+Chunk c holds rows[c] rows of K elements (K a multiple of the format's block; callers zero-pad) as: E2M1 codes
+(rows x K/2 bytes, element 2j in the low nibble), then one scale byte per 1 x B block (E8M0 for MXFP4, E4M3 for
+NVFP4), then for NVFP4 the chunk's fp32 power-of-two tensor scale; each section 16-byte aligned (docs/fp4.md).
+The chunk is the scope of NVFP4's second-level scale: every destination gets one computed over its own chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import torch
+
+from ..errors import Fp8CommError
+from .dispatch import COMPILE_MIN_NUMEL, triton_available
+from .fp4 import Fp4Format, decode_2d, encode_2d, hadamard_forward, hadamard_inverse, unpack_nibbles
+from .layout import align
+from .reference import seed_key
+
+__all__ = ["Fp4Layout", "fp4_layout", "pack_fp4", "unpack_fp4", "unpack_fp4_sum", "fp4_backend"]
+
+
+@dataclass(frozen=True)
+class Fp4Layout:
+    """Byte layout of `rows` (rows per chunk) of width `k` (a multiple of fmt.block) in 4-bit format `fmt`."""
+
+    rows: tuple[int, ...]
+    k: int
+    fmt: Fp4Format
+
+    def __post_init__(self) -> None:
+        if self.k % self.fmt.block:
+            raise Fp8CommError(f"{self.fmt.name} wire rows need a multiple of {self.fmt.block} elements, got {self.k}")
+        if any(r < 0 for r in self.rows):
+            raise Fp8CommError(f"chunk row counts must be >= 0, got {self.rows}")
+
+    @property
+    def kb(self) -> int:
+        """Scale bytes per row."""
+        return self.k // self.fmt.block
+
+    def payload_bytes(self, c: int) -> int:
+        return align(self.rows[c] * self.k // 2)
+
+    def scale_bytes(self, c: int) -> int:
+        return align(self.rows[c] * self.kb)
+
+    @property
+    def tensor_scale_bytes(self) -> int:
+        return 16 if self.fmt.two_level else 0  # one fp32, section aligned like the others
+
+    @cached_property
+    def chunk_bytes(self) -> tuple[int, ...]:
+        return tuple(
+            self.payload_bytes(c) + self.scale_bytes(c) + self.tensor_scale_bytes for c in range(len(self.rows))
+        )
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, o = [], 0
+        for b in self.chunk_bytes:
+            out.append(o)
+            o += b
+        return tuple(out)
+
+    @cached_property
+    def row_starts(self) -> tuple[int, ...]:
+        out, r = [], 0
+        for n in self.rows:
+            out.append(r)
+            r += n
+        return tuple(out)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.chunk_bytes)
+
+    def with_rows(self, rows) -> Fp4Layout:
+        return fp4_layout(tuple(int(r) for r in rows), self.k, self.fmt)
+
+    def sections(self, buf: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Chunk c's (codes uint8 [rows, K/2], scale bytes uint8 [rows, K/B], fp32 tensor scale [1] or None)."""
+        rows, o = self.rows[c], self.offsets[c]
+        pb, sb = self.payload_bytes(c), self.scale_bytes(c)
+        codes = buf[o : o + rows * self.k // 2].view(rows, self.k // 2)
+        scales = buf[o + pb : o + pb + rows * self.kb].view(rows, self.kb)
+        ts = buf[o + pb + sb : o + pb + sb + 4].view(torch.float32) if self.fmt.two_level else None
+        return codes, scales, ts
+
+
+@lru_cache(maxsize=1024)
+def fp4_layout(rows: tuple[int, ...], k: int, fmt: Fp4Format) -> Fp4Layout:
+    """Fp4Layout(rows, k, fmt), shared per process (steady-state calls repeat their layouts)."""
+    return Fp4Layout(rows, k, fmt)
+
+
+def fp4_backend(name: str, device: torch.device, numel: int) -> str:
+    """The 4-bit kernels for a call: 'auto' is Triton on CUDA, the compiled reference for big CPU buffers, else the
+    reference (the same rule as the FP8 dispatch); every choice gives the same bits (tests/unit/test_fp4.py)."""
+    if name == "auto":
+        if device.type == "cuda" and triton_available(device):
+            return "triton"
+        return "compiled" if device.type == "cpu" and numel >= COMPILE_MIN_NUMEL else "reference"
+    if name == "triton" and not triton_available(device):
+        raise Fp8CommError(f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})")
+    return name
+
+
+def _encode(x2: torch.Tensor, fmt: Fp4Format, seed: int | None, index_base: int, backend: str):
+    if backend == "triton":
+        from . import fp4_triton
+
+        return fp4_triton.encode_2d(x2, fmt, seed, index_base, None)
+    key = None if seed is None else torch.tensor(seed_key(seed), dtype=torch.int64, device=x2.device)
+    if backend == "compiled":
+        from . import fp4_compiled
+
+        return fp4_compiled.encode_2d(x2, fmt, key, index_base, None)
+    return encode_2d(x2, fmt, key, index_base, None)
+
+
+def _decode(codes, scales, ts, fmt: Fp4Format, backend: str) -> torch.Tensor:
+    if ts is None:
+        ts = torch.ones(1, dtype=torch.float32, device=codes.device)
+    if backend == "triton":
+        from . import fp4_triton
+
+        return fp4_triton.decode_2d(codes, scales, ts, fmt)
+    if backend == "compiled":
+        from . import fp4_compiled
+
+        return fp4_compiled.decode_2d(codes, scales, ts, fmt)
+    return decode_2d(codes, scales, ts, fmt)
+
+
+def pack_fp4(
+    x2: torch.Tensor,
+    layout: Fp4Layout,
+    rounding: str = "nearest",
+    seed: int = 0,
+    hadamard: int = 0,
+    hadamard_seed: int = 0,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize x2 [M, K] (M = layout.total_rows) chunk by chunk into one uint8 buffer laid out as `layout`.
+
+    hadamard=16|32: the random block Hadamard transform (signs from hadamard_seed, the same on every rank) first.
+    Stochastic rounding draws from (seed, the element's flat index in x2), whatever the chunking.
+    counters (int64 [3]): adds [0, elements flushed to zero, non-finite elements]: the 4-bit guard's measures
+    (an E2M1 block never saturates; a finite non-zero element whose code is +-0 counts as flushed)."""
+    if x2.dim() != 2 or tuple(x2.shape) != (layout.total_rows, layout.k):
+        raise Fp8CommError(f"pack_fp4: input shape {tuple(x2.shape)} != layout {(layout.total_rows, layout.k)}")
+    if out is None:
+        out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x2.device)
+    elif out.dtype != torch.uint8 or out.numel() < layout.total_bytes or not out.is_contiguous():
+        raise Fp8CommError(f"pack_fp4: out must be contiguous uint8 with >= {layout.total_bytes} bytes")
+    be = fp4_backend(backend, x2.device, x2.numel())
+    y = hadamard_forward(x2, hadamard, hadamard_seed) if hadamard else x2
+    sr = None if rounding == "nearest" else int(seed)
+    k = layout.k
+    for c, rows in enumerate(layout.rows):
+        if not rows:
+            continue
+        r0 = layout.row_starts[c]
+        codes, scales, ts = layout.sections(out, c)
+        part = y[r0 : r0 + rows]
+        q, s, t = _encode(part, layout.fmt, sr, r0 * k, be)
+        codes.copy_(q)
+        scales.copy_(s)
+        if ts is not None:
+            ts.copy_(t.reshape(1))
+        if counters is not None:
+            counters += _counts(part, q)
+    return out
+
+
+def _counts(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """[0, finite non-zero elements encoded as +-0, non-finite elements] of one quantized chunk (int64 [3])."""
+    fin = torch.isfinite(x)
+    zero = (unpack_nibbles(packed) & 7) == 0
+    flushed = (fin & (x != 0) & zero.view(x.shape)).sum()
+    nonfinite = (~fin).sum()
+    return torch.stack((torch.zeros_like(flushed), flushed, nonfinite)).to(torch.int64)
+
+
+def unpack_fp4(
+    buf: torch.Tensor,
+    layout: Fp4Layout,
+    hadamard: int = 0,
+    hadamard_seed: int = 0,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Decode every chunk of `buf` into fp32 [M, K] (the Hadamard transform inverted per row block)."""
+    _check_buf(buf, layout)
+    if out is None:
+        out = torch.empty(layout.total_rows, layout.k, dtype=torch.float32, device=buf.device)
+    be = fp4_backend(backend, buf.device, layout.total_rows * layout.k)
+    for c, rows in enumerate(layout.rows):
+        if rows:
+            r0 = layout.row_starts[c]
+            out[r0 : r0 + rows] = _decode(*layout.sections(buf, c), layout.fmt, be)
+    if hadamard:
+        out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
+    return out
+
+
+def unpack_fp4_sum(
+    buf: torch.Tensor,
+    layout: Fp4Layout,
+    hadamard: int = 0,
+    hadamard_seed: int = 0,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Decode N equal chunks and sum them in fp32 in chunk order, then invert the Hadamard transform once on the
+    sum (the transform is linear: one inverse instead of N); the reduce-scatter's receive side."""
+    _check_buf(buf, layout)
+    if len(set(layout.rows)) > 1:
+        raise Fp8CommError(f"unpack_fp4_sum needs equal chunks, got rows {layout.rows}")
+    rows = layout.rows[0] if layout.rows else 0
+    if out is None:
+        out = torch.empty(rows, layout.k, dtype=torch.float32, device=buf.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, layout.k):
+        raise Fp8CommError(f"unpack_fp4_sum: out must be fp32 {(rows, layout.k)}")
+    be = fp4_backend(backend, buf.device, layout.total_rows * layout.k)
+    for c in range(len(layout.rows)):
+        v = _decode(*layout.sections(buf, c), layout.fmt, be)
+        if c == 0:
+            out.copy_(v)
+        else:
+            out.add_(v)
+    if hadamard and rows:
+        out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
+    return out
+
+
+def _check_buf(buf: torch.Tensor, layout: Fp4Layout) -> None:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < layout.total_bytes:
+        raise Fp8CommError(
+            f"wire buffer must be 1-D uint8 with >= {layout.total_bytes} bytes, got {buf.dtype} {tuple(buf.shape)}"
+        )
