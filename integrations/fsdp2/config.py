@@ -3,6 +3,7 @@
     enable(model)                                              # both directions, E4M3, 1x128 fp32 scales
     enable(model, weights=False)                               # gradients only
     enable(model, gradients={"fmt": "e5m2", "rounding": "stochastic", "error_feedback": True}, check=False)
+    enable(model, gradients={"fmt": "mxfp4", "hadamard": 32})   # 4-bit gradients (weights stay FP8)
 
 A direction is True/False or a dict of the keys below; an unknown key or bad value is an Fp8CommFsdp2Error that names
 the key and lists what is valid (with a "did you mean" for typos).
@@ -14,6 +15,7 @@ import difflib
 from dataclasses import asdict, dataclass, field, fields
 
 from fp8comm.comm import FORMATS, RESIDUAL_DTYPES, ROUNDINGS, SCALE_ENCODINGS, WireConfig
+from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS, HADAMARD
 from fp8comm.errors import Fp8CommConfigError
 
 
@@ -35,8 +37,17 @@ class WeightWire:
         """The fp8comm.comm WireConfig of the weight all-gather (check: enable()'s metadata-check setting)."""
         return WireConfig(fmt=self.fmt, scaling=self.scaling, block_size=self.block_size, check=check)
 
+    @property
+    def wire_block(self) -> int:
+        """Elements per scale on the wire: block_size, or the 4-bit format's own block (32 mxfp4, 16 nvfp4)."""
+        return self.wire(None).spec.scaling.cols or self.block_size
+
     def describe(self) -> str:
-        return f"{self.fmt} 1x{self.block_size} {self.scaling} scales" if self.enabled else "off (FSDP2's own)"
+        if not self.enabled:
+            return "off (FSDP2's own)"
+        if self.fmt in FP4_WIRE_FORMATS:
+            return self.wire(None).describe()
+        return f"{self.fmt} 1x{self.block_size} {self.scaling} scales"
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class GradientWire(WeightWire):
     """FP8 reduce-scatter of the flat gradients (fp32 accumulation on the receiver), plus gradient-only options."""
 
     rounding: str = "nearest"
+    hadamard: int = 0  # 4-bit formats: block Hadamard transform of 16 or 32 elements before quantizing
     error_feedback: bool = False  # one fp8comm ErrorFeedback per FSDP module (its residual has the padded size)
     residual_dtype: str = "float32"  # float32 or bfloat16 (half the residual memory)
     # Error feedback keeps a residual of each module's WHOLE (unsharded) gradient on every rank, against FSDP2's
@@ -57,6 +69,7 @@ class GradientWire(WeightWire):
             scaling=self.scaling,
             block_size=self.block_size,
             rounding=self.rounding,
+            hadamard=self.hadamard,
             check=check,
             error_feedback=self.error_feedback,
             residual_dtype=self.residual_dtype,
@@ -65,6 +78,8 @@ class GradientWire(WeightWire):
     def describe(self) -> str:
         if not self.enabled:
             return "off (FSDP2's own)"
+        if self.fmt in FP4_WIRE_FORMATS:
+            return self.wire(None).describe() + ", fp32 accumulation"
         extra = (", stochastic rounding" if self.rounding == "stochastic" else "") + (
             f", error feedback ({self.residual_dtype} residuals)" if self.error_feedback else ""
         )
@@ -90,14 +105,25 @@ def _pow2(v) -> str | None:
 
 
 # key -> (type, allowed values or None, extra check or None)
+def _weights_fp8(v) -> str | None:
+    if v in FP4_WIRE_FORMATS:
+        return (
+            "is a 4-bit format: FSDP2 keeps no weight replica between steps to send changes against, so its weights "
+            f"travel in FP8 ({', '.join(FP8_FORMATS)}); 4 bits apply to gradients"
+        )
+    return None
+
+
 _WEIGHT_KEYS = {
     "enabled": (bool, None, None),
-    "fmt": (str, FORMATS, None),
+    "fmt": (str, FORMATS, _weights_fp8),
     "scaling": (str, SCALE_ENCODINGS, None),
     "block_size": (int, None, _pow2),
 }
 _GRAD_KEYS = {
     **_WEIGHT_KEYS,
+    "fmt": (str, FORMATS, None),
+    "hadamard": (int, HADAMARD, None),
     "rounding": (str, ROUNDINGS, None),
     "error_feedback": (bool, None, None),
     "residual_dtype": (str, RESIDUAL_DTYPES, None),
@@ -152,6 +178,10 @@ def parse(**options) -> Fp8CommFsdp2Config:
         check=check,
         align_blocks=align,
     )
+    try:  # the combination (a 4-bit format's block and scales, hadamard only with 4 bits) is WireConfig's to judge
+        cfg.gradients.wire(check)
+    except Fp8CommConfigError as e:
+        raise Fp8CommFsdp2Error(f"gradients: {e}") from None
     if not (cfg.weights.enabled or cfg.gradients.enabled):
         raise Fp8CommFsdp2Error(
             "weights and gradients are both off: nothing to enable (call disable() to restore FSDP2's own collectives)"

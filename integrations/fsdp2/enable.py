@@ -177,7 +177,7 @@ def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
             "which pass through untouched (hook_stats()['weights']['passthrough'])"
         )
     sizes = [fp.padded_sharded_param_size.numel() for fp in fps]
-    block = (cfg.weights if cfg.weights.enabled else cfg.gradients).block_size
+    block = (cfg.weights if cfg.weights.enabled else cfg.gradients).wire_block
     _, wn = layout.spans(sizes, block, cfg.align_blocks)
     entry = ModuleEntry(
         name,
@@ -196,7 +196,7 @@ def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
     if g.enabled and g.error_feedback and pg.mesh_info.shard_mesh_size > 1:
         # The residual is laid out like the reduce-scatter's wire input: shard group x this rank's wire row.
         grads = [fp.padded_sharded_param_size.numel() for fp in fps if fp.sharded_param.requires_grad]
-        _, wl = layout.spans(grads, g.block_size, cfg.align_blocks)
+        _, wl = layout.spans(grads, g.wire_block, cfg.align_blocks)
         entry.residual_bytes = _RESIDUAL_ITEMSIZE[g.residual_dtype] * pg.mesh_info.shard_mesh_size * wl
     return entry
 

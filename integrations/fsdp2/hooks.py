@@ -232,7 +232,7 @@ class Fp8ReduceScatter(_Alloc, ReduceScatter):
                 f" x output ({L}); FSDP2 always pads to that"
             )
         sizes = layout.rs_sizes(self.param_group, L)
-        sp, wl = layout.spans(sizes or [L], self.wire.block_size, self.align and sizes is not None)
+        sp, wl = layout.spans(sizes or [L], self.wire.wire_block, self.align and sizes is not None)
         counted = _Counted(
             "gradients", (world - 1) * L * input_tensor.element_size(), world * L, world * (wl - L), sizes is not None
         )

@@ -154,10 +154,20 @@ def _compare(info: dict, plain: dict, fp8: dict) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- checks
+_PLAIN: dict = {}
+
+
+def _plain(steps: int) -> dict:
+    """Plain FSDP2's run of `steps` steps, trained once per launch (several checks compare against it)."""
+    if steps not in _PLAIN:
+        _PLAIN[steps] = _train(gpt_args("--steps", str(steps)), fp8=False, replicas=False)
+    return _PLAIN[steps]
+
+
 def train_gpt_vs_plain(rank, world, info):
     """30 steps, bf16 params / fp32 reduction: loss within 2%, replicas identical every step, byte ratios."""
     args = gpt_args("--steps", "30")
-    plain = _train(args, fp8=False, replicas=False)  # FSDP2's own replicas are not what is under test
+    plain = _plain(30)  # FSDP2's own replicas are not what is under test
     fp8 = _train(args, fp8=True)
     _compare(info, plain, fp8)
     w, g = fp8["stats"]["weights"], fp8["stats"]["gradients"]
@@ -178,6 +188,18 @@ def train_gpt_vs_plain(rank, world, info):
     assert g["ratio"] >= 3.7, f"gradient reduce-scatter only {g['ratio']:.3f}x fewer bytes than FSDP2's fp32"
     # 3 FSDP2 modules (root + 2 blocks), reshard_after_forward=True: gathered in forward and again in backward
     assert w["calls"] == 30 * 6 and g["calls"] == 30 * 3, (w["calls"], g["calls"])
+
+
+def train_gpt_fp4_gradients(rank, world, info):
+    """gradients={"fmt": "mxfp4"} (weights stay FP8): 30 steps within 2% of plain FSDP2, replicas identical every
+    step, gradient reduce-scatter >= 7x fewer bytes than FSDP2's fp32 one."""
+    plain = _plain(30)
+    fp4 = _train(gpt_args("--steps", "30"), fp8=True, enable_options={"gradients": {"fmt": "mxfp4"}})
+    _compare(info, plain, fp4)
+    g = fp4["stats"]["gradients"]
+    info.update(gradients_ratio=round(g["ratio"], 4), gradients_calls=g["calls"])
+    assert g["passthrough_calls"] == 0 and g["calls"] == 30 * 3, g
+    assert g["ratio"] >= 7.0, f"4-bit gradient reduce-scatter only {g['ratio']:.3f}x fewer bytes than fp32"
 
 
 def train_fp32_params_no_mp(rank, world, info):

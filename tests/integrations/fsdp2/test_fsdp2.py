@@ -28,6 +28,7 @@ import fsdp2_harness as H  # noqa: E402
 
 WORLD2 = [
     "train_gpt_vs_plain",
+    "train_gpt_fp4_gradients",
     "train_fp32_params_no_mp",
     "reshard_after_forward_false",
     "gradient_accumulation",
@@ -79,6 +80,10 @@ def test_defaults_and_parse():
         ({"gradients": {"allow_unpartitioned_residuals": "yes"}}, "must be bool"),
         ({"gradients": {"allow_unpartitioned": True}}, "did you mean 'allow_unpartitioned_residuals'"),
         ({"weights": "yes"}, "must be True/False, a dict"),
+        ({"weights": {"fmt": "mxfp4"}}, "keeps no weight replica"),
+        ({"gradients": {"fmt": "nvfp4", "hadamard": 32}}, "does not fit inside one 16-element"),
+        ({"gradients": {"fmt": "e4m3", "hadamard": 16}}, "applies to the 4-bit formats"),
+        ({"gradients": {"fmt": "mxfp4", "block_size": 64}}, "1x32 blocks"),
         ({"weights": False, "gradients": False}, "nothing to enable"),
     ],
 )
