@@ -87,6 +87,8 @@ def bench_args(a) -> list[str]:
         a.size,
         "--scales",
         "fp32",
+        "--fp4",
+        "mxfp4",
         "--iters",
         str(a.iters),
         "--target-s",
@@ -142,7 +144,7 @@ def ratios(rows: list[dict]) -> dict[tuple, float]:
     return {
         (r["op"], r["size"], r["variant"]): base[(r["op"], r["size"])] / r["median_ms"]
         for r in rows
-        if r["variant"].startswith("fp8") and (r["op"], r["size"]) in base and r["median_ms"] > 0
+        if r["variant"] not in ("bf16", "fp32") and (r["op"], r["size"]) in base and r["median_ms"] > 0
     }
 
 

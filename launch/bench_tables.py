@@ -31,6 +31,11 @@ def _label(run: dict, key: str) -> str:
     return f"{run['commit']}" + (" (this change)" if key == "this" else " (base)")
 
 
+def _ours(rows) -> list[str]:
+    """fp8comm's variants in a row set (every variant but torch's bf16 and fp32), FP8 first."""
+    return sorted((v for v in rows if v not in ("bf16", "fp32")), key=lambda v: (not v.startswith("fp8"), v))
+
+
 def render_bench_comm(res: dict) -> str:
     """`fp8comm bench comm` on the simulated cluster: per op, every run in the file (this change, the A/B base)."""
     m = res["meta"]
@@ -40,33 +45,36 @@ def render_bench_comm(res: dict) -> str:
         f"{m.get('load_at_end', '?')} at the end. Command: `{m['command']}` (bench comm arguments: "
         f"`{' '.join(m['bench_args'])}`)." + (f" Note: {m['note']}." if m.get("note") else ""),
         "",
-        "| op | MiB (bf16 buffer) | fp8comm | FP8 ms (median) | FP8 ms min-max | bf16 ms | fp32 ms "
-        "| FP8/bf16 speed | calls | wire B/rank FP8 / bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| op | MiB (bf16 buffer) | fp8comm | wire | ms (median) | ms min-max | bf16 ms | fp32 ms "
+        "| speed vs bf16 | calls | wire B/rank / bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = list(runs)
     ops = sorted({(r["op"], r["size"]) for run in runs.values() for r in run["rows"]}, key=lambda k: (k[0], k[1]))
     for op, size in ops:
         for key in keys:
             rows = {r["variant"]: r for r in runs[key]["rows"] if r["op"] == op and r["size"] == size}
-            f8, b16, f32 = rows.get("fp8"), rows.get("bf16"), rows.get("fp32")
-            if not (f8 and b16):
+            b16, f32 = rows.get("bf16"), rows.get("fp32")
+            if not b16:
                 continue
-            ratio = b16["median_ms"] / f8["median_ms"]
-            fp32 = f"{f32['median_ms']:.0f}" if f32 else "-"
-            lines.append(
-                f"| {op} | {_mib(size)} | {_label(runs[key], key)} | {f8['median_ms']:.0f} | "
-                f"{min(f8['times_ms']):.0f}-{max(f8['times_ms']):.0f} | {b16['median_ms']:.0f} | {fp32} | "
-                f"**{ratio:.2f}x** | {len(f8['times_ms'])} | {f8['wire_bytes']} / {b16['wire_bytes']} |"
-            )
+            for var in _ours(rows):
+                v = rows[var]
+                ratio = b16["median_ms"] / v["median_ms"]
+                fp32 = f"{f32['median_ms']:.0f}" if f32 else "-"
+                lines.append(
+                    f"| {op} | {_mib(size)} | {_label(runs[key], key)} | {var} | {v['median_ms']:.0f} | "
+                    f"{min(v['times_ms']):.0f}-{max(v['times_ms']):.0f} | {b16['median_ms']:.0f} | {fp32} | "
+                    f"**{ratio:.2f}x** | {len(v['times_ms'])} | {v['wire_bytes']} / {b16['wire_bytes']} |"
+                )
     per_launch = []
     for key in keys:
         for i, launch in enumerate(runs[key].get("launches", [])):
             rows = {(r["op"], r["variant"]): r["median_ms"] for r in launch["rows"]}
             parts = [
-                f"{op} {rows[(op, 'bf16')] / rows[(op, 'fp8')]:.2f}x"
+                f"{op} {var} {rows[(op, 'bf16')] / rows[(op, var)]:.2f}x"
                 for op, _ in ops
-                if (op, "fp8") in rows and (op, "bf16") in rows
+                for var in _ours({v: 1 for o, v in rows if o == op})
+                if (op, "bf16") in rows
             ]
             when = f"load {launch['load_before']} before, " if "load_before" in launch else "load "
             load = f"{when}{launch['load_after']} after"

@@ -255,11 +255,14 @@ def encode_2d(
     key: torch.Tensor | None = None,
     index_base: int = 0,
     tensor_amax: torch.Tensor | None = None,
+    row_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[M, K] (K a multiple of fmt.block) -> (packed codes uint8 [M, K/2], scale bytes uint8 [M, K/B], fp32 [1]).
 
     key: None for nearest rounding, else an int64 0-dim tensor (seed_key of the seed) for stochastic rounding.
-    tensor_amax (NVFP4): the finite amax the tensor scale is taken from (default: this input's)."""
+    tensor_amax (NVFP4): the finite amax the tensor scale is taken from (default: this input's); [1], or [M] for
+    one second-level scale per row (the wire's per-chunk scales in one call); the tensor scale returned has its
+    shape. row_scales=True (NVFP4, no tensor_amax): each row's scale from its own finite amax ([M] returned)."""
     m, k = x2.shape
     bsz = fmt.block
     x = x2.float().reshape(m, k // bsz, bsz)
@@ -268,12 +271,18 @@ def encode_2d(
     bad = (~finite).any(dim=-1, keepdim=True) if x.numel() else torch.zeros_like(amax, dtype=torch.bool)
     xf = torch.where(finite, x, 0.0)  # non-finite lanes get code 0; their block's NaN scale marks them
     if fmt.two_level:
-        ta = (amax.amax() if amax.numel() else amax.new_zeros(())) if tensor_amax is None else tensor_amax.float()
-        g = pow2_exponent(ta.reshape(1), NV_TENSOR_MAX)
+        if tensor_amax is not None:
+            ta = tensor_amax.float()
+        elif row_scales:
+            ta = amax.amax(dim=(1, 2)) if amax.numel() else amax.new_zeros(m)
+        else:
+            ta = amax.amax() if amax.numel() else amax.new_zeros(())
+        ta = ta.reshape(-1)
+        g = pow2_exponent(ta, NV_TENSOR_MAX).reshape(-1, 1, 1)  # [1] or [M] scales, broadcast over the rows
         s_b, sc = e4m3_ceil(amax * pow2(-g))
         y = xf * pow2(-g) / torch.where(s_b > 0, s_b, 1.0)  # exact rescale, then one correctly rounded division
         sbytes = torch.where(bad, E4M3_NAN, sc)
-        tscale = pow2(g)
+        tscale = pow2(g).reshape(-1)
     else:
         e = pow2_exponent(amax, E2M1_MAX)
         y = xf * pow2(-e)  # exact: a power-of-two rescale (scales are normal, 2**-E too)
@@ -293,7 +302,7 @@ def decode_2d(packed: torch.Tensor, sbytes: torch.Tensor, tscale: torch.Tensor, 
     v = e2m1_values(unpack_nibbles(packed)).reshape(m, k // fmt.block, fmt.block)
     if fmt.two_level:
         s = decode_e4m3(sbytes).reshape(m, k // fmt.block, 1)
-        out = (v * s) * tscale.float().reshape(1, 1, 1)  # v * s is exact; one rounding
+        out = (v * s) * tscale.float().reshape(-1, 1, 1)  # v * s is exact; one rounding ([1] or per-row [M])
     else:
         out = v * decode_e8m0(sbytes).reshape(m, k // fmt.block, 1)  # exact unless it overflows
     return out.reshape(m, k)

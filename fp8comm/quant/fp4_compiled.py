@@ -21,9 +21,9 @@ def _decode():
     return torch.compile(fp4.decode_2d)
 
 
-def encode_2d(x2, fmt, key=None, index_base=0, tensor_amax=None):
+def encode_2d(x2, fmt, key=None, index_base=0, tensor_amax=None, row_scales=False):
     """fp4.encode_2d, compiled (same arguments, same bits)."""
-    return _encode()(x2, fmt, key, index_base, tensor_amax)
+    return _encode()(x2, fmt, key, index_base, tensor_amax, row_scales)
 
 
 def decode_2d(packed, sbytes, tscale, fmt):

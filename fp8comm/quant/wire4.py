@@ -112,17 +112,17 @@ def fp4_backend(name: str, device: torch.device, numel: int) -> str:
     return name
 
 
-def _encode(x2: torch.Tensor, fmt: Fp4Format, seed: int | None, index_base: int, backend: str):
+def _encode(x2, fmt: Fp4Format, seed: int | None, index_base: int, backend: str, tensor_amax=None, rows=False):
     if backend == "triton":
         from . import fp4_triton
 
-        return fp4_triton.encode_2d(x2, fmt, seed, index_base, None)
+        return fp4_triton.encode_2d(x2, fmt, seed, index_base, tensor_amax)
     key = None if seed is None else torch.tensor(seed_key(seed), dtype=torch.int64, device=x2.device)
     if backend == "compiled":
         from . import fp4_compiled
 
-        return fp4_compiled.encode_2d(x2, fmt, key, index_base, None)
-    return encode_2d(x2, fmt, key, index_base, None)
+        return fp4_compiled.encode_2d(x2, fmt, key, index_base, tensor_amax, rows)
+    return encode_2d(x2, fmt, key, index_base, tensor_amax, rows)
 
 
 def _decode(codes, scales, ts, fmt: Fp4Format, backend: str) -> torch.Tensor:
@@ -137,6 +137,17 @@ def _decode(codes, scales, ts, fmt: Fp4Format, backend: str) -> torch.Tensor:
 
         return fp4_compiled.decode_2d(codes, scales, ts, fmt)
     return decode_2d(codes, scales, ts, fmt)
+
+
+def _chunk_amax_rows(y: torch.Tensor, layout: Fp4Layout) -> torch.Tensor:
+    """NVFP4's per-chunk second-level scope as one value per row: each row gets its chunk's finite amax (chunks
+    of several rows; one-row chunks take the encoder's own per-row scales)."""
+    a = torch.where(torch.isfinite(y), y.abs(), 0.0).amax(dim=1) if y.numel() else y.new_zeros(y.shape[0])
+    out = torch.empty_like(a)
+    for r0, rows in zip(layout.row_starts, layout.rows):
+        if rows:
+            out[r0 : r0 + rows] = a[r0 : r0 + rows].amax()
+    return out
 
 
 def pack_fp4(
@@ -165,20 +176,33 @@ def pack_fp4(
     be = fp4_backend(backend, x2.device, x2.numel())
     y = hadamard_forward(x2, hadamard, hadamard_seed) if hadamard else x2
     sr = None if rounding == "nearest" else int(seed)
-    k = layout.k
-    for c, rows in enumerate(layout.rows):
-        if not rows:
-            continue
-        r0 = layout.row_starts[c]
+    k, fmt = layout.k, layout.fmt
+    if be == "triton" and fmt.two_level:  # the kernel takes one tensor scale: a launch per chunk
+        parts = [
+            (c, _encode(y[r0 : r0 + n], fmt, sr, r0 * k, be))
+            for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows))
+            if n
+        ]
+    else:  # one call for every chunk (a per-row NVFP4 scope), then each chunk's rows copied into its section
+        one_row = all(r <= 1 for r in layout.rows)  # the collectives' chunks: the encoder scales each row
+        ta = _chunk_amax_rows(y, layout) if fmt.two_level and not one_row else None
+        q, sb, t = _encode(y, fmt, sr, 0, be, ta, fmt.two_level and one_row)
+        parts = [
+            (c, (q[r0 : r0 + n], sb[r0 : r0 + n], t[r0 : r0 + 1] if fmt.two_level else None))
+            for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows))
+            if n
+        ]
+    for c, (q, sb, t) in parts:
         codes, scales, ts = layout.sections(out, c)
-        part = y[r0 : r0 + rows]
-        q, s, t = _encode(part, layout.fmt, sr, r0 * k, be)
         codes.copy_(q)
-        scales.copy_(s)
+        scales.copy_(sb)
         if ts is not None:
             ts.copy_(t.reshape(1))
-        if counters is not None:
-            counters += _counts(part, q)
+    if counters is not None:
+        q_all = torch.cat([p[1][0] for p in parts]) if len(parts) != 1 else parts[0][1][0]
+        rows = [layout.rows[c] for c, _ in parts]
+        y_rows = y if sum(rows) == y.shape[0] else y[: sum(rows)]
+        counters += _counts(y_rows, q_all)
     return out
 
 
@@ -189,6 +213,28 @@ def _counts(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     flushed = (fin & (x != 0) & zero.view(x.shape)).sum()
     nonfinite = (~fin).sum()
     return torch.stack((torch.zeros_like(flushed), flushed, nonfinite)).to(torch.int64)
+
+
+def _decode_all(buf: torch.Tensor, layout: Fp4Layout, backend: str) -> torch.Tensor:
+    """Every chunk decoded, fp32 [M, K]: sections gathered into one [M, K/2] + [M, K/B] (+ per-row tensor scale)
+    and decoded in one call (Triton NVFP4: a launch per chunk, as its kernel takes one tensor scale)."""
+    m, fmt = layout.total_rows, layout.fmt
+    live = [(c, r0, n) for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows)) if n]
+    if backend == "triton" and fmt.two_level or len(live) == 1:
+        out = torch.empty(m, layout.k, dtype=torch.float32, device=buf.device)
+        for c, r0, n in live:
+            out[r0 : r0 + n] = _decode(*layout.sections(buf, c), fmt, backend)
+        return out
+    codes = torch.empty(m, layout.k // 2, dtype=torch.uint8, device=buf.device)
+    scales = torch.empty(m, layout.kb, dtype=torch.uint8, device=buf.device)
+    ts = torch.empty(m, dtype=torch.float32, device=buf.device) if fmt.two_level else None
+    for c, r0, n in live:
+        cc, ss, tt = layout.sections(buf, c)
+        codes[r0 : r0 + n] = cc
+        scales[r0 : r0 + n] = ss
+        if ts is not None and tt is not None:
+            ts[r0 : r0 + n] = tt
+    return _decode(codes, scales, ts, fmt, backend)
 
 
 def unpack_fp4(
@@ -204,12 +250,9 @@ def unpack_fp4(
     if out is None:
         out = torch.empty(layout.total_rows, layout.k, dtype=torch.float32, device=buf.device)
     be = fp4_backend(backend, buf.device, layout.total_rows * layout.k)
-    for c, rows in enumerate(layout.rows):
-        if rows:
-            r0 = layout.row_starts[c]
-            out[r0 : r0 + rows] = _decode(*layout.sections(buf, c), layout.fmt, be)
-    if hadamard:
-        out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
+    if layout.total_rows:
+        v = _decode_all(buf, layout, be)
+        out.copy_(hadamard_inverse(v, hadamard, hadamard_seed) if hadamard else v)
     return out
 
 
@@ -232,13 +275,13 @@ def unpack_fp4_sum(
     elif out.dtype != torch.float32 or tuple(out.shape) != (rows, layout.k):
         raise Fp8CommError(f"unpack_fp4_sum: out must be fp32 {(rows, layout.k)}")
     be = fp4_backend(backend, buf.device, layout.total_rows * layout.k)
-    for c in range(len(layout.rows)):
-        v = _decode(*layout.sections(buf, c), layout.fmt, be)
-        if c == 0:
-            out.copy_(v)
-        else:
-            out.add_(v)
-    if hadamard and rows:
+    if not rows:
+        return out
+    v = _decode_all(buf, layout, be).view(len(layout.rows), rows, layout.k)
+    out.copy_(v[0])
+    for c in range(1, len(layout.rows)):
+        out.add_(v[c])
+    if hadamard:
         out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
     return out
 

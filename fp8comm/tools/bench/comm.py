@@ -1,4 +1,4 @@
-"""FP8 collectives vs plain torch.distributed (bf16, fp32), side by side in one run, nccl-tests style.
+"""FP8 and 4-bit collectives vs plain torch.distributed (bf16, fp32), side by side in one run, nccl-tests style.
 
 Starts --nproc ranks itself (gloo on 127.0.0.1), or runs as one rank under torchrun (launch/bench_check.py runs it
 so on the simulated cluster). Sizes are bytes of the full buffer in bf16 (all_gather: the output; reduce_scatter,
@@ -36,6 +36,13 @@ def _shutdown() -> None:
     getattr(fp8comm, "shutdown", lambda: None)()
 
 
+def _has_fp4() -> bool:
+    """Whether the fp8comm under test has the 4-bit wire (0.3 and earlier do not: the A/B runs older checkouts)."""
+    from fp8comm.comm import FORMATS
+
+    return "mxfp4" in FORMATS
+
+
 def _size(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -50,6 +57,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
     p.add_argument("--fmt", default="e4m3", choices=("e4m3", "e5m2"))
     p.add_argument("--scales", default="fp32,e8m0", help="FP8 scale encodings to run (fp32, pow2, e8m0)")
+    p.add_argument(
+        "--fp4",
+        default="mxfp4,nvfp4",
+        help="4-bit wire formats to run (all_gather, reduce_scatter, all_reduce; '' for none)",
+    )
     p.add_argument("--hidden", type=int, default=4096, help="token width for all_to_all")
     p.add_argument("--iters", type=int, default=20, help="max timed iterations per row")
     p.add_argument("--target-s", type=float, default=1.0, help="aim for this much timed work per row")
@@ -268,6 +280,7 @@ def _table(args) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     ops = [o for o in args.ops.split(",") if o]
     encs = [e for e in args.scales.split(",") if e]
+    fp4s = [f for f in getattr(args, "fp4", "").split(",") if f and _has_fp4()]
     hg = fc.node_groups(local_size=args.local_size) if args.local_size else None
     sizes = []
     s = args.min_size
@@ -315,8 +328,11 @@ def _table(args) -> None:
                     sqnr=_sqnr(first.float(), ref),
                     nbytes=nbytes_bf16 * (1 if name == "bf16" else 2),
                 )
-            for enc in encs:
-                kw = dict(fmt=args.fmt, scaling=enc, backend=args.backend)
+            variants = [("fp8" if e == "fp32" else f"fp8-{e}", dict(fmt=args.fmt, scaling=e)) for e in encs]
+            if op != "all_to_all" and hg is None:  # the 4-bit wire has no all_to_all and no hierarchical form
+                variants += [(f, dict(fmt=f)) for f in fp4s]
+            for name, kw in variants:
+                kw["backend"] = args.backend
                 if hg is not None and op != "all_to_all":
                     kw["hierarchical"] = hg
                 fc.reset_comm_stats()
@@ -325,7 +341,6 @@ def _table(args) -> None:
                 wire = sum(v["wire_bytes"] for k, v in st.items() if k.startswith(op))
                 base = sum(v["dtype_bytes"] for k, v in st.items() if k.startswith(op))
                 t, it, ts = _timeit(lambda fp8=fp8, x=x, kw=kw: fp8(x, **kw), args)
-                name = "fp8" if enc == "fp32" else f"fp8-{enc}"
                 res[name] = dict(
                     time=t,
                     iters=it,
@@ -337,14 +352,15 @@ def _table(args) -> None:
                 )
             for name, v in res.items():
                 algbw = v["nbytes"] / v["time"] / 1e9
-                vb = res["bf16"]["wire"] / v["wire"] if name.startswith("fp8") else float("nan")
-                vf = res["fp32"]["wire"] / v["wire"] if name.startswith("fp8") else float("nan")
-                if name.startswith("fp8"):
+                ours = name not in ("bf16", "fp32")
+                vb = res["bf16"]["wire"] / v["wire"] if ours else float("nan")
+                vf = res["fp32"]["wire"] / v["wire"] if ours else float("nan")
+                if ours:
                     ratios.setdefault(name, []).append((vb, vf))
                 line = (
                     f"{op:<15}{size:>11}{count:>11}  {name:<10}{v['time'] * 1e6:>12.1f}{algbw:>8.3f}"
                     f"{algbw * BUSBW[op](world):>8.3f}{v['wire']:>13}"
-                    + (f"{vb:>8.3f}x{vf:>8.3f}x" if name.startswith("fp8") else f"{'-':>9}{'-':>9}")
+                    + (f"{vb:>8.3f}x{vf:>8.3f}x" if ours else f"{'-':>9}{'-':>9}")
                     + f"{v['sqnr']:>9.1f}"
                 )
                 _say(line)
