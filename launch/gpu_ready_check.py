@@ -297,6 +297,65 @@ def e8m0_decode(run) -> dict:
     return {"status": "fail" if bad else "ok", "paths": res}
 
 
+def fp4_wire(run) -> dict:
+    """The 4-bit wire's Triton path on the GPU: pack_fp4 (fused quantize+pack per buffer) and unpack_fp4_sum bit for
+    bit against the reference on the host (mxfp4 and nvfp4, nearest and stochastic, with and without the Hadamard
+    transform, wide magnitudes and a non-finite block), then pack and sum throughput at 64M elements against a
+    bf16 device copy of the same elements (what "4 bits pay" rests on for a GPU: docs/collectives.md)."""
+    from fp8comm.quant import MXFP4, NVFP4
+    from fp8comm.quant.wire4 import fp4_layout, pack_fp4, unpack_fp4_sum
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 4096, generator=g) * torch.logspace(-6, 6, 4).reshape(4, 1)
+    x[2, 100] = float("inf")
+    res, bad = {}, []
+    for fmt in (MXFP4, NVFP4):
+        lay = fp4_layout((1,) * 4, 4096, fmt)
+        for rounding in ("nearest", "stochastic"):
+            for h in (0, 16):
+                key = f"{fmt.name}.{rounding}.h{h}"
+                try:
+                    want = pack_fp4(x, lay, rounding, 9, h, 3, backend="reference")
+                    got = pack_fp4(x.cuda(), lay, rounding, 9, h, 3, backend="triton").cpu()
+                    s_want = unpack_fp4_sum(want, lay, h, 3, backend="reference")
+                    s_got = unpack_fp4_sum(got.cuda(), lay, h, 3, backend="triton").cpu()
+                    same = torch.equal(got, want) and torch.equal(s_got.isnan(), s_want.isnan())
+                    fin = ~s_want.isnan()
+                    same = same and torch.equal(s_got[fin].view(torch.int32), s_want[fin].view(torch.int32))
+                    res[key] = "exact" if same else f"FAIL: {int((got != want).sum())} bytes differ"
+                except Exception as e:
+                    res[key] = _first_line(e)
+                if res[key] != "exact":
+                    bad.append(key)
+    run.row("fp4_wire_exact", len(res) - len(bad), len(res), "pack + fp32 sum paths, bit for bit vs the reference")
+    n = 1 << 26
+    big = torch.randn(4, n // 4, device="cuda")
+    lay = fp4_layout((1,) * 4, n // 4, MXFP4)
+    buf = torch.empty(lay.total_bytes, dtype=torch.uint8, device="cuda")
+    acc = torch.empty(1, n // 4, device="cuda")
+    bf = big.to(torch.bfloat16)
+    dst = torch.empty_like(bf)
+
+    def timed(fn, reps: int = 10) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(reps):
+            fn()
+        t1.record()
+        torch.cuda.synchronize()
+        return t0.elapsed_time(t1) / reps
+
+    copy_ms = timed(lambda: dst.copy_(bf))
+    pack_ms = timed(lambda: pack_fp4(big, lay, out=buf, backend="triton"))
+    sum_ms = timed(lambda: unpack_fp4_sum(buf, lay, out=acc, backend="triton"))
+    run.row("fp4_pack_ms_64M", round(pack_ms, 3), round(copy_ms, 3), "ms; target = a bf16 copy of the elements")
+    run.row("fp4_sum4_ms_64M", round(sum_ms, 3), round(copy_ms, 3), "ms, 4 chunks decoded + fp32 sum")
+    return {"status": "fail" if bad else "ok", "paths": res, "copy_ms": copy_ms, "pack_ms": pack_ms, "sum_ms": sum_ms}
+
+
 def host_ran_ahead(fn, calls: int, cuda=torch.cuda) -> tuple[bool, float]:
     """Queue a ~1 s GPU sleep, then `calls` calls of `fn`: (True when the host returned from all of them before the
     sleep ended, host seconds). `cuda` is torch.cuda (a stand-in in the CPU test of this logic)."""
@@ -743,6 +802,7 @@ SECTIONS = [
     Section("streams", streams, 30, 10),
     Section("version_counters", version_counters, 60, 10),
     Section("e8m0_decode", e8m0_decode, 60, 10),
+    Section("fp4_wire", fp4_wire, 60, 15),
     Section("capture_refused", capture_refused, 30, 10),
     Section("guard_streams", guard_streams, 60, 10),
     Section("host_ahead", host_ahead, 60, 15),

@@ -198,12 +198,26 @@ def pack_fp4(
         scales.copy_(sb)
         if ts is not None:
             ts.copy_(t.reshape(1))
+        _zero_padding(out, layout, c)
     if counters is not None:
         q_all = torch.cat([p[1][0] for p in parts]) if len(parts) != 1 else parts[0][1][0]
         rows = [layout.rows[c] for c, _ in parts]
         y_rows = y if sum(rows) == y.shape[0] else y[: sum(rows)]
         counters += _counts(y_rows, q_all)
     return out
+
+
+def _zero_padding(out: torch.Tensor, layout: Fp4Layout, c: int) -> None:
+    """Zero the alignment bytes after each section of chunk c: the wire carries no uninitialized memory, and the
+    same input gives the same bytes on every backend."""
+    rows, o = layout.rows[c], layout.offsets[c]
+    pb, sb = layout.payload_bytes(c), layout.scale_bytes(c)
+    ends = [(o + rows * layout.k // 2, o + pb), (o + pb + rows * layout.kb, o + pb + sb)]
+    if layout.fmt.two_level:
+        ends.append((o + pb + sb + 4, o + pb + sb + layout.tensor_scale_bytes))
+    for a, b in ends:
+        if b > a:
+            out[a:b].zero_()
 
 
 def _counts(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
