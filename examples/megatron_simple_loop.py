@@ -3,6 +3,9 @@
     torchrun --nproc-per-node 2 examples/megatron_simple_loop.py                 # plain DDP: FP8 all-reduce
     torchrun --nproc-per-node 2 examples/megatron_simple_loop.py --distributed-optimizer
                                                 # FP8 gradient reduce-scatter + FP8 parameter all-gather
+    torchrun --nproc-per-node 2 examples/megatron_simple_loop.py --distributed-optimizer \
+        --grad-format mxfp4 --error-feedback --param-update-format mxfp4
+                                                # 4-bit gradients + 4-bit weight updates (replica += change)
     torchrun --nproc-per-node 2 examples/megatron_simple_loop.py --no-fp8comm    # Megatron alone, to compare
 
 On a machine without a GPU, Megatron-Core needs CUDA stand-ins; this repository's test shims provide them:
@@ -33,6 +36,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state (ZeRO-1 style)")
     p.add_argument("--overlap", action="store_true", help="overlap the gradient reduction with the backward")
     p.add_argument("--no-fp8comm", action="store_true", help="Megatron's own collectives (the baseline)")
+    p.add_argument(
+        "--grad-format",
+        default="e4m3",
+        choices=("e4m3", "e5m2", "mxfp4", "nvfp4"),
+        help="gradient wire: FP8 or 4 bits (default %(default)s)",
+    )
+    p.add_argument("--error-feedback", action="store_true", help="carry each bucket's gradient quantization error")
+    p.add_argument(
+        "--param-update-format",
+        default=None,
+        choices=("mxfp4", "nvfp4"),
+        help="with --distributed-optimizer: gather 4-bit weight changes instead of FP8 weights",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
@@ -145,14 +161,18 @@ def main(argv=None) -> dict:
         bucket_size=4096 if args.overlap else None,  # tiny model: small buckets so that there are several
     )
     if not args.no_fp8comm:
-        # The fp8comm line: after the parallel state exists, before DDP builds its buckets. Gradients go FP8
-        # (reduce-scatter with the distributed optimizer, all-reduce without); parameters only with the
-        # distributed optimizer (plain DDP gathers none). GEMMs are untouched.
+        # The fp8comm line: after the parallel state exists, before DDP builds its buckets. Gradients go FP8 or
+        # 4-bit (reduce-scatter with the distributed optimizer, all-reduce without); parameters only with the
+        # distributed optimizer (plain DDP gathers none): FP8 values, or 4-bit changes applied to every rank's
+        # replica (--param-update-format). GEMMs are untouched.
         fp8comm_megatron.install(
             ddp_config=ddp_config,
             transformer_config=config,
             grad_reduce=True,
-            param_gather=args.distributed_optimizer,
+            grad_fmt=args.grad_format,
+            error_feedback=args.error_feedback,
+            param_gather=args.distributed_optimizer and args.param_update_format is None,
+            param_update_fmt=args.param_update_format,
         )
     fp8comm_megatron.hook_stats(reset=True)
     reset_comm_stats()

@@ -1,5 +1,5 @@
-"""fp8comm for Megatron-Core / Megatron-LM: FP8 gradient reduce-scatter (optional error feedback), FP8 parameter
-all-gather, FP8 MoE dispatch and combine (alltoall and allgather dispatchers).
+"""fp8comm for Megatron-Core / Megatron-LM: FP8 or 4-bit gradient reduce-scatter (optional error feedback), FP8
+parameter all-gather or 4-bit weight updates (replica += change), FP8 MoE dispatch and combine.
 
 Megatron-LM:  args = parse_args(extra_args_provider=add_args); ...; install(args)   (before the model is built)
 Megatron-Core: install(ddp_config=ddp_config, transformer_config=config, grad_reduce=True, param_gather=True)
@@ -28,6 +28,10 @@ from .install import (
 )
 from .installation import Installation
 from .installation import current as installation
+from .replica_update import load_state_dict as load_replica_update_state_dict
+from .replica_update import nbytes as replica_update_nbytes
+from .replica_update import reset as reset_replica_updates
+from .replica_update import state_dict as replica_update_state_dict
 
 __all__ = [
     "add_args",
@@ -48,6 +52,10 @@ __all__ = [
     "guard_state_dict",
     "load_guard_state_dict",
     "guard_summary",
+    "replica_update_state_dict",
+    "load_replica_update_state_dict",
+    "replica_update_nbytes",
+    "reset_replica_updates",
     "Installation",
     "installation",
 ]

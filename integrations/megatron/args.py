@@ -8,7 +8,19 @@ from __future__ import annotations
 
 import argparse
 
-from .config import CHECKS, EF_DTYPES, FORMATS, MOE_COMBINES, MOE_GRAD_WIRES, ROUNDINGS, SCALINGS, Fp8CommMegatronConfig
+from .config import (
+    CHECKS,
+    EF_DTYPES,
+    FORMATS,
+    GRAD_FORMATS,
+    HADAMARD,
+    MOE_COMBINES,
+    MOE_GRAD_WIRES,
+    PARAM_UPDATE_FORMATS,
+    ROUNDINGS,
+    SCALINGS,
+    Fp8CommMegatronConfig,
+)
 
 _D = Fp8CommMegatronConfig()  # one source of defaults for argparse, keywords and docs
 
@@ -93,26 +105,57 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         dest="fp8comm_fmt",
         choices=FORMATS,
         default=_D.fmt,
-        help="FP8 format for parameters and MoE tokens (default %(default)s)",
+        help="FP8 format for parameters (--fp8comm-param-gather) and MoE tokens (default %(default)s)",
     )
     g.add_argument(
         "--fp8comm-grad-format",
         dest="fp8comm_grad_fmt",
-        choices=FORMATS,
+        choices=GRAD_FORMATS,
         default=_D.grad_fmt,
-        help="FP8 format for gradients (default %(default)s)",
+        help="wire format of --fp8comm-grad-reduce: FP8 (e4m3, e5m2: --fp8comm-block-size and --fp8comm-scaling "
+        "apply) or 4 bits, whose block and scale kind are fixed by the format (mxfp4: 1x32 blocks, E8M0 scales; "
+        "nvfp4: 1x16 blocks, E4M3 scales + one fp32 scale per chunk); --fp8comm-rounding and "
+        "--fp8comm-error-feedback apply to all (default %(default)s)",
     )
     g.add_argument(
-        "--fp8comm-block-size", type=int, default=_D.block_size, help="elements per scale (default %(default)s)"
+        "--fp8comm-hadamard",
+        type=int,
+        choices=HADAMARD,
+        default=_D.hadamard,
+        help="4-bit gradients only: random block Hadamard transform of this many elements before quantizing "
+        "(spreads outliers over the block; signs from one seed on every rank, the receiver inverts its fp32 sum); "
+        "must fit the format's block (mxfp4: 16 or 32, nvfp4: 16); 0: none (default %(default)s)",
+    )
+    g.add_argument(
+        "--fp8comm-param-update-format",
+        dest="fp8comm_param_update_fmt",
+        choices=PARAM_UPDATE_FORMATS,
+        default=_D.param_update_fmt,
+        help="4-bit weight updates for --use-distributed-optimizer: the parameter all-gather sends each shard's "
+        "change since the last gather (fp32 master minus replica) in this format and every rank adds the decoded "
+        "change to its replica (bit-identical on every rank; the quantization error is sent with the next change). "
+        "Block and scale kind fixed by the format, as for --fp8comm-grad-format; replaces "
+        "--fp8comm-param-gather; needs bf16/fp16 params (default: off, Megatron's gather)",
+    )
+    g.add_argument(
+        "--fp8comm-block-size",
+        type=int,
+        default=_D.block_size,
+        help="elements per scale of the FP8 wires (e4m3/e5m2); the 4-bit formats fix theirs, and a "
+        "non-default value with no FP8 wire in use is an error (default %(default)s)",
     )
     g.add_argument(
         "--fp8comm-scaling",
         choices=SCALINGS,
         default=_D.scaling,
-        help="scale encoding: fp32 (exact), pow2 or e8m0 (one-byte power of two) (default %(default)s)",
+        help="scale encoding of the FP8 wires: fp32 (exact), pow2 or e8m0 (one-byte power of two); the 4-bit "
+        "formats fix theirs (default %(default)s)",
     )
     g.add_argument(
-        "--fp8comm-rounding", choices=ROUNDINGS, default=_D.rounding, help="gradient rounding (default %(default)s)"
+        "--fp8comm-rounding",
+        choices=ROUNDINGS,
+        default=_D.rounding,
+        help="gradient rounding, FP8 or 4-bit (parameters, weight updates and tokens: nearest) (default %(default)s)",
     )
     g.add_argument(
         "--fp8comm-hierarchical",

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from fp8comm.comm import CHECK_POLICIES, FORMATS, ROUNDINGS, SCALE_ENCODINGS, WIRES, GuardPolicy, WireConfig
+from fp8comm.comm import CHECK_POLICIES, ROUNDINGS, SCALE_ENCODINGS, WIRES, GuardPolicy, WireConfig
+from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS, HADAMARD
 from fp8comm.errors import Fp8CommConfigError
 
+FORMATS = FP8_FORMATS  # parameters and MoE tokens: FP8 only (one byte per element, the block size and scaling flags)
+GRAD_FORMATS = FP8_FORMATS + FP4_WIRE_FORMATS  # gradients: FP8 or the 4-bit wire (block and scale fixed by format)
+PARAM_UPDATE_FORMATS = FP4_WIRE_FORMATS  # the distributed optimizer's weight-update all-gather (replica += change)
+FP4_LAYOUT = {"mxfp4": "1x32 blocks, E8M0 scales", "nvfp4": "1x16 blocks, E4M3 scales + one fp32 scale per chunk"}
+assert set(FP4_LAYOUT) == set(FP4_WIRE_FORMATS)
 SCALINGS = SCALE_ENCODINGS
 CHECKS = CHECK_POLICIES
 MOE_GRAD_WIRES = ("bf16", "fp8", "native")
@@ -29,9 +35,9 @@ class Fp8CommMegatronConfig:
     param_gather: bool = False  # FP8 parameter all-gather of the distributed optimizer
     moe_dispatch: bool = False  # FP8 token dispatch in MoEAlltoAllTokenDispatcher
     fmt: str = "e4m3"  # FP8 format of parameters and MoE tokens
-    grad_fmt: str = "e4m3"  # FP8 format of gradients (per-block scales leave E4M3 enough range)
-    block_size: int = 128  # elements per scale (1 x block_size blocks of the flat buffer / of each token)
-    scaling: str = "fp32"  # scale encoding: fp32 (exact amax scale), pow2 or e8m0 (power-of-two byte)
+    grad_fmt: str = "e4m3"  # gradient wire: FP8 (e4m3, e5m2) or 4-bit (mxfp4, nvfp4: block and scale fixed by format)
+    block_size: int = 128  # FP8 wires: elements per scale (1 x block_size blocks of the flat buffer / of each token)
+    scaling: str = "fp32"  # FP8 wires: scale encoding, fp32 (exact amax scale), pow2 or e8m0 (power-of-two byte)
     rounding: str = "nearest"  # gradient rounding: nearest or stochastic (params/tokens always nearest)
     hierarchical: bool = False  # gradients/params: high precision inside a node, FP8 across nodes
     check: str = "first"  # cross-rank metadata check: first call per buffer, every call, or never
@@ -43,11 +49,21 @@ class Fp8CommMegatronConfig:
     guard_threshold: float = 1e-3  # fraction of a bucket's elements saturated or underflowed in one step
     guard_patience: int = 3  # steps over the threshold before the bucket falls back
     guard_cooldown: int = 50  # steps in bf16 before FP8 is tried again
+    # Distributed optimizer: the parameter all-gather sends each shard's change since the last gather (fp32 master
+    # minus replica) in this 4-bit format and every rank adds the decoded change to its replica (replica_update.py).
+    param_update_fmt: str | None = None
+    # 4-bit gradients: block Hadamard transform of 16 or 32 elements before quantizing (0: none); the signs come
+    # from one seed on every rank and the receiver applies the inverse to its fp32 sum
+    hadamard: int = 0
 
     def __post_init__(self) -> None:
+        if self.param_update_fmt is not None and self.param_update_fmt not in PARAM_UPDATE_FORMATS:
+            raise Fp8CommMegatronError(
+                f"fp8comm: param_update_fmt={self.param_update_fmt!r} is not one of {PARAM_UPDATE_FORMATS} (or None)"
+            )
         for name, allowed in (
             ("fmt", FORMATS),
-            ("grad_fmt", FORMATS),
+            ("grad_fmt", GRAD_FORMATS),
             ("scaling", SCALINGS),
             ("rounding", ROUNDINGS),
             ("check", CHECKS),
@@ -62,8 +78,12 @@ class Fp8CommMegatronConfig:
         for name in ("grad_reduce", "param_gather", "moe_dispatch", "hierarchical", "error_feedback", "guard"):
             if not isinstance(getattr(self, name), bool):
                 raise Fp8CommMegatronError(f"fp8comm: {name} must be True or False, got {getattr(self, name)!r}")
+        if self.hadamard not in HADAMARD or isinstance(self.hadamard, bool):
+            raise Fp8CommMegatronError(f"fp8comm: hadamard={self.hadamard!r} is not one of {HADAMARD}")
         try:
             self.guard_policy  # noqa: B018 - validates the thresholds
+            if self.grad_fp4:
+                self.wire("grad")  # the 4-bit options must fit the format (e.g. nvfp4's 16-element blocks)
         except Fp8CommConfigError as e:
             raise Fp8CommMegatronError(f"fp8comm: {e}") from None
 
@@ -72,13 +92,28 @@ class Fp8CommMegatronConfig:
         return GuardPolicy(self.guard_threshold, self.guard_patience, self.guard_cooldown)
 
     @property
+    def grad_fp4(self) -> bool:
+        """Gradients travel on a 4-bit wire (mxfp4 / nvfp4)."""
+        return self.grad_fmt in FP4_WIRE_FORMATS
+
+    @property
+    def param_update(self) -> bool:
+        """The distributed optimizer's parameter all-gather sends 4-bit changes (replica += decoded change)."""
+        return self.param_update_fmt is not None
+
+    @property
+    def uses_fp8_blocks(self) -> bool:
+        """Some hook quantizes to FP8, where block_size and scaling apply (4-bit formats fix their own)."""
+        return (self.grad_reduce and not self.grad_fp4) or self.param_gather or self.moe
+
+    @property
     def moe(self) -> bool:
         """A MoE hook is on: FP8 dispatch, or a combine other than Megatron's own."""
         return self.moe_dispatch or self.moe_combine != "native"
 
     @property
     def any(self) -> bool:
-        return self.grad_reduce or self.param_gather or self.moe
+        return self.grad_reduce or self.param_gather or self.param_update or self.moe
 
     def describe(self, dist_opt: bool | None = None) -> str:
         """One line: which hooks are on and how they quantize (install() logs it). dist_opt: whether DDP uses the
@@ -90,7 +125,7 @@ class Fp8CommMegatronConfig:
         fp8 = [
             n
             for n, f in (
-                (grad[dist_opt], self.grad_reduce),
+                (grad[dist_opt], self.grad_reduce and not self.grad_fp4),
                 ("param all-gather", self.param_gather),
                 ("MoE dispatch", self.moe_dispatch),
                 ("MoE combine", self.moe_combine == "fp8"),
@@ -98,6 +133,14 @@ class Fp8CommMegatronConfig:
             if f
         ]
         head = "FP8 " + ", ".join(fp8) if fp8 else ""
+        if self.grad_reduce and self.grad_fp4:
+            had = f", Hadamard 1x{self.hadamard}" if self.hadamard else ""
+            head += ("; " if head else "") + f"{self.grad_fmt} {grad[dist_opt]} ({FP4_LAYOUT[self.grad_fmt]}{had})"
+        if self.param_update_fmt is not None:
+            head += ("; " if head else "") + (
+                f"{self.param_update_fmt} weight-update all-gather (replica += change, "
+                f"{FP4_LAYOUT[self.param_update_fmt]})"
+            )
         if self.moe_combine == "bf16":
             head += ("; " if head else "") + "bf16 MoE combine through fp8comm"
         extra = []
@@ -110,16 +153,30 @@ class Fp8CommMegatronConfig:
             extra.append(f"error feedback {self.error_feedback_dtype} residuals")
         if self.moe:
             extra.append(f"MoE backward {self.moe_grad_wire}")
+        blocks = f"1x{self.block_size} {self.scaling} scales, " if self.uses_fp8_blocks else ""
         return (
-            f"fp8comm: {head} active (params/tokens {self.fmt}, grads {self.grad_fmt}, 1x{self.block_size} "
-            f"{self.scaling} scales, rounding {self.rounding}, hierarchical {'on' if self.hierarchical else 'off'}"
+            f"fp8comm: {head} active (params/tokens {self.fmt}, grads {self.grad_fmt}, {blocks}"
+            f"rounding {self.rounding}, hierarchical {'on' if self.hierarchical else 'off'}"
             f", check {self.check}" + "".join(", " + e for e in extra) + ")" + gemms
         )
 
     def wire(self, kind: str, check: bool | None = None, block_size: int | None = None) -> WireConfig:
-        """The fp8comm.comm WireConfig of one hook kind, 'grad', 'param' or 'moe' (gradients: grad_fmt, rounding
-        and error feedback; parameters and tokens: fmt, nearest rounding); check: this call's check decision."""
+        """The fp8comm.comm WireConfig of one hook kind, 'grad', 'param', 'update' or 'moe' (gradients: grad_fmt,
+        rounding and error feedback; parameters and tokens: fmt, nearest rounding; update: param_update_fmt,
+        nearest); check: this call's check decision. 4-bit wires take the block and scale kind of their format."""
         grad = kind == "grad"
+        if kind == "update":
+            assert self.param_update_fmt is not None
+            return WireConfig(fmt=self.param_update_fmt, rounding="nearest", check=check)
+        if grad and self.grad_fp4:
+            return WireConfig(
+                fmt=self.grad_fmt,
+                hadamard=self.hadamard,
+                rounding=self.rounding,
+                check=check,
+                error_feedback=self.error_feedback,
+                residual_dtype=EF_DTYPES[self.error_feedback_dtype],
+            )
         return WireConfig(
             fmt=self.grad_fmt if grad else self.fmt,
             scaling=self.scaling,
@@ -155,7 +212,10 @@ def count(hook: str, key: str, n: int = 1) -> None:
 def hook_stats(reset: bool = False) -> dict[str, dict[str, int]]:
     """{hook: {fp8_calls, passthrough_calls (group of one rank: nothing to move), elements, [hook-specific]}}.
 
-    Hooks: grad_reduce_scatter, grad_all_reduce (plain DDP), param_all_gather, moe_dispatch, moe_combine (calls
+    Hooks: grad_reduce_scatter, grad_all_reduce (plain DDP), param_all_gather, param_update (the 4-bit
+    weight-update all-gather: `update_calls` and their `wire_bytes` / `dtype_bytes` (what Megatron's gather of the
+    same elements would send), `full_calls` (first gathers, in the buffer's dtype) and their `full_wire_bytes` /
+    `full_dtype_bytes`, `staged_steps`), moe_dispatch, moe_combine (calls
     that went through fp8comm, FP8 or bf16 wire: `bf16_calls`), error_feedback (`skipped_step_resets`: residuals
     zeroed after a skipped step).
     """

@@ -1,4 +1,5 @@
-"""DDP hooks: FP8 gradient reduce-scatter or all-reduce and FP8 parameter all-gather for Megatron's bucket groups.
+"""DDP hooks: FP8/4-bit gradient reduce-scatter or all-reduce, and the FP8 parameter all-gather or 4-bit
+weight-update all-gather (replica_update.py) for Megatron's bucket groups.
 
 Megatron's _ParamAndGradBucketGroup issues both collectives through module-level names of param_and_grad_buffer
 (`dist_reduce_scatter_func`, `dist_all_gather_func`, and `reduce_scatter_with_fp32_accumulation`, which its
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from fp8comm import comm as fcomm
 
-from . import error_feedback, guard
+from . import error_feedback, guard, replica_update
 from .config import Fp8CommMegatronConfig, Fp8CommMegatronError, count
 from .installation import installed
 
@@ -224,10 +225,34 @@ def _options(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group) -> d
     return kw
 
 
-def make_reduce_scatter(orig, cfg: Fp8CommMegatronConfig):
-    """FP8 counterpart of torch's reduce_scatter_tensor and Megatron's reduce_scatter_with_fp32_accumulation.
+def _grad_collective(hook: str, orig_call, fcomm_fn, cfg: Fp8CommMegatronConfig, output, input, op, group, async_op):
+    """The gradient reduction both paths share (reduce-scatter into a shard, all-reduce in place): pass-through for
+    one-rank groups, the guard's bf16 route (orig_call: Megatron's own collective), error feedback keyed by the
+    bucket's gradient buffer `input`, then fp8comm's FP8 or 4-bit collective, issued now or at the block's exit."""
+    if _size(group) == 1:  # nothing crosses a link: quantizing would only lose precision
+        count(hook, "passthrough_calls")
+        return orig_call()
+    wire, bucket = guard.route("grad", input, fp4=cfg.grad_fp4)
+    if wire == "bf16":  # the numerics guard sends this bucket through Megatron's own collective for now
+        return orig_call()
+    ef = error_feedback.for_bucket(input) if cfg.error_feedback else None
+    opts = _options(cfg, "grad", input, group)
+    if wire == "fp8" and cfg.grad_fp4:  # a 4-bit bucket the guard demoted: E4M3 with 1x128 fp32 scales meanwhile
+        opts["config"] = fcomm.config_for(opts["config"], "fp8")
 
-    Same call signature; each rank quantizes its bucket with its own 1xB block scales, one all_to_all of bytes,
+    def start():
+        count(hook, "fp8_calls")
+        count(hook, "elements", input.numel())
+        return fcomm_fn(output, input, group, op, async_op=True, error_feedback=ef, guard=bucket, **opts)
+
+    return _issue(start, async_op)
+
+
+def make_reduce_scatter(orig, cfg: Fp8CommMegatronConfig):
+    """FP8 (or 4-bit) counterpart of torch's reduce_scatter_tensor and Megatron's
+    reduce_scatter_with_fp32_accumulation.
+
+    Same call signature; each rank quantizes its bucket with its own block scales, one all_to_all of bytes,
     the receiver dequantizes every contribution and sums in fp32 (SUM or AVG) into the output shard. The async
     handle finishes (accumulates and writes the shard) in wait(), like the fp32-accumulation variant's handle.
     With cfg.error_feedback the bucket's residual (keyed by its gradient buffer, `input`) is added before
@@ -235,30 +260,17 @@ def make_reduce_scatter(orig, cfg: Fp8CommMegatronConfig):
     """
 
     def fp8comm_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if _size(group) == 1:  # nothing crosses a link: quantizing would only lose precision
-            count("grad_reduce_scatter", "passthrough_calls")
-            return orig(output, input, op=op, group=group, async_op=async_op)
-
-        wire, bucket = guard.route("grad", input)
-        if wire == "bf16":  # the numerics guard sends this bucket through Megatron's own collective for now
-            return orig(output, input, op=op, group=group, async_op=async_op)
-        ef = error_feedback.for_bucket(input) if cfg.error_feedback else None
-
-        def start():
-            count("grad_reduce_scatter", "fp8_calls")
-            count("grad_reduce_scatter", "elements", input.numel())
-            return fcomm.reduce_scatter_into(
-                output,
-                input,
-                group,
-                op,
-                async_op=True,
-                error_feedback=ef,
-                guard=bucket,
-                **_options(cfg, "grad", input, group),
-            )
-
-        return _issue(start, async_op)
+        return _grad_collective(
+            "grad_reduce_scatter",
+            lambda: orig(output, input, op=op, group=group, async_op=async_op),
+            fcomm.reduce_scatter_into,
+            cfg,
+            output,
+            input,
+            op,
+            group,
+            async_op,
+        )
 
     fp8comm_reduce_scatter.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_reduce_scatter
@@ -333,32 +345,21 @@ def _make_taker(prev, cfg: Fp8CommMegatronConfig):
 
 
 def _fp8_all_reduce(orig, cfg: Fp8CommMegatronConfig, tensor, op, group, async_op: bool):
-    """FP8 all-reduce of one gradient bucket, in place: FP8 reduce-scatter (each rank's own block scales, fp32
-    sum), then an FP8 all-gather of each rank's reduced chunk, which every rank decodes from the same bytes (so
-    replicas stay bit-identical). Error feedback covers the first quantization only (see docs/megatron.md)."""
-    if _size(group) == 1:
-        count("grad_all_reduce", "passthrough_calls")
-        return orig(tensor, op=op, group=group, async_op=async_op)
-    wire, bucket = guard.route("grad", tensor)
-    if wire == "bf16":
-        return orig(tensor, op=op, group=group, async_op=async_op)
-    ef = error_feedback.for_bucket(tensor) if cfg.error_feedback else None
-
-    def start():
-        count("grad_all_reduce", "fp8_calls")
-        count("grad_all_reduce", "elements", tensor.numel())
-        return fcomm.all_reduce_into(
-            tensor,
-            tensor,
-            group,
-            op,
-            async_op=True,
-            error_feedback=ef,
-            guard=bucket,
-            **_options(cfg, "grad", tensor, group),
-        )
-
-    return _issue(start, async_op)
+    """FP8 (or 4-bit) all-reduce of one gradient bucket, in place: a quantized reduce-scatter (each rank's own
+    block scales, fp32 sum), then a quantized all-gather of each rank's reduced chunk, which every rank decodes
+    from the same bytes (so replicas stay bit-identical). Error feedback covers the first quantization only (see
+    docs/megatron.md)."""
+    return _grad_collective(
+        "grad_all_reduce",
+        lambda: orig(tensor, op=op, group=group, async_op=async_op),
+        fcomm.all_reduce_into,
+        cfg,
+        tensor,
+        tensor,
+        op,
+        group,
+        async_op,
+    )
 
 
 def make_all_gather(orig, cfg: Fp8CommMegatronConfig):
@@ -370,6 +371,8 @@ def make_all_gather(orig, cfg: Fp8CommMegatronConfig):
     """
 
     def fp8comm_all_gather(output, input, group=None, async_op=False):
+        if cfg.param_update:
+            return _update_gather(orig, output, input, group, async_op)
         if output.dtype == torch.float32:
             raise Fp8CommMegatronError(
                 "fp8comm: FP8 param all-gather on an fp32 parameter buffer would overwrite the distributed "
@@ -394,3 +397,12 @@ def make_all_gather(orig, cfg: Fp8CommMegatronConfig):
 
     fp8comm_all_gather.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_all_gather
+
+
+def _update_gather(orig, output, input, group, async_op: bool):
+    """--fp8comm-param-update-format: the bucket's gather becomes replica += decoded 4-bit change (replica_update).
+    fp32 buffers keep Megatron's gather: their slice IS the fp32 master (Megatron wrote it), nothing to round."""
+    if output.dtype == torch.float32 or _size(group) == 1:
+        count("param_update", "passthrough_calls")
+        return orig(output, input, group=group, async_op=async_op)
+    return _issue(lambda: replica_update.gather(output, input, group), async_op)

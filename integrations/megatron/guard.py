@@ -1,4 +1,5 @@
-"""The numerics guard for Megatron's FP8 buckets: one fp8comm Guard, a stable key per bucket, decided per step.
+"""The numerics guard for Megatron's FP8 and 4-bit buckets: one fp8comm Guard, a stable key per bucket, decided
+per step (4-bit gradient buckets fall back to FP8, then to Megatron's own collective).
 
 Buckets are keyed by kind and first-call order ("grad0", "param2", ...; "moe0" for the first MoE layer's token
 traffic): Megatron issues these collectives in the same order on every rank of a pipeline stage, so those ranks
@@ -26,14 +27,15 @@ def active() -> Guard | None:
     return None if inst is None else inst.guard
 
 
-def route(kind: str, owner, device: torch.device | None = None) -> tuple[str, GuardBucket | None]:
-    """("fp8", the bucket to count into) or ("bf16", None) for this bucket's next collective; ("fp8", None)
-    without a guard. kind: "grad" or "param" (owner: the bucket's persistent Megatron buffer) or "moe" (owner:
-    the MoE layer's token dispatcher, whose dispatch and combine share one bucket; device: the tokens')."""
+def route(kind: str, owner, device: torch.device | None = None, fp4: bool = False) -> tuple[str, GuardBucket | None]:
+    """(wire, the bucket to count into) for this bucket's next collective: "fp8" (or "fp4" for a bucket configured
+    in 4 bits, fp4=True), "fp8" for a 4-bit bucket the guard demoted, or ("bf16", None); without a guard the
+    configured wire and None. kind: "grad" or "param" (owner: the bucket's persistent Megatron buffer) or "moe"
+    (owner: the MoE layer's token dispatcher, whose dispatch and combine share one bucket; device: the tokens')."""
     inst = installed()
     g = inst.guard
     if g is None:
-        return "fp8", None
+        return ("fp4" if fp4 else "fp8"), None
     if g.group is None:
         g.group = _stage_group()
     keys = inst.guard_keys
@@ -42,10 +44,14 @@ def route(kind: str, owner, device: torch.device | None = None) -> tuple[str, Gu
     if entry is None or entry[0]() is not owner:
         entry = keys[ident] = (weakref.ref(owner), f"{kind}{sum(1 for k in keys if k[0] == kind)}")
     key = entry[1]
-    if g.wire(key) == "bf16":
+    bucket = g.bucket(key, owner.device if device is None else device, fp4=fp4)
+    wire = g.wire(key)
+    if wire == "bf16":
         count("guard", f"{kind}_bf16_calls")
         return "bf16", None
-    return "fp8", g.bucket(key, owner.device if device is None else device)
+    if fp4 and wire == "fp8":
+        count("guard", f"{kind}_fp8_calls")  # a 4-bit bucket demoted to FP8 for its cooldown
+    return wire, bucket
 
 
 def _stage_group():

@@ -19,8 +19,8 @@ import torch
 
 from fp8comm.comm import shutdown as fcomm_shutdown
 
-from . import ddp_hooks, error_feedback, guard, moe_hooks
-from .config import HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError
+from . import ddp_hooks, error_feedback, guard, moe_hooks, replica_update
+from .config import FP4_LAYOUT, HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError
 from .installation import begin, current, end
 
 logger = logging.getLogger("fp8comm.integrations.megatron")
@@ -32,17 +32,19 @@ ALLOW_UNTESTED_ENV = "FP8COMM_MEGATRON_ALLOW_UNTESTED"
 PGB = "megatron.core.distributed.param_and_grad_buffer"
 TD = "megatron.core.transformer.moe.token_dispatcher"
 OPT = "megatron.core.optimizer.optimizer"
+DISTOPT = "megatron.core.optimizer.distrib_optimizer"
 
 
 @dataclass(frozen=True)
 class PatchPoint:
     """A module attribute fp8comm replaces, and the Megatron functions that must still call it by that name."""
 
-    feature: str  # "ddp" (either DDP hook), "grad", "param", "ef" (error feedback), "moe" (alltoall dispatcher),
-    # "moe_ag" (allgather dispatcher), "flex" (the refusal wrapper, when the dispatcher type is unknown at install)
+    feature: str  # "ddp" (either DDP hook), "grad", "param", "update" (4-bit weight updates), "ef" (error
+    # feedback), "moe" (alltoall dispatcher), "moe_ag" (allgather dispatcher), "flex" (the refusal wrapper, when the
+    # dispatcher type is unknown at install)
     module: str
     name: str  # attribute of `module` (a "Class.method" for methods)
-    users: tuple[str, ...]  # "Class.method" in `module` whose code must reference `name`
+    users: tuple[str, ...]  # "Class.method" in `module` (or "other.module:Class.method") that must reference `name`
     calls: tuple[str, ...] = ()  # names the patched function itself must still reference (what its wrapper takes)
 
 
@@ -58,6 +60,33 @@ PATCH_POINTS = (
     # ddp_config.reduce_scatter_with_fp32_accumulation is on; patching it keeps FP8 in that mode too.
     PatchPoint("grad", PGB, "reduce_scatter_with_fp32_accumulation", ("_ParamAndGradBucketGroup.__init__",)),
     PatchPoint("param", PGB, "dist_all_gather_func", ("_ParamAndGradBucketGroup.start_param_sync",)),
+    # 4-bit weight updates: the same gather, and the distributed optimizer's copy of the fp32 master into the
+    # owner's slice of the parameter buffer (it writes the staging shard instead; replica_update.py). What the
+    # replacement reads of the optimizer must still be what Megatron's own copy reads.
+    PatchPoint("update", PGB, "dist_all_gather_func", ("_ParamAndGradBucketGroup.start_param_sync",)),
+    PatchPoint(
+        "update",
+        DISTOPT,
+        "DistributedOptimizer._copy_main_params_to_model_params",
+        (f"{OPT}:MixedPrecisionOptimizer.step_with_ready_grads",),
+        calls=(
+            "shard_fp32_from_float16_groups",
+            "model_float16_groups",
+            "shard_fp32_groups",
+            "model_fp32_groups",
+            "_get_model_param_range_map",
+            "model_param_gbuf_map",
+            "buffers",
+            "param_data",
+        ),
+    ),
+    # MXFP8 params stage the master into a gradient buffer reused for the gather (zeroed every step): refused.
+    PatchPoint(
+        "update",
+        DISTOPT,
+        "DistributedOptimizer._copy_main_params_to_param_buffer",
+        (f"{OPT}:MixedPrecisionOptimizer.step_with_ready_grads",),
+    ),
     # Plain DDP (and force_all_reduce): start_grad_sync calls torch.distributed.all_reduce(bucket.grad_data, ...)
     # directly inside its coalescing block; the wrapper takes those calls for the duration of the method.
     PatchPoint(
@@ -141,6 +170,12 @@ def _resolve(module, dotted: str):
     return obj
 
 
+def resolve_user(point: PatchPoint, user: str):
+    """The function a PatchPoint user names: "Class.method" in the point's module, or "module:Class.method"."""
+    mod, _, name = user.rpartition(":")
+    return _resolve(importlib.import_module(mod or point.module), name)
+
+
 def _code_names(fn) -> set[str]:
     """Global names a function's code (and its nested functions) references."""
     fn = getattr(fn, "__wrapped__", fn)
@@ -154,7 +189,7 @@ def _code_names(fn) -> set[str]:
     return names
 
 
-def check_patch_points(features=("ddp", "grad", "param", "ef", "moe", "moe_ag", "flex")) -> list[str]:
+def check_patch_points(features=("ddp", "grad", "param", "update", "ef", "moe", "moe_ag", "flex")) -> list[str]:
     """Problems with the patch points of the given features ([] = every name is present and still used)."""
     problems = []
     for p in PATCH_POINTS:
@@ -181,14 +216,15 @@ def check_patch_points(features=("ddp", "grad", "param", "ef", "moe", "moe_ag", 
         if missing:
             problems.append(f"{p.module}.{p.name} no longer calls {', '.join(missing)}: wrapping it would do nothing")
         for user in p.users:
+            where = user.replace(":", ".") if ":" in user else f"{p.module}.{user}"
             try:
-                fn = _resolve(mod, user)
-            except AttributeError:
-                problems.append(f"{p.module}.{user} (which calls {p.name}) is missing")
+                fn = resolve_user(p, user)
+            except (AttributeError, ImportError):
+                problems.append(f"{where} (which calls {p.name}) is missing")
                 continue
             if p.name.split(".")[-1] not in _code_names(fn):
-                problems.append(f"{p.module}.{user} no longer references {p.name}: patching it would do nothing")
-    if "ddp" in features or "grad" in features or "param" in features:
+                problems.append(f"{where} no longer references {p.name}: patching it would do nothing")
+    if {"ddp", "grad", "param", "update"} & set(features):
         from megatron.core.distributed import DistributedDataParallelConfig
 
         missing = [f for f in DDP_FIELDS if f not in DistributedDataParallelConfig.__dataclass_fields__]
@@ -263,7 +299,8 @@ def _facts_from_configs(ddp_config, transformer_config, params_dtype) -> _Facts:
 def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
     """Settings that would corrupt training or make a hook silently do nothing."""
     errs = []
-    ddp = cfg.grad_reduce or cfg.param_gather
+    fp8_ddp = cfg.grad_reduce or cfg.param_gather  # the hooks --fp8comm-hierarchical applies to
+    ddp = fp8_ddp or cfg.param_update
     if ddp and f.fsdp:
         errs.append(f"{f.fsdp}: fp8comm hooks Megatron's DDP bucket groups, not FSDP; the hooks would do nothing")
     if ddp and f.instances is not None and f.instances > 1:
@@ -283,12 +320,56 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
             "--fp8comm-param-gather with fp32 parameters: the distributed optimizer's fp32 master weights "
             "are a view of the parameter buffer, so the FP8 gather would overwrite them; use --bf16/--fp16"
         )
+    if cfg.param_update:
+        flag = f"--fp8comm-param-update-format {cfg.param_update_fmt}"
+        if f.dist_opt is False:
+            errs.append(f"{flag} needs --use-distributed-optimizer (only it gathers parameters into replicas)")
+        if cfg.param_gather:
+            errs.append(
+                f"{flag} with --fp8comm-param-gather: both replace the distributed optimizer's parameter "
+                "all-gather (4-bit changes vs FP8 values); choose one"
+            )
+        if f.te_quantized:
+            errs.append(
+                f"{flag} with {f.te_quantized}: Transformer Engine gathers its quantized parameters itself "
+                "(raw quantized storage, or the reused gradient buffer, which keeps no replica)"
+            )
+        if f.params_dtype == torch.float32:
+            errs.append(
+                f"{flag} with fp32 parameters: the distributed optimizer's fp32 master weights are the parameter "
+                "buffer itself, so there is no separate master to send the change from; use --bf16/--fp16"
+            )
+    if cfg.hadamard and not (cfg.grad_reduce and cfg.grad_fp4):
+        errs.append(
+            f"--fp8comm-hadamard {cfg.hadamard} applies to 4-bit gradients (--fp8comm-grad-reduce with "
+            f"--fp8comm-grad-format mxfp4/nvfp4); gradients here: "
+            f"{cfg.grad_fmt if cfg.grad_reduce else 'not hooked'}"
+        )
+    if cfg.grad_fp4 and not cfg.grad_reduce:
+        errs.append(f"--fp8comm-grad-format {cfg.grad_fmt} without --fp8comm-grad-reduce: it would do nothing")
+    if cfg.grad_fp4 and cfg.grad_reduce and cfg.hierarchical:
+        errs.append(
+            f"--fp8comm-hierarchical with --fp8comm-grad-format {cfg.grad_fmt}: the 4-bit wire has no "
+            "hierarchical mode; use an FP8 gradient format or drop --fp8comm-hierarchical"
+        )
+    defaults = Fp8CommMegatronConfig()
+    fp8_only = [
+        f"--fp8comm-{name.replace('_', '-')} {getattr(cfg, name)}"
+        for name in ("block_size", "scaling")
+        if getattr(cfg, name) != getattr(defaults, name)
+    ]
+    if cfg.any and not cfg.uses_fp8_blocks and fp8_only:
+        fixed = "; ".join(f"{k}: {v}" for k, v in FP4_LAYOUT.items())
+        errs.append(
+            f"{' and '.join(fp8_only)}: these apply to FP8 wires only and none is on; the 4-bit formats fix "
+            f"their block and scale kind ({fixed}): drop them"
+        )
     if cfg.error_feedback and not cfg.grad_reduce:
         errs.append(
             "--fp8comm-error-feedback needs --fp8comm-grad-reduce: the residuals are the FP8 gradient "
             "reduce-scatter's quantization error"
         )
-    if cfg.guard and not (cfg.grad_reduce or cfg.param_gather):
+    if cfg.guard and not fp8_ddp:
         errs.append(
             "--fp8comm-guard watches the FP8 DDP buckets: it needs --fp8comm-grad-reduce or --fp8comm-param-gather"
         )
@@ -328,9 +409,9 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
                 f"{flags} with the allgather dispatcher and tensor x expert parallel size 1: tokens never "
                 "leave the rank"
             )
-    if cfg.hierarchical and ddp and not os.environ.get("LOCAL_WORLD_SIZE"):
+    if cfg.hierarchical and fp8_ddp and not os.environ.get("LOCAL_WORLD_SIZE"):
         errs.append("--fp8comm-hierarchical needs LOCAL_WORLD_SIZE (ranks per node; torchrun sets it)")
-    if cfg.hierarchical and not ddp:
+    if cfg.hierarchical and not fp8_ddp:
         errs.append("--fp8comm-hierarchical applies to the gradient/parameter hooks, and neither is on")
     return errs
 
@@ -351,12 +432,11 @@ def install(
     is built, or install(ddp_config=..., transformer_config=..., grad_reduce=True, ...) for Megatron-Core.
 
     `options` are Fp8CommMegatronConfig fields (fmt, grad_fmt, block_size, scaling, rounding, hierarchical, check,
-    moe_grad_wire, moe_combine, error_feedback, error_feedback_dtype). Raises Fp8CommMegatronError, with nothing
-    patched, on an unsupported version, a missing Megatron name or a combination that would corrupt training or
-    silently do nothing.
+    moe_grad_wire, moe_combine, error_feedback, error_feedback_dtype, guard*, param_update_fmt). Raises
+    Fp8CommMegatronError, with nothing patched, on an unsupported version, a missing Megatron name or a combination
+    that would corrupt training or silently do nothing. Called again while installed: the same settings are a
+    no-op (Megatron-LM calls model_provider once per virtual pipeline stage), other settings an error.
     """
-    if current() is not None:
-        raise Fp8CommMegatronError("fp8comm: already installed; call uninstall() first")
     if args is not None:
         if (
             grad_reduce
@@ -377,6 +457,18 @@ def install(
         )
         facts = _facts_from_configs(ddp_config, transformer_config, params_dtype)
     errs = validate(cfg, facts)  # also when no hook is on: e.g. --fp8comm-error-feedback alone would do nothing
+    active = current()
+    if active is not None:
+        # Megatron-LM calls model_provider once per virtual pipeline stage: an install() placed there runs again
+        # with the same settings, which is a no-op; other settings need uninstall() first.
+        if active.cfg != cfg:
+            raise Fp8CommMegatronError(
+                "fp8comm: already installed with other settings; call uninstall() first (installed: "
+                f"{_changed(active.cfg)}; requested: {_changed(cfg)})"
+            )
+        if errs:
+            raise Fp8CommMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
+        return active.cfg
     if not cfg.any and not errs:
         _log(cfg.describe(facts.dist_opt))
         return cfg
@@ -402,15 +494,24 @@ def install(
     return cfg
 
 
+def _changed(cfg: Fp8CommMegatronConfig) -> str:
+    """The settings that differ from the defaults, for messages ("defaults" when none)."""
+    d = Fp8CommMegatronConfig()
+    diff = [f"{k}={v!r}" for k, v in vars(cfg).items() if getattr(d, k) != v]
+    return ", ".join(diff) or "defaults"
+
+
 def _features(cfg: Fp8CommMegatronConfig, facts: _Facts) -> set[str]:
     """The patch-point features this configuration needs (MoE: by dispatcher type; both when it is unknown)."""
     f = set()
-    if cfg.grad_reduce or cfg.param_gather:
+    if cfg.grad_reduce or cfg.param_gather or cfg.param_update:
         f.add("ddp")
     if cfg.grad_reduce:
         f.add("grad")
     if cfg.param_gather:
         f.add("param")
+    if cfg.param_update:
+        f.add("update")
     if cfg.error_feedback or cfg.guard:
         f.add("ef")
     if cfg.moe:
@@ -427,7 +528,7 @@ def _features(cfg: Fp8CommMegatronConfig, facts: _Facts) -> set[str]:
 def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[Any, str, object]]:
     """(object, attribute, replacement) for every name to patch; nothing is patched yet."""
     patches: list[tuple[Any, str, object]] = []
-    if features & {"grad", "param"}:
+    if features & {"grad", "param", "update"}:
         pgb = importlib.import_module(PGB)
         patches.append((pgb, "_coalescing_manager", ddp_hooks.make_coalescing_manager(pgb._coalescing_manager)))
         if cfg.grad_reduce:
@@ -443,8 +544,15 @@ def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[Any, 
             )
             bg = pgb._ParamAndGradBucketGroup
             patches.append((bg, "start_grad_sync", ddp_hooks.make_start_grad_sync(bg.__dict__["start_grad_sync"], cfg)))
-        if cfg.param_gather:
+        if cfg.param_gather or cfg.param_update:
             patches.append((pgb, "dist_all_gather_func", ddp_hooks.make_all_gather(pgb.dist_all_gather_func, cfg)))
+    if "update" in features:
+        dopt = importlib.import_module(DISTOPT).DistributedOptimizer
+        for name, make in (
+            ("_copy_main_params_to_model_params", replica_update.make_copy_main_params),
+            ("_copy_main_params_to_param_buffer", replica_update.make_copy_to_param_buffer),
+        ):
+            patches.append((dopt, name, make(dopt.__dict__[name])))
     if "ef" in features:  # the optimizer step: error feedback's skipped-step reset, the guard's decision
         opt = importlib.import_module(OPT)
         for cls in (opt.MixedPrecisionOptimizer, opt.FP32Optimizer, opt.ChainedOptimizer):

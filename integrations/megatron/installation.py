@@ -2,7 +2,8 @@
 
 Megatron's patch points are module globals, so there is at most one installation per process (`current()`). What
 the hooks remember (which buffers already ran the metadata check, hierarchical node groups, error-feedback
-residuals, the numerics guard and its bucket keys) lives on that object, so uninstall() drops all of it at once.
+residuals, 4-bit weight-update states, the numerics guard and its bucket keys) lives on that object, so
+uninstall() drops all of it at once.
 The per-hook counters (config.hook_stats) are process statistics, like fp8comm.comm.comm_stats(): they outlive it.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +30,8 @@ class Installation:
     node_groups: dict = field(default_factory=dict)
     # id(bucket grad_data) -> (weakref to it, its residual); the weakref guards against a reused id after a free
     residuals: dict[int, tuple[weakref.ref, ErrorFeedback]] = field(default_factory=dict)
+    # id(bucket param_data) -> (weakref to it, its 4-bit weight-update state: replica_update.BucketReplica)
+    replicas: dict[int, tuple[weakref.ref, Any]] = field(default_factory=dict)
     guard: Guard | None = None
     guard_keys: dict[tuple[str, int], tuple[weakref.ref, str]] = field(default_factory=dict)  # (kind, id) -> key
 

@@ -317,6 +317,22 @@ def plugin_end_to_end(rank, world, info):
             ["--bf16", "--use-distributed-optimizer", "--fp8comm-param-gather", "--fp8comm-error-feedback"],
             "--fp8comm-error-feedback needs --fp8comm-grad-reduce",
         ),
+        (["--bf16", "--fp8comm-param-update-format", "mxfp4"], "needs --use-distributed-optimizer"),
+        (["--use-distributed-optimizer", "--fp8comm-param-update-format", "nvfp4"], "no separate master"),
+        (
+            [
+                "--bf16",
+                "--use-distributed-optimizer",
+                "--fp8comm-param-gather",
+                "--fp8comm-param-update-format",
+                "mxfp4",
+            ],
+            "choose one",
+        ),
+        (
+            ["--bf16", "--fp8comm-grad-reduce", "--fp8comm-grad-format", "mxfp4", "--fp8comm-block-size", "64"],
+            "apply to FP8 wires only",
+        ),
         (
             [
                 "--bf16",

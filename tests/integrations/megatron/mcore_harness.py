@@ -24,6 +24,7 @@ CHECK_MODULES = (
     "mcore_checks_pp",
     "mcore_checks_guard",
     "mcore_checks_example",
+    "mcore_checks_fp4",
 )
 
 
