@@ -23,7 +23,7 @@ from .errors import (
     Fp8CommUnsupportedError,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 __all__ = [
     "quantize",
     "dequantize",
