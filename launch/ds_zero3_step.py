@@ -1,14 +1,19 @@
-"""DeepSpeed ZeRO-3 training step with the fp8comm flag on or off: step time, bytes on this node's link, loss.
+"""DeepSpeed ZeRO-3 (or ZeRO-1/2) training step with the fp8comm flag on or off: step time, link bytes, loss.
 
     launch/cluster.py up --nodes 2 --rate 1gbit
     launch/cluster.py run -- launch/ds_zero3_step.py              # DeepSpeed's own collectives
     launch/cluster.py run -- launch/ds_zero3_step.py --fp8        # "fp8_comm": {"enabled": true, "gemm": false}
+    launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --fp8    # ZeRO-2 (also --stage 1)
+    launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --fp8 --grad-fmt mxfp4 --update-fmt mxfp4  # 4 bits
+
+`--profile DIR` writes a cProfile of each rank's steady-state steps (DIR/rank<r>.prof) to find non-link time.
 
 The model is `--layers` x Linear(dim, dim) in bf16 (no FP8 GEMMs: only the communication changes), trained to
 match a fixed random teacher, the same weights and batches in both modes. Rank 0 prints one line
 `ds_zero3_step summary: {json}`: median step time (after `--warmup` steps), bytes this node's link interface sent
 per step (fp8comm.distributed.link_ifname), rank 0's forward / backward / optimizer-step medians, first and last
-loss, and fp8comm's own byte counts.
+loss, rank 0's CPU time per step (all its threads: the work that is not waiting on the link; less sensitive
+to other load on a shared machine than wall time), and fp8comm's own byte counts.
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ import time
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fp8", action="store_true", help="enable fp8comm (weights and gradients in FP8, GEMMs off)")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage")
+    p.add_argument("--grad-fmt", default="e4m3", help="with --fp8: gradients.fmt (e4m3, e5m2, mxfp4, nvfp4)")
+    p.add_argument("--hadamard", type=int, default=0, help="with --fp8 and a 4-bit --grad-fmt: 0, 16 or 32")
+    p.add_argument("--update-fmt", default=None, help="with --fp8, ZeRO-1/2: weights.update_fmt (mxfp4, nvfp4)")
+    p.add_argument("--profile", metavar="DIR", help="cProfile each rank's steps after warmup into DIR/rank<r>.prof")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--rows", type=int, default=8, help="rows per rank per step")
@@ -55,21 +65,33 @@ def main(argv: list[str] | None = None) -> int:
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**6,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": a.stage},
     }
+    if a.stage == 3:
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if a.fp8:
         ds["fp8_comm"] = {"enabled": True, "gemm": False}
+        if a.grad_fmt != "e4m3" or a.hadamard:  # only keys that differ: the script also runs older checkouts
+            ds["fp8_comm"]["gradients"] = {"fmt": a.grad_fmt, "hadamard": a.hadamard}
+        if a.update_fmt:
+            ds["fp8_comm"]["weights"] = {"update_fmt": a.update_fmt}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = fd.initialize(model=model, optimizer=opt, config=ds)
     ifname = link_ifname()
-    times, link, losses = [], [], []
+    times, cpu_s, link, losses = [], [], [], []
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+    prof = None
     for step in range(a.steps):
+        if a.profile and step == a.warmup:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(a.rows, a.dim, generator=g)
         y = (x @ teacher).bfloat16()
         dist.barrier()  # every step starts together: its time and link bytes are this step's
-        tx0, t0 = (link_bytes(ifname) or (0, 0))[0] if ifname else 0, time.perf_counter()
+        tx0, t0, c0 = (link_bytes(ifname) or (0, 0))[0] if ifname else 0, time.perf_counter(), time.process_time()
         loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y.float())
         t1 = time.perf_counter()
         engine.backward(loss)
@@ -80,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
             phases[k].append(dt)
         times.append(time.perf_counter() - t0)
+        cpu_s.append(time.process_time() - c0)
         if ifname:
             link.append((link_bytes(ifname) or (0, 0))[0] - tx0)
         mean = loss.detach().float().reshape(1)
@@ -87,15 +110,23 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(float(mean) / world)
         if rank == 0:
             print(f"step {step + 1}/{a.steps} | loss {losses[-1]:.5f} | {times[-1] * 1e3:.0f} ms", flush=True)
+    if prof is not None:
+        prof.disable()
+        os.makedirs(a.profile, exist_ok=True)
+        prof.dump_stats(os.path.join(a.profile, f"rank{rank}.prof"))
     if rank == 0:
         steady = slice(a.warmup, None)
         summary = {
             "fp8comm": a.fp8,
+            "stage": a.stage,
+            "fp8_comm": ds.get("fp8_comm"),
             "world": world,
-            "params": sum(p.ds_numel for p in engine.module.parameters()),
+            "params": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
             "steps": a.steps,
             "step_time_s_median": round(statistics.median(times[steady]), 4),
             "step_times_s": [round(t, 4) for t in times],
+            # this process's CPU time (all its threads, gloo's included): the non-link work, less load-sensitive
+            "cpu_s_per_step_median": round(statistics.median(cpu_s[steady]), 4),
             "phase_s_median": {k: round(statistics.median(v[steady]), 4) for k, v in phases.items()},
             "link": ifname,
             "link_tx_bytes_per_step_median": statistics.median(link[steady]) if link else None,

@@ -285,6 +285,11 @@ def check_combination(ds: dict, cfg: Fp8CommDeepSpeedConfig, model=None) -> dict
                 "stage3_use_all_reduce_for_fetch_params fetches weights with an all-reduce, which "
                 'fp8_comm.weights does not hook; turn it off or set "weights": false'
             )
+    if stage == 3 and cfg.weights.enabled and cfg.weights.update_fmt is not None:
+        problems.append(
+            f"fp8_comm.weights.update_fmt = {cfg.weights.update_fmt!r} sends each step's weight change to a full "
+            "replica, which only ZeRO-1/2 keep; ZeRO-3 keeps FP8 weights (drop update_fmt; weights.fmt stays FP8)"
+        )
     if stage in (1, 2) and cfg.gradients.enabled:
         for flag, why in (
             ("reduce_scatter", "the FP8 reduce-scatter to owners replaces the reduce_scatter path"),

@@ -7,9 +7,11 @@ and bad value is an error that names the key path and lists what is valid (with 
         "enabled": true,                      # the section's presence alone also means enabled
         "mode": "fp8",                        # "measure": hooks only count DeepSpeed's own bytes, change nothing
         "log": true,                          # the one-line summary on rank 0
-        "weights":   {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest"},
+        "weights":   {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
+                      "update_fmt": null},
         "gradients": {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
-                      "error_feedback": false, "residual_dtype": "fp32", "allow_unpartitioned_residuals": false},
+                      "hadamard": 0, "error_feedback": false, "residual_dtype": "fp32",
+                      "allow_unpartitioned_residuals": false},
         "moe":       {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
                       "combine": "native", "grad": "native"},
         "gemm":      {"enabled": false, "recipe": "blockwise", "skip_first_blocks": 0, "skip_last_blocks": 0,
@@ -17,6 +19,11 @@ and bad value is an error that names the key path and lists what is valid (with 
         "guard":     {"enabled": false, "threshold": 0.001, "patience": 3, "cooldown": 50},
         "check": null                         # cross-rank metadata check per collective; null: FP8COMM_CHECK (on)
     }
+
+4 bits: "gradients": {"fmt": "mxfp4" | "nvfp4", "hadamard": 0 | 16 | 32} (the format fixes block and scale kind:
+leave block_size and scaling at their defaults or give the format's own, 32 / 16);
+"weights": {"update_fmt": "mxfp4" | "nvfp4"} sends each step's weight CHANGE in 4 bits (ZeRO-1/2 only, which keep
+a full replica on every rank; ZeRO-3 keeps FP8 weights). Weight values and MoE tokens stay FP8.
 
 The section is about communication: FP8 GEMMs are opt-in ("gemm" is off unless asked for; Fp8Linear blockwise
 ran at 0.71x of bf16 nn.Linear on an H200, docs/benchmarks.md "GEMMs"). A sub-section may be a bare boolean: true
@@ -31,6 +38,7 @@ import difflib
 from dataclasses import asdict, dataclass, field
 
 from fp8comm.comm import FORMATS, KERNEL_BACKENDS, ROUNDINGS, SCALE_ENCODINGS, WIRES, GuardPolicy, WireConfig
+from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS
 from fp8comm.errors import Fp8CommConfigError
 from fp8comm.gemm import BACKENDS as GEMM_BACKENDS
 from fp8comm.gemm import RECIPES
@@ -62,6 +70,23 @@ class TrafficConfig:
         return self.wire(None).describe()
 
 
+UPDATE_FORMATS = FP4_WIRE_FORMATS  # weights.update_fmt: the 4-bit change of each step (fp8comm.comm.ReplicaUpdate)
+HADAMARD_SIZES = (0, 16, 32)
+
+
+@dataclass(frozen=True)
+class WeightConfig(TrafficConfig):
+    """Weight traffic: values in FP8; with update_fmt (ZeRO-1/2), each step's change of the replica in 4 bits."""
+
+    update_fmt: str | None = None
+
+    def update_wire(self, check: bool | None) -> WireConfig | None:
+        """The ReplicaUpdate wire (None: the weights travel as FP8 values)."""
+        if self.update_fmt is None:
+            return None
+        return WireConfig(fmt=self.update_fmt, rounding=self.rounding, check=check)
+
+
 RESIDUAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # key value -> WireConfig.residual_dtype (4 or 2 bytes)
 
 
@@ -72,15 +97,24 @@ class GradientConfig(TrafficConfig):
     The residual covers this rank's whole gradient (every parameter, every owner's slice): under ZeRO-2/3 that
     undoes gradient partitioning, so those stages need allow_unpartitioned_residuals (see docs/deepspeed.md)."""
 
+    hadamard: int = 0
     error_feedback: bool = False
     residual_dtype: str = "fp32"
     allow_unpartitioned_residuals: bool = False
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.fmt in FP4_WIRE_FORMATS
 
     def wire(self, check: bool | None) -> WireConfig:
         return (
             super()
             .wire(check)
-            .replace(error_feedback=self.error_feedback, residual_dtype=RESIDUAL_DTYPES[self.residual_dtype])
+            .replace(
+                hadamard=self.hadamard,
+                error_feedback=self.error_feedback,
+                residual_dtype=RESIDUAL_DTYPES[self.residual_dtype],
+            )
         )
 
     def describe(self) -> str:
@@ -131,7 +165,7 @@ class Fp8CommDeepSpeedConfig:
     mode: str = "fp8"
     log: bool = True
     check: bool | None = None
-    weights: TrafficConfig = field(default_factory=TrafficConfig)
+    weights: WeightConfig = field(default_factory=WeightConfig)
     gradients: GradientConfig = field(default_factory=GradientConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     gemm: GemmConfig = field(default_factory=GemmConfig)
@@ -164,13 +198,16 @@ def _fraction(v) -> str | None:
 
 _WIRE = {
     "enabled": (bool, None, None),
-    "fmt": (str, FORMATS, None),
+    "fmt": (str, FP8_FORMATS, None),  # weight values and MoE tokens: FP8 only (4 bits: gradients, weight updates)
     "scaling": (str, SCALE_ENCODINGS, None),
     "block_size": (int, None, _positive_pow2),
     "rounding": (str, ROUNDINGS, None),
 }
+_WEIGHTS = {**_WIRE, "update_fmt": ((str, type(None)), (*UPDATE_FORMATS, None), None)}
 _GRAD = {
     **_WIRE,
+    "fmt": (str, FORMATS, None),
+    "hadamard": (int, HADAMARD_SIZES, None),
     "error_feedback": (bool, None, None),
     "residual_dtype": (str, tuple(RESIDUAL_DTYPES), None),
     "allow_unpartitioned_residuals": (bool, None, None),
@@ -198,7 +235,7 @@ _TOP = {
     "check": ((bool, type(None)), None, None),
 }
 _SECTIONS: dict[str, tuple[dict, type]] = {
-    "weights": (_WIRE, TrafficConfig),
+    "weights": (_WEIGHTS, WeightConfig),
     "gradients": (_GRAD, GradientConfig),
     "moe": (_MOE, MoeConfig),
     "gemm": (_GEMM, GemmConfig),
@@ -228,9 +265,25 @@ def _check_value(path: str, v, spec) -> None:
     if not ok:
         raise Fp8CommConfigError(f"{path} must be {_type_name(typ)}, got {v!r}")
     if allowed is not None and v not in allowed:
-        raise Fp8CommConfigError(f"{path} = {v!r} is not valid; valid: {', '.join(map(repr, allowed))}")
+        raise Fp8CommConfigError(f"{path} = {v!r} is not valid; valid: {', '.join(map(_show, allowed))}{_why(path, v)}")
     if extra is not None and (msg := extra(v)):
         raise Fp8CommConfigError(f"{path} = {v!r} {msg}")
+
+
+def _show(v) -> str:
+    return "null" if v is None else repr(v)
+
+
+def _why(path: str, v) -> str:
+    """Why a 4-bit format is refused where only FP8 goes (weight values, MoE tokens)."""
+    if v not in FP4_WIRE_FORMATS:
+        return ""
+    if path.endswith("weights.fmt"):
+        return (
+            f" (4-bit weights travel only as changes of a replica: {SECTION}.weights.update_fmt, ZeRO-1/2; "
+            "ZeRO-3 keeps FP8 weights)"
+        )
+    return " (the MoE all-to-all has no 4-bit wire)"
 
 
 def _section(name: str, raw, schema: dict, cls):
@@ -273,6 +326,19 @@ def parse(ds_config: dict | None) -> Fp8CommDeepSpeedConfig:
     if cfg.gemm.enabled:
         _check_recipe(cfg.gemm.recipe)
     g = cfg.gradients
+    try:  # the wire's own rules (4-bit block and scale kind, hadamard only with 4 bits), named by key path
+        g.wire(cfg.check)
+    except Fp8CommConfigError as e:
+        raise Fp8CommConfigError(f"{SECTION}.gradients: {e}") from None
+    w = cfg.weights
+    if w.update_fmt is not None and not w.enabled:
+        raise Fp8CommConfigError(
+            f"{SECTION}.weights.update_fmt needs {SECTION}.weights.enabled (it replaces the weight all-gather)"
+        )
+    if w.update_fmt is not None and cfg.measure_only:
+        raise Fp8CommConfigError(
+            f"{SECTION}.weights.update_fmt with mode 'measure': measure mode quantizes nothing; drop one of them"
+        )
     if g.error_feedback and not g.enabled:
         raise Fp8CommConfigError(
             f"{SECTION}.gradients.error_feedback needs {SECTION}.gradients.enabled (error "

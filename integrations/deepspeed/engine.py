@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fp8comm.comm import Guard, GuardBucket, default_check_policy, shutdown
+from fp8comm.comm import Guard, GuardBucket, WireConfig, config_for, default_check_policy, shutdown
 from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError, Fp8CommUnsupportedError
 from fp8comm.gemm import Fp8Linear, convert_to_fp8
 
@@ -54,6 +54,7 @@ class EngineState:
         self.names: dict[int, str] = {}  # id(parameter) -> its name in engine.module (residual and guard keys)
         g = cfg.gradients
         self.residuals = Residuals(g.residual_dtype) if g.enabled and g.error_feedback else None
+        self.updates: list | None = None  # ZeRO-1/2 weights.update_fmt: one fp8comm.comm.ReplicaUpdate per flat group
         self.guard = Guard(cfg.guard.policy()) if cfg.guard.enabled else None
         self.moe_keys: dict[int, str] = {}  # id(MOELayer) -> its guard key "moe.<i>"
         self.attached = False
@@ -73,16 +74,27 @@ class EngineState:
             )
         return n
 
-    def route(self, key: str, device) -> tuple[str, GuardBucket | None]:
-        """("fp8", the guard bucket to count into, or None without a guard) or ("bf16", None) while the guard has
-        `key` falling back: the hook then runs DeepSpeed's own collective (counted: hooks "guard.<key>.bf16")."""
+    def route(self, key: str, device, fp4: bool = False) -> tuple[str, GuardBucket | None]:
+        """("fp4" or "fp8", the guard bucket to count into, or None without a guard) or ("bf16", None) while the
+        guard has `key` falling back: the hook then runs DeepSpeed's own collective (counted: hooks
+        "guard.<key>.bf16"). fp4: the traffic is configured in 4 bits ("fp8" then means the guard demoted it;
+        `wire_config` gives the call's config)."""
         g = self.guard
         if g is None:
-            return "fp8", None
-        if g.wire(key) == "bf16":
+            return ("fp4" if fp4 else "fp8"), None
+        w = g.wire(key)
+        if w == "bf16":
             self.acct.hit(f"guard.{key}.bf16")
             return "bf16", None
-        return "fp8", g.bucket(key, device)
+        if fp4 and w == "fp8":
+            self.acct.hit(f"guard.{key}.fp8")
+        return w, g.bucket(key, device, fp4=fp4)
+
+    @staticmethod
+    def wire_config(base: WireConfig, how: str) -> WireConfig:
+        """The call's WireConfig under route()'s answer ("fp4"/"fp8"): a 4-bit `base` demoted to FP8 by the guard
+        sends e4m3 with 1x128 fp32 scales (fp8comm.comm.config_for)."""
+        return config_for(base, how)
 
     def check_not_master(self, t: torch.Tensor, what: str) -> None:
         if self.masters and t.untyped_storage().data_ptr() in self.masters:
@@ -286,7 +298,7 @@ def _after_build(es: EngineState, engine) -> None:
         _after_step(es, engine)
     if cfg.gemm.enabled:
         _track_weight_changes(es, engine)
-    if es.residuals is not None or es.guard is not None or cfg.gemm.enabled:
+    if es.residuals is not None or es.guard is not None or cfg.gemm.enabled or es.updates is not None:
         _wrap_checkpoints(es, engine)
     _ENGINES.append(es)
 
@@ -301,7 +313,7 @@ def _guard_buckets(es: EngineState, engine) -> None:
     cfg = es.cfg
     for key, on in (("weights", cfg.weights.enabled), ("gradients", cfg.gradients.enabled)):
         if on:
-            g.bucket(key, device)
+            g.bucket(key, device, fp4=key == "gradients" and cfg.gradients.is_fp4)
     for key in es.moe_keys.values():
         g.bucket(key, device)
 
@@ -396,27 +408,32 @@ def _wrap_checkpoints(es: EngineState, engine) -> None:
 
         return load_checkpoint
 
-    if es.residuals is not None or es.guard is not None:
+    if es.residuals is not None or es.guard is not None or es.updates is not None:
         wrap_method(es, engine, "save_checkpoint", make_save)
     wrap_method(es, engine, "load_checkpoint", make_load)
 
 
 def _checkpoint_state(es: EngineState) -> dict:
-    state = {}
+    state: dict[str, Any] = {}
     if es.residuals is not None:
         state["error_feedback"] = es.residuals.state_dict()
     if es.guard is not None:
         state["guard"] = es.guard.state_dict()
+    if es.updates is not None:
+        state["replica_updates"] = zero12.replica_state(es)
     return {"format": CHECKPOINT_FORMAT, **state} if state else {}
 
 
 def _load_state(es: EngineState, path: str) -> None:
-    if es.residuals is None and es.guard is None:
+    if es.residuals is None and es.guard is None and es.updates is None:
         return
     if not os.path.exists(path):
         # Not an error (a checkpoint saved without error feedback or guard), but never silent.
         es.acct.hit("checkpoint.no_fp8comm_state")
-        log.warning(f"fp8comm: {path} not found; error-feedback residuals start at zero and the guard from scratch")
+        log.warning(
+            f"fp8comm: {path} not found; error-feedback residuals start at zero, the guard from scratch, and "
+            "weight replicas from DeepSpeed's gather of the fp32 master"
+        )
         if es.residuals is not None:
             es.residuals.store.clear()
         return
@@ -430,6 +447,12 @@ def _load_state(es: EngineState, path: str) -> None:
         es.residuals.load_state_dict(state["error_feedback"])
     if es.guard is not None and "guard" in state:
         es.guard.load_state_dict(state["guard"])
+    if es.updates is not None:
+        if "replica_updates" in state:
+            zero12.load_replica_state(es, state["replica_updates"])
+        else:  # DeepSpeed's load re-gathered the replicas from the master in full: consistent, not the saved ones
+            es.acct.hit("checkpoint.no_replica_state")
+            log.warning(f"fp8comm: {path} holds no weight-replica state; replicas restart from the fp32 master")
     es.acct.hit("checkpoint.fp8comm_state_loaded")
 
 
@@ -442,13 +465,17 @@ def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, con
     if cfg.measure_only:
         return head + ": MEASURE mode - DeepSpeed's own collectives run unchanged, fp8comm only counts bytes; " + gemm
     parts = []
-    if cfg.weights.enabled:
+    upd = cfg.weights.update_wire(None)
+    if cfg.weights.enabled and upd is not None:
+        parts.append(f"weight all-gather as 4-bit changes of the replica ({upd.describe()})")
+    elif cfg.weights.enabled:
         parts.append(f"weight all-gather FP8 ({cfg.weights.describe()}{', hpZ' if combo['hpz'] > 1 else ''})")
     else:
         parts.append("weight all-gather native (DeepSpeed's own)")
     how = "reduce-scatter" if combo["stage"] == 3 else "reduce to owners"
     if cfg.gradients.enabled:
-        parts.append(f"gradient {how} FP8 ({cfg.gradients.describe()}{', replaces qgZ' if combo['qgz'] else ''})")
+        bits = "4-bit" if cfg.gradients.is_fp4 else "FP8"
+        parts.append(f"gradient {how} {bits} ({cfg.gradients.describe()}{', replaces qgZ' if combo['qgz'] else ''})")
     else:
         parts.append(f"gradient {how} native (DeepSpeed's own)")
     if cfg.moe.enabled:

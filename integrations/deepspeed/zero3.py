@@ -218,7 +218,7 @@ def _grad_reduce(orig, path: str):
         itemsize = tensors[0].element_size()
         baseline = (world - 1) * sum(chunks) * itemsize  # DeepSpeed's reduce-scatter of the unpadded layout
         es.acct.hit(f"zero3.grad_reduce.{path}")
-        how, gb = ("fp8", None) if es.cfg.measure_only else es.route("gradients", tensors[0].device)
+        how, gb = ("fp8", None) if es.cfg.measure_only else es.route("gradients", tensors[0].device, wire.is_fp4)
         if es.cfg.measure_only or how == "bf16":  # the guard's fallback keeps residuals for the next FP8 step
             es.acct.add("gradients", baseline, baseline, False)
             return orig(tensors, group)
@@ -247,7 +247,13 @@ def _grad_reduce(orig, path: str):
         ef = None if es.residuals is None else es.residuals.assemble(pieces, flat.numel(), flat.device)
         with es.acct.fp8("gradients", baseline=baseline):
             fc.reduce_scatter_into(
-                out, flat.view(-1), pg, op="avg", config=wire.wire(es.cfg.check), error_feedback=ef, guard=gb
+                out,
+                flat.view(-1),
+                pg,
+                op="avg",
+                config=es.wire_config(wire.wire(es.cfg.check), how),  # 4 bits, or FP8 while the guard demotes
+                error_feedback=ef,
+                guard=gb,
             )
         if ef is not None:
             es.residuals.scatter(ef, pieces, flat.numel())

@@ -14,6 +14,98 @@ from ds_common import SMALL_BUCKET, SQNR, SQNR_STEPS, GradSqnr, parity
 import fp8comm.integrations.deepspeed as fd
 
 
+def _fp32_accumulation_once(stage: int, bucket_size: int | None) -> dict:
+    """One forward/backward of a ZeRO-`stage` bf16 engine (reduce_bucket_size, None: DeepSpeed's default):
+    every owned slice compared with the fp32 sum of the senders' FP8 contributions. Returns the counts."""
+    import fp8comm
+
+    info: dict = {}
+    zero = {} if bucket_size is None else {"reduce_bucket_size": bucket_size}
+    cfg = T.ds_config(stage, "bf16", {"gemm": False}, **zero)
+    if stage == 2:  # DeepSpeed's compact fp32 gradient partition: no merged slices
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    eng, _ = T.build(cfg)
+    opt, seen, bounds = eng.optimizer, [], {}  # bounds: per call, where each parameter starts in the bucket
+    inner = opt.allreduce_and_scatter
+
+    def spy(bucket, dtype, *a, **k):
+        ipg = opt.ipg_buckets[dtype]
+        base = ipg.buffer[ipg.index]
+        n, bounds[len(seen)] = 0, set()
+        for g, i, _ in ipg.params:  # the hook's FP8 blocks restart at each parameter
+            bounds[len(seen)].add(n)
+            n += opt.bit16_groups[g][i].numel()
+        # (call, offset in the reduce bucket, owner, this rank's input, the fp32 partition slice or None, its
+        # value before)
+        items = [
+            (
+                len(seen),
+                (b[1].data_ptr() - base.data_ptr()) // b[1].element_size(),
+                next(iter(b[0])) if isinstance(b[0], frozenset) else b[0],
+                b[1].detach().clone(),
+                b[2],
+                None if b[2] is None else b[2].detach().clone(),
+                b[1],
+            )
+            for b in bucket
+        ]
+        inner(bucket, dtype, *a, **k)
+        # what landed: the fp32 partition's increment, else the bucket slice itself (written in place)
+        seen.append(
+            [
+                (c, off, o, t, (live.detach().clone() if out is None else out - before).view(-1))
+                for c, off, o, t, out, before, live in items
+            ]
+        )
+
+    opt.allreduce_and_scatter = spy
+    x, y = T.batch(0, dist.get_rank())
+    _, loss = eng(x, y)
+    eng.backward(loss)
+    del opt.allreduce_and_scatter
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [[(c, off, t) for c, off, _, t, _ in call] for call in seen])
+
+    def piece(calls, c, off, n):  # rank's input for bucket elements [off, off + n) of call c (slices may merge)
+        for _, o, t in calls[c]:
+            if o <= off and off + n <= o + t.numel():
+                return t[off - o : off - o + n]
+        raise AssertionError(f"no slice covers [{off}, {off + n}) of call {c}")
+
+    def fp32_decode(x, c, off):  # x = call c's bucket elements [off, off + len): FP8 per parameter, fp32 decode
+        cuts = sorted({0, x.numel()} | {b - off for b in bounds[c] if off < b < off + x.numel()})
+        return torch.cat(
+            [fp8comm.quantize(x[a:b], "e4m3", 128).dequantize(torch.float32) for a, b in zip(cuts, cuts[1:])]
+        )
+
+    me, exact, bf16_decode, checked = dist.get_rank(), 0, 0, 0
+    lands = torch.float32 if stage == 2 else torch.bfloat16
+    for call in seen:
+        for c, off, owner, t, got in call:
+            if owner != me:
+                continue
+            assert got.dtype == lands, f"owned slice landed in {got.dtype}, expected {lands}"
+            dec = [fp32_decode(piece(calls, c, off, t.numel()), c, off) for calls in everyone]
+            want = dec[0].clone()
+            for d in dec[1:]:
+                want += d  # rank order, fp32
+            rounded = sum(d.to(torch.bfloat16).float() for d in dec)  # each contribution decoded into bf16
+            checked += got.numel()
+            exact += int((got == want.to(lands)).sum())
+            bf16_decode += int((rounded.to(lands) != want.to(lands)).sum())
+    info.update(owned_elements=checked, exact=exact, differ_if_decoded_in_bf16=bf16_decode)
+    assert checked > 0 and seen, "no owned slice was reduced through the hook"
+    assert bf16_decode > checked // (4 if stage == 2 else 8), "this data cannot tell a bf16 decode from an fp32 one"
+    assert exact == checked, (
+        f"{checked - exact} of {checked} owned elements differ from the fp32 sum of the "
+        f"FP8 contributions decoded in fp32{'' if stage == 2 else ' (rounded once to bf16)'}"
+    )
+    info["paths"] = {k: v for k, v in fd.hook_stats(eng)["hooks"].items() if k.startswith("zero12.grad_reduce.")}
+    T.destroy(eng)
+    fd.uninstall()
+    return info
+
+
 def _fp32_accumulation(stage: int):
     """ZeRO-1/2 bf16: what the owner receives is, bit for bit, the fp32 sum (in rank order) of every sender's FP8
     contribution decoded straight into fp32.
@@ -25,89 +117,19 @@ def _fp32_accumulation(stage: int):
     this; the check also counts how many elements a bf16 decode would change, and fails if the data cannot tell."""
 
     def check(info):
-        import fp8comm
-
-        cfg = T.ds_config(stage, "bf16", {"gemm": False}, reduce_bucket_size=SMALL_BUCKET)
-        if stage == 2:  # DeepSpeed's compact fp32 gradient partition: no merged slices
-            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-        eng, _ = T.build(cfg)
-        opt, seen, bounds = eng.optimizer, [], {}  # bounds: per call, where each parameter starts in the bucket
-        inner = opt.allreduce_and_scatter
-
-        def spy(bucket, dtype, *a, **k):
-            ipg = opt.ipg_buckets[dtype]
-            base = ipg.buffer[ipg.index]
-            n, bounds[len(seen)] = 0, set()
-            for g, i, _ in ipg.params:  # the hook's FP8 blocks restart at each parameter
-                bounds[len(seen)].add(n)
-                n += opt.bit16_groups[g][i].numel()
-            # (call, offset in the reduce bucket, owner, this rank's input, the fp32 partition slice or None, its
-            # value before)
-            items = [
-                (
-                    len(seen),
-                    (b[1].data_ptr() - base.data_ptr()) // b[1].element_size(),
-                    next(iter(b[0])) if isinstance(b[0], frozenset) else b[0],
-                    b[1].detach().clone(),
-                    b[2],
-                    None if b[2] is None else b[2].detach().clone(),
-                    b[1],
-                )
-                for b in bucket
-            ]
-            inner(bucket, dtype, *a, **k)
-            # what landed: the fp32 partition's increment, else the bucket slice itself (written in place)
-            seen.append(
-                [
-                    (c, off, o, t, (live.detach().clone() if out is None else out - before).view(-1))
-                    for c, off, o, t, out, before, live in items
-                ]
-            )
-
-        opt.allreduce_and_scatter = spy
-        x, y = T.batch(0, dist.get_rank())
-        _, loss = eng(x, y)
-        eng.backward(loss)
-        del opt.allreduce_and_scatter
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, [[(c, off, t) for c, off, _, t, _ in call] for call in seen])
-
-        def piece(calls, c, off, n):  # rank's input for bucket elements [off, off + n) of call c (slices may merge)
-            for _, o, t in calls[c]:
-                if o <= off and off + n <= o + t.numel():
-                    return t[off - o : off - o + n]
-            raise AssertionError(f"no slice covers [{off}, {off + n}) of call {c}")
-
-        def fp32_decode(x, c, off):  # x = call c's bucket elements [off, off + len): FP8 per parameter, fp32 decode
-            cuts = sorted({0, x.numel()} | {b - off for b in bounds[c] if off < b < off + x.numel()})
-            return torch.cat(
-                [fp8comm.quantize(x[a:b], "e4m3", 128).dequantize(torch.float32) for a, b in zip(cuts, cuts[1:])]
-            )
-
-        me, exact, bf16_decode, checked = dist.get_rank(), 0, 0, 0
-        lands = torch.float32 if stage == 2 else torch.bfloat16
-        for call in seen:
-            for c, off, owner, t, got in call:
-                if owner != me:
-                    continue
-                assert got.dtype == lands, f"owned slice landed in {got.dtype}, expected {lands}"
-                dec = [fp32_decode(piece(calls, c, off, t.numel()), c, off) for calls in everyone]
-                want = dec[0].clone()
-                for d in dec[1:]:
-                    want += d  # rank order, fp32
-                rounded = sum(d.to(torch.bfloat16).float() for d in dec)  # each contribution decoded into bf16
-                checked += got.numel()
-                exact += int((got == want.to(lands)).sum())
-                bf16_decode += int((rounded.to(lands) != want.to(lands)).sum())
-        info.update(owned_elements=checked, exact=exact, differ_if_decoded_in_bf16=bf16_decode)
-        assert checked > 0 and seen, "no owned slice was reduced through the hook"
-        assert bf16_decode > checked // (4 if stage == 2 else 8), "this data cannot tell a bf16 decode from an fp32 one"
-        assert exact == checked, (
-            f"{checked - exact} of {checked} owned elements differ from the fp32 sum of the "
-            f"FP8 contributions decoded in fp32{'' if stage == 2 else ' (rounded once to bf16)'}"
+        # Two bucket sizes: small buckets (mostly one owner each: the exact-size FP8 all-to-all) and DeepSpeed's
+        # default (every parameter, owners balanced: the padded reduce-scatter). Both paths must be exact.
+        paths: dict = {}
+        for bucket in (SMALL_BUCKET, None):
+            one = _fp32_accumulation_once(stage, bucket)
+            for k, v in one.pop("paths").items():
+                paths[k] = paths.get(k, 0) + v
+            for k, v in one.items():
+                info[k] = info.get(k, 0) + v
+        info["paths"] = paths
+        assert paths.get("zero12.grad_reduce.all_to_all") and paths.get("zero12.grad_reduce.reduce_scatter"), (
+            f"both reduction paths must be checked: {paths}"
         )
-        T.destroy(eng)
-        fd.uninstall()
 
     check.__name__ = f"zero{stage}_bf16_fp32_accumulation"
     return check

@@ -89,6 +89,9 @@ def summary(run: dict) -> str:
             "plain_sum_sqnr_db",
             "exact",
             "owned_elements",
+            "drift_max",
+            "drift_last5",
+            "bf16_floor",
         )
         extra = " ".join(
             f"{k}={info[k]:.4g}" if isinstance(info[k], float) else f"{k}={info[k]}" for k in keys if k in info

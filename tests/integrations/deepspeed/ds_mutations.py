@@ -20,28 +20,50 @@ ENV = "FP8COMM_DS_MUTATION"
 
 def _bf16_decode():
     """ZeRO-1/2 gradients: every contribution decoded into bf16 (8 mantissa bits) before the fp32 sum, as up to
-    be321a2 (decoded into the communication dtype); for ZeRO-1 bf16 the same as accumulating in bf16."""
+    be321a2 (decoded into the communication dtype); for ZeRO-1 bf16 the same as accumulating in bf16. On the
+    reduce-scatter path (balanced buckets) the sum is delivered in the communication dtype (bf16) instead of fp32."""
     import torch
 
     from fp8comm.integrations.deepspeed import zero12
 
     real = zero12.fc
 
-    class Decoded:
-        def __init__(self, q):
-            self.q = q
-
-        def dequantize(self, dtype):
-            return self.q.dequantize(torch.bfloat16).to(dtype)
+    class Bf16Decode(zero12.Fp8Tensor):
+        def dequantize(self, dtype=torch.float32, backend="auto"):
+            return super().dequantize(torch.bfloat16, backend).to(dtype)
 
     class Comm:
         def __getattr__(self, name):
             return getattr(real, name)
 
         @staticmethod
-        def all_to_all(*a, **k):
-            out = real.all_to_all(*a, **k)
-            return Decoded(out) if k.get("fp8_out") else out
+        def reduce_scatter_into(output, input, *a, **k):
+            low = torch.empty_like(output, dtype=input.dtype)
+            real.reduce_scatter_into(low, input, *a, **k)
+            return output.copy_(low)
+
+    zero12.Fp8Tensor = Bf16Decode
+    zero12.fc = Comm()
+
+
+def _rs_sum_in_bf16():
+    """ZeRO-1/2 gradients, balanced buckets only: the reduce-scatter delivers its sum in the communication dtype
+    (bf16) instead of fp32 (the all-to-all path untouched)."""
+    import torch
+
+    from fp8comm.integrations.deepspeed import zero12
+
+    real = zero12.fc
+
+    class Comm:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def reduce_scatter_into(output, input, *a, **k):
+            low = torch.empty_like(output, dtype=input.dtype)
+            real.reduce_scatter_into(low, input, *a, **k)
+            return output.copy_(low)
 
     zero12.fc = Comm()
 
@@ -81,8 +103,8 @@ def _guard_ignored():
 
     real = engine.EngineState.route
 
-    def route(self, key, device):
-        how, bucket = real(self, key, device)
+    def route(self, key, device, fp4=False):
+        how, bucket = real(self, key, device, fp4)
         return ("fp8", self.guard.bucket(key, device)) if how == "bf16" else (how, bucket)
 
     engine.EngineState.route = route
@@ -104,9 +126,54 @@ def _process_wide():
     zero12.owner = moe.owner = owner
 
 
+def _owner_slice_from_master():
+    """4-bit weight updates: DeepSpeed's write of bf16(master) into the owner's slice is kept (not restored to the
+    replica before the update is applied): the owner's slice no longer equals what the other ranks hold."""
+    from fp8comm.integrations.deepspeed import zero12
+
+    def stash_step(es, opt, orig):
+        def step(*a, **k):
+            es.z12_stash = [p for _, p in zero12._own_partitions(opt)]  # live views: the "restore" is a no-op
+            es.z12_in_step = True
+            try:
+                return orig(*a, **k)
+            finally:
+                es.z12_in_step = False
+
+        return step
+
+    zero12._stash_step = stash_step
+
+
+def _replica_not_restored():
+    """Checkpoints with 4-bit weight updates: the replica is not restored, it stays DeepSpeed's re-gather of the
+    fp32 master (bf16(master)), which differs from what the gathered changes made of it."""
+    from fp8comm.integrations.deepspeed import zero12
+
+    zero12.load_replica_state = lambda es, state: None
+
+
+def _updates_not_applied():
+    """4-bit weight updates: every change after the first gather travels but is not applied (the replica is put
+    back): replicas stay identical across ranks and fall behind the fp32 master step after step."""
+    import fp8comm.comm as fc
+
+    real = fc.ReplicaUpdate.gather
+
+    def gather(self, replica, shard, group=None):
+        if not self.primed:
+            return real(self, replica, shard, group)
+        before = replica.clone()
+        real(self, replica, shard, group)
+        return replica.copy_(before)
+
+    fc.ReplicaUpdate.gather = gather
+
+
 # name -> (apply, scenario, checks that must fail under it)
 MUTATIONS = {
     "bf16_decode": (_bf16_decode, "zero", ["zero2_bf16_fp32_accumulation", "zero1_bf16_fp32_accumulation"]),
+    "rs_sum_in_bf16": (_rs_sum_in_bf16, "zero", ["zero2_bf16_fp32_accumulation"]),
     "whole_slices": (_whole_slices, "zero", ["zero2_bf16_fp32_accumulation"]),
     "residual_not_stored": (_residual_not_stored, "zero", ["zero1_fp32_error_feedback"]),
     "no_generation_counter": (_no_generation_counter, "zero", ["gemm_zero2_bf16_reduce_bucket_size"]),
@@ -117,6 +184,9 @@ MUTATIONS = {
     ),
     "guard_ignored": (_guard_ignored, "safety", ["guard_fallback"]),
     "process_wide": (_process_wide, "zero", ["engines_per_scope"]),
+    "owner_slice_from_master": (_owner_slice_from_master, "zero", ["zero2_bf16_fp4"]),
+    "updates_not_applied": (_updates_not_applied, "zero", ["zero2_bf16_fp4"]),
+    "replica_not_restored": (_replica_not_restored, "safety", ["checkpoint_zero2_bf16_fp4"]),
 }
 
 

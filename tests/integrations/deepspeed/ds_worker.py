@@ -24,6 +24,7 @@ import deepspeed  # noqa: E402
 import ds_train as T  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from ds_checks_fp4 import zero1_bf16_nvfp4_hadamard, zero2_bf16_fp4, zero3_bf16_fp4_gradients  # noqa: E402
 from ds_checks_grad import (  # noqa: E402
     zero1_bf16_fp32_accumulation,
     zero1_fp32_error_feedback,
@@ -204,6 +205,8 @@ def _checkpoint(stage, dtype, fp8, latest: bool = False):
         if norm is not None:
             assert norm > 0 and (ck / "step4" / f"fp8comm_rank{dist.get_rank():05d}.pt").exists()
             assert resumed.stats["hooks"].get("checkpoint.fp8comm_state_loaded") == 1, resumed.stats["hooks"]
+        if fp8.get("weights", {}).get("update_fmt"):  # the replica itself came back, not bf16(master)
+            assert resumed.stats["hooks"].get("checkpoint.replica_restored") == 1, resumed.stats["hooks"]
         if guard_steps is not None:  # the guard's clock and per-bucket state came back with the checkpoint
             assert fd.engine_state(eng2).guard.steps == guard_steps == 9, fd.engine_state(eng2).guard.steps
         T.destroy(eng2)
@@ -215,6 +218,7 @@ def _checkpoint(stage, dtype, fp8, latest: bool = False):
         + ("_gemm" if fp8.get("gemm", False) else "")
         + (f"_error_feedback_{fp8['gradients'].get('residual_dtype', 'fp32')}" if ef else "")
         + ("_guard" if fp8.get("guard") else "")
+        + ("_fp4" if fp8.get("weights", {}).get("update_fmt") else "")
     )
     return check
 
@@ -384,6 +388,9 @@ SCENARIOS = {
         zero3_bf16_qgz,
         _gemm(3),
         _gemm(2, reduce_bucket_size=SMALL_BUCKET),
+        zero2_bf16_fp4,
+        zero1_bf16_nvfp4_hadamard,
+        zero3_bf16_fp4_gradients,
     ],
     "safety": [
         _inf(2, "bf16"),
@@ -396,6 +403,7 @@ SCENARIOS = {
             {"gemm": {"enabled": True, "recipe": "blockwise"}, "gradients": EF_OPT_IN, "guard": True},
             latest=True,
         ),
+        _checkpoint(2, "bf16", {"gemm": False, "gradients": {"fmt": "mxfp4"}, "weights": {"update_fmt": "mxfp4"}}),
         guard_fallback,
         zero3_gemm_memory,
     ],

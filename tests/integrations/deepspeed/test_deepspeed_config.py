@@ -143,6 +143,70 @@ def test_bad_value_lists_valid(section, fragment):
     assert fragment in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize(
+    "section, fragment",
+    [
+        (
+            {"weights": {"fmt": "mxfp4"}},
+            "4-bit weights travel only as changes of a replica: fp8_comm.weights.update_fmt",
+        ),
+        ({"moe": {"fmt": "nvfp4"}}, "the MoE all-to-all has no 4-bit wire"),
+        ({"weights": {"update_fmt": "e4m3"}}, "fp8_comm.weights.update_fmt = 'e4m3' is not valid; valid: 'mxfp4'"),
+        ({"weights": {"enabled": False, "update_fmt": "mxfp4"}}, "update_fmt needs fp8_comm.weights.enabled"),
+        ({"mode": "measure", "weights": {"update_fmt": "mxfp4"}}, "measure mode quantizes nothing"),
+        ({"gradients": {"hadamard": 8}}, "fp8_comm.gradients.hadamard = 8 is not valid; valid: 0, 16, 32"),
+        ({"gradients": {"hadamard": 16}}, "fp8_comm.gradients: hadamard=16 applies to the 4-bit formats"),
+        ({"gradients": {"fmt": "mxfp4", "block_size": 64}}, "fp8_comm.gradients: fmt='mxfp4' has 1x32 blocks"),
+        ({"gradients": {"fmt": "mxfp5"}}, "'e4m3', 'e5m2', 'mxfp4', 'nvfp4'"),
+        ({"gradients": {"fmt": "nvfp4", "hadamard": 32}}, "fp8_comm.gradients: hadamard=32 does not fit"),
+    ],
+)
+def test_four_bit_keys_bad_values(section, fragment):
+    """4 bits go where a collective carries them: gradients (reduce-scatter) and ZeRO-1/2 weight changes."""
+    with pytest.raises(fd.Fp8CommConfigError) as e:
+        config.parse(with_fp8(section))
+    assert fragment in str(e.value), str(e.value)
+
+
+def test_four_bit_keys_parse_and_log():
+    cfg = config.parse(with_fp8({"gradients": {"fmt": "nvfp4", "hadamard": 16}, "weights": {"update_fmt": "mxfp4"}}))
+    w = cfg.gradients.wire(None)
+    assert w.is_fp4 and w.fmt == "nvfp4" and w.hadamard == 16 and cfg.gradients.is_fp4
+    assert cfg.weights.update_wire(None).fmt == "mxfp4" and cfg.weights.wire(None).fmt == "e4m3"
+    assert config.parse(with_fp8({"gradients": {"fmt": "mxfp4", "block_size": 32}})).gradients.block_size == 32
+    z2 = {"zero_optimization": {"stage": 2}}
+    fd.install(with_fp8({"gemm": False, "gradients": {"fmt": "mxfp4"}, "weights": {"update_fmt": "nvfp4"}}, **z2))
+    line = fd.summary()
+    assert "weight all-gather as 4-bit changes of the replica (nvfp4" in line, line
+    assert "gradient reduce to owners 4-bit (mxfp4" in line, line
+
+
+def test_update_fmt_refused_under_zero3():
+    """ZeRO-3 keeps no replica between steps: its weights stay FP8 (a clear error, nothing installed); its
+    gradients may be 4-bit (they go through reduce_scatter_into)."""
+    with pytest.raises(fd.Fp8CommUnsupportedError, match="only ZeRO-1/2 keep; ZeRO-3 keeps FP8 weights"):
+        fd.install(with_fp8({"gemm": False, "weights": {"update_fmt": "mxfp4"}}))
+    assert not fd.is_installed()
+    assert fd.install(with_fp8({"gemm": False, "gradients": {"fmt": "mxfp4"}})) is not None
+    assert "gradient reduce-scatter 4-bit (mxfp4" in fd.summary()
+
+
+def test_bucket_plan_reduce_scatter_or_all_to_all():
+    """ZeRO-1/2 buckets: balanced owners -> one padded reduce-scatter in the configured wire; unbalanced -> the
+    exact-size all-to-all, which has FP8 only, when that moves fewer bytes (the same decision on every rank)."""
+    from fp8comm.comm import WireConfig
+    from fp8comm.integrations.deepspeed.zero12 import bytes_per_element, plan_reduce
+
+    fp8, fp4 = WireConfig(), WireConfig(fmt="mxfp4")
+    assert bytes_per_element(fp8) == 1 + 4 / 128 and bytes_per_element(fp4) == 0.5 + 1 / 32
+    assert plan_reduce([10, 10, 10, 10], fp8) == (True, fp8)
+    assert plan_reduce([10, 10, 10, 9], fp8) == (True, fp8)  # 3% padding
+    assert plan_reduce([40, 0, 0, 0], fp8) == (False, fp8)  # 4x the bytes padded
+    assert plan_reduce([40, 0, 0, 0], fp4)[0] is False and plan_reduce([40, 0, 0, 0], fp4)[1].fmt == "e4m3"
+    assert plan_reduce([20, 20, 0, 0], fp4) == (True, fp4)  # 2x padding in 4 bits is still fewer bytes than FP8
+    assert plan_reduce([0, 0], fp8)[0] is False
+
+
 def test_typo_fails_through_deepspeed_initialize(tmp_path):
     """The flag path: plain deepspeed.initialize (dict and JSON file) rejects the typo before starting anything."""
     cfg = with_fp8({"enabled": True, "gradients": {"fmt": "e4m3", "rounding": "nearest", "blok_size": 64}})
