@@ -60,8 +60,9 @@ class ReplicaUpdate:
         change = shard.float() - mine.float()
         decoded = torch.empty(world * n, dtype=torch.float32, device=replica.device)
         all_gather_into(decoded, change, group, config=self.config)
-        # The same fp32 add and one rounding into the replica's dtype on every rank: bit-identical replicas.
-        replica.copy_(replica.float().add_(decoded))
+        # The same fp32 add (decoded + replica, promoted in place: no fp32 copy of the replica) and one rounding
+        # into the replica's dtype on every rank: bit-identical replicas.
+        replica.copy_(decoded.add_(replica))
         self.last_wire_bytes = (world - 1) * self.wire_bytes(n)
         return replica
 
