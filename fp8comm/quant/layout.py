@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from itertools import accumulate
 
 import torch
 
@@ -18,6 +19,11 @@ ALIGN = 16
 
 def align(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
+
+
+def starts(sizes) -> tuple[int, ...]:
+    """Where each of consecutive sections of these sizes starts (the exclusive prefix sums)."""
+    return tuple(accumulate(sizes, initial=0))[:-1]
 
 
 def view_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -95,19 +101,11 @@ class ChunkLayout:
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:
-        out, o = [], 0
-        for b in self.chunk_bytes:
-            out.append(o)
-            o += b
-        return tuple(out)
+        return starts(self.chunk_bytes)
 
     @cached_property
     def row_starts(self) -> tuple[int, ...]:
-        out, r = [], 0
-        for n in self.rows:
-            out.append(r)
-            r += n
-        return tuple(out)
+        return starts(self.rows)
 
     @property
     def total_rows(self) -> int:

@@ -16,7 +16,7 @@ import torch
 from ..errors import Fp8CommError
 from .dispatch import COMPILE_MIN_NUMEL, triton_available
 from .fp4 import Fp4Format, decode_2d, encode_2d, hadamard_forward, hadamard_inverse, unpack_nibbles
-from .layout import align
+from .layout import align, starts
 from .reference import seed_key
 
 __all__ = ["Fp4Layout", "fp4_layout", "pack_fp4", "unpack_fp4", "unpack_fp4_sum", "fp4_backend"]
@@ -59,19 +59,11 @@ class Fp4Layout:
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:
-        out, o = [], 0
-        for b in self.chunk_bytes:
-            out.append(o)
-            o += b
-        return tuple(out)
+        return starts(self.chunk_bytes)
 
     @cached_property
     def row_starts(self) -> tuple[int, ...]:
-        out, r = [], 0
-        for n in self.rows:
-            out.append(r)
-            r += n
-        return tuple(out)
+        return starts(self.rows)
 
     @property
     def total_rows(self) -> int:
