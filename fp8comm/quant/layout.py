@@ -66,8 +66,35 @@ def decode_scales(b: torch.Tensor, scaling: Scaling) -> torch.Tensor:
     return b.contiguous().view(torch.float32)
 
 
+class Chunks:
+    """Where the chunks of a wire layout start, from its `rows` per chunk and `chunk_bytes` (shared by the FP8 and
+    4-bit layouts)."""
+
+    rows: tuple[int, ...]
+
+    @property
+    def chunk_bytes(self) -> tuple[int, ...]:
+        raise NotImplementedError  # each layout says what its chunks hold
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        return starts(self.chunk_bytes)
+
+    @cached_property
+    def row_starts(self) -> tuple[int, ...]:
+        return starts(self.rows)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.chunk_bytes)
+
+
 @dataclass(frozen=True)
-class ChunkLayout:
+class ChunkLayout(Chunks):
     """Byte layout of `rows` (a row count per chunk) of width `k`, blocked 1 x scaling.cols along k."""
 
     rows: tuple[int, ...]
@@ -98,22 +125,6 @@ class ChunkLayout:
     @cached_property
     def chunk_bytes(self) -> tuple[int, ...]:
         return tuple(self.payload_bytes(c) + self.scale_bytes(c) for c in range(len(self.rows)))
-
-    @cached_property
-    def offsets(self) -> tuple[int, ...]:
-        return starts(self.chunk_bytes)
-
-    @cached_property
-    def row_starts(self) -> tuple[int, ...]:
-        return starts(self.rows)
-
-    @property
-    def total_rows(self) -> int:
-        return sum(self.rows)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.chunk_bytes)
 
     def chunk(self, c: int) -> ChunkLayout:
         """Chunk c alone: its bytes are the same as at offsets[c] here (every chunk is aligned on its own)."""

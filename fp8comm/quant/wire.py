@@ -12,7 +12,7 @@ import torch
 from ..errors import Fp8CommError
 from .dispatch import resolve_backend
 from .formats import Fp8Format
-from .layout import ChunkLayout, decode_scales, layout_of
+from .layout import ChunkLayout, Chunks, decode_scales, layout_of
 
 __all__ = ["ChunkLayout", "layout_of", "pack_chunks", "unpack_chunks", "unpack_sum", "unpack_codes"]
 
@@ -95,7 +95,7 @@ def unpack_codes(buf: torch.Tensor, layout: ChunkLayout, codes: torch.Tensor, sc
         scales[r0 : r0 + rows] = decode_scales(buf[o + pb : o + pb + nsb], layout.scaling).view(rows, kb)
 
 
-def _check_buf(buf: torch.Tensor, layout: ChunkLayout) -> None:
+def _check_buf(buf: torch.Tensor, layout: Chunks) -> None:
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < layout.total_bytes:
         raise Fp8CommError(
             f"wire buffer must be 1-D uint8 with >= {layout.total_bytes} bytes, got {buf.dtype} {tuple(buf.shape)}"

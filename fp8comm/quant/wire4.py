@@ -16,14 +16,15 @@ import torch
 from ..errors import Fp8CommError
 from .dispatch import COMPILE_MIN_NUMEL, triton_available
 from .fp4 import Fp4Format, decode_2d, encode_2d, hadamard_forward, hadamard_inverse, unpack_nibbles
-from .layout import align, starts
+from .layout import Chunks, align
 from .reference import seed_key
+from .wire import _check_buf
 
 __all__ = ["Fp4Layout", "fp4_layout", "pack_fp4", "unpack_fp4", "unpack_fp4_sum", "fp4_backend"]
 
 
 @dataclass(frozen=True)
-class Fp4Layout:
+class Fp4Layout(Chunks):
     """Byte layout of `rows` (rows per chunk) of width `k` (a multiple of fmt.block) in 4-bit format `fmt`."""
 
     rows: tuple[int, ...]
@@ -56,22 +57,6 @@ class Fp4Layout:
         return tuple(
             self.payload_bytes(c) + self.scale_bytes(c) + self.tensor_scale_bytes for c in range(len(self.rows))
         )
-
-    @cached_property
-    def offsets(self) -> tuple[int, ...]:
-        return starts(self.chunk_bytes)
-
-    @cached_property
-    def row_starts(self) -> tuple[int, ...]:
-        return starts(self.rows)
-
-    @property
-    def total_rows(self) -> int:
-        return sum(self.rows)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.chunk_bytes)
 
     def with_rows(self, rows) -> Fp4Layout:
         return fp4_layout(tuple(int(r) for r in rows), self.k, self.fmt)
@@ -255,6 +240,8 @@ def unpack_fp4(
     _check_buf(buf, layout)
     if out is None:
         out = torch.empty(layout.total_rows, layout.k, dtype=torch.float32, device=buf.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (layout.total_rows, layout.k):
+        raise Fp8CommError(f"unpack_fp4: out must be fp32 {(layout.total_rows, layout.k)}")
     be = fp4_backend(backend, buf.device, layout.total_rows * layout.k)
     if layout.total_rows:
         v = _decode_all(buf, layout, be)
@@ -290,10 +277,3 @@ def unpack_fp4_sum(
     if hadamard:
         out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
     return out
-
-
-def _check_buf(buf: torch.Tensor, layout: Fp4Layout) -> None:
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < layout.total_bytes:
-        raise Fp8CommError(
-            f"wire buffer must be 1-D uint8 with >= {layout.total_bytes} bytes, got {buf.dtype} {tuple(buf.shape)}"
-        )

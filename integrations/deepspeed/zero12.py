@@ -426,6 +426,7 @@ def replica_state(es) -> list[dict]:
     the replica is not bf16(master) but what the gathered changes made of it)."""
     opt = es.engine.optimizer
     return [
+        # a checkpoint save (once per save, not per step): the device copy to host is what a saved slice needs
         {"update": ru.state_dict(), "own": part.detach().clone().cpu()}
         for ru, (_, part) in zip(es.updates, _own_partitions(opt))
     ]

@@ -182,7 +182,7 @@ class _Recording:
         return out
 
     def is_completed(self) -> bool:
-        return self._done or bool(self._h.is_completed())
+        return self._done or bool(self._h.is_completed())  # a Work's Python flag, not a tensor read
 
 
 def _bucket_buffers(model) -> list[tuple[str, torch.Tensor]]:
