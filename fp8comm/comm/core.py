@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..quant.dispatch import backend_name
 from ..quant.layout import align
 from ..quant.wire import ChunkLayout, layout_of, pack_chunks, unpack_chunks, unpack_codes, unpack_sum
-from ..quant.wire4 import Fp4Layout, fp4_backend, fp4_layout, pack_fp4, unpack_fp4, unpack_fp4_sum
+from ..quant.wire4 import Fp4Layout, fp4_backend, fp4_layout, pack_fp4, residual_fp4, unpack_fp4, unpack_fp4_sum
 from .buffers import Lease
 from .checks import settled
 from .config import WireSpec
@@ -301,73 +301,118 @@ def _rows4(call: Call, xin: torch.Tensor, rows: int, L: int) -> torch.Tensor:
     return x2
 
 
-def update_residual4(call: Call, ef: ErrorFeedback, xin: torch.Tensor, send: torch.Tensor, lay: Fp4Layout, L: int):
+def update_residual4(
+    call: Call, ef: ErrorFeedback, xin: torch.Tensor, send: torch.Tensor, lay: Fp4Layout, L: int, cols=None
+):
     """The 4-bit residual, in the original (un-transformed) domain: what we meant to send minus the inverse
-    transform of what we sent (that inverse is exact up to fp32 rounding, docs/fp4.md); non-finite -> 0."""
+    transform of what we sent (that inverse is exact up to fp32 rounding, docs/fp4.md); non-finite -> 0.
+    cols = (a, b): `send` holds columns [a, b) of the padded [rows, L] input (a pipelined piece)."""
     s = call.spec
+    a, b = cols if cols is not None else (0, lay.k)
+    w = min(b, L) - a  # the piece's real columns (the rest is padding)
+    if w <= 0:
+        return
+    r = ef.take(xin.numel(), xin.device).view(lay.total_rows, L)[:, a : a + w]
+    x = xin.view(lay.total_rows, L)[:, a : a + w]
+    kb = call.kernel4(xin.device, xin.numel())
+    if kb == "native" and not s.hadamard and r.dtype == xin.dtype == torch.float32:
+        residual_fp4(send, lay, x, r)  # one pass, the same bits as the decode + subtraction below
+        return
     deq = call.lease.take(lay.total_rows * lay.k, torch.float32, xin.device).view(lay.total_rows, lay.k)
-    unpack_fp4(send, lay, s.hadamard, s.hadamard_seed, out=deq, backend=call.kernel4(xin.device, xin.numel()))
-    r = ef.take(xin.numel(), xin.device)
-    d = deq[:, :L]
+    unpack_fp4(send, lay, s.hadamard, s.hadamard_seed, out=deq, backend=kb)
+    d = deq[:, :w]
     if r.dtype == torch.float32:
-        torch.sub(xin.view(lay.total_rows, L), d, out=r.view(lay.total_rows, L))
+        torch.sub(x, d, out=r)
     else:
-        r.view(lay.total_rows, L).copy_(xin.view(lay.total_rows, L) - d)
+        r.copy_(x - d)
     r.masked_fill_(~torch.isfinite(r), 0.0)
 
 
+def _pieces4(call: Call, k: int, numel: int, device: torch.device) -> list[tuple[int, int]]:
+    """Pipelined pieces of a 4-bit call (column ranges of whole blocks, as FP8's): MXFP4 without the transform
+    only, where every piece's blocks and scales are the one-piece call's (NVFP4's per-chunk second-level scale
+    spans the whole row; the transform's path is plain torch)."""
+    s = call.spec
+    if s.fp4 is None or s.fp4.two_level or s.hadamard:
+        return [(0, k)]
+    return plan_pieces(k, s.fp4.block, numel, device, s.rounding, call.pipeline)
+
+
 def _rs_phase4(call: Call, xin, L: int, group, gsize: int, ef, stats_op: str, stats_dtype: torch.dtype, calls: int):
-    """rs_phase on the 4-bit wire: one piece; each destination chunk is a row of [gsize, L] padded to whole blocks,
+    """rs_phase on the 4-bit wire: each destination chunk is a row of [gsize, L] padded to whole blocks,
     quantized with its own block (and, NVFP4, tensor) scales; the receiver sums in fp32 and inverts the Hadamard
-    transform once on the sum."""
+    transform once on the sum. Pipelined on CPU like rs_phase (MXFP4: _pieces4), error feedback included: each
+    piece's residual covers its own columns, so the bits are the one-piece call's."""
     s, dev = call.spec, xin.device
     x2 = _rows4(call, xin, gsize, L)
-    lay = fp4_layout((1,) * gsize, x2.shape[1], s.fp4)
+    lp = x2.shape[1]
+    pieces = _pieces4(call, lp, gsize * lp, dev)
+    lays = [fp4_layout((1,) * gsize, b - a, s.fp4) for a, b in pieces]
     kb = call.kernel4(dev, x2.numel())
-    send = call.lease.take(lay.total_bytes, torch.uint8, dev)
-    recv = call.lease.take(lay.total_bytes, torch.uint8, dev)
-    call.pack4(x2, lay, send, kb)
-    call.checked()
-    if ef is not None:
-        update_residual4(call, ef, xin, send, lay, L)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    chunk = lay.chunk_bytes[0] if L else 0
+    sizes = [lay.total_bytes for lay in lays]
+    sends = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)
+    recvs = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)
+    works = []
+    for (a, b), lay, send, recv in zip(pieces, lays, sends, recvs):
+        call.pack4(x2[:, a:b], lay, send, kb)
+        call.checked()
+        if ef is not None:
+            update_residual4(call, ef, xin, send, lay, L, (a, b))
+        works.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
+    chunk = sum(lay.chunk_bytes[0] for lay in lays) if L else 0
     call.record(stats_op, (gsize - 1) * chunk, (gsize - 1) * L * stats_dtype.itemsize, gsize * L, calls=calls)
 
     def finish() -> torch.Tensor:
-        acc = call.lease.take(lay.k, torch.float32, dev).view(1, lay.k)
-        work.wait()
-        unpack_fp4_sum(recv, lay, s.hadamard, s.hadamard_seed, out=acc, backend=kb)
+        acc = call.lease.take(lp, torch.float32, dev).view(1, lp)
+        for (a, b), lay, recv, w in zip(pieces, lays, recvs, works):
+            w.wait()
+            unpack_fp4_sum(recv, lay, s.hadamard, s.hadamard_seed, out=acc[:, a:b], backend=kb)
         return acc.view(-1)[:L]
 
-    return Pieces([work]), finish
+    return Pieces(works), finish
 
 
 def _ag_phase4(call: Call, src, dest, group, gsize: int, stats_op: str, stats_dtype: torch.dtype, calls: int):
-    """ag_phase on the 4-bit wire: the shard padded to whole blocks, one chunk; every rank (the owner too) decodes
-    the same bytes, inverts the transform and writes dest [gsize, N] in its dtype: bit-identical replicas."""
+    """ag_phase on the 4-bit wire: the shard padded to whole blocks; every rank (the owner too) decodes the same
+    bytes, inverts the transform and writes dest [gsize, N] in its dtype: bit-identical replicas. Pipelined on CPU
+    like ag_phase (MXFP4: _pieces4)."""
     if isinstance(dest, tuple):  # refused before the call starts (collectives._ag_out_problem); never reached
         raise AssertionError("fp8_out has no 4-bit form")
     s, dev, n = call.spec, src.device, src.numel()
     x2 = _rows4(call, src.reshape(-1), 1, n)
-    lay = fp4_layout((1,), x2.shape[1], s.fp4)
-    send = call.lease.take(lay.total_bytes, torch.uint8, dev)
-    recv = call.lease.take(gsize * lay.total_bytes, torch.uint8, dev)
-    call.pack4(x2, lay, send, call.kernel4(dev, n))
-    call.checked()
-    work = all_gather_bytes(recv, send, group, async_op=True)
-    call.record(stats_op, (gsize - 1) * lay.total_bytes, (gsize - 1) * n * stats_dtype.itemsize, n, calls=calls)
+    lp = x2.shape[1]
+    pieces = _pieces4(call, lp, lp, dev)
+    lays = [fp4_layout((1,), b - a, s.fp4) for a, b in pieces]
+    sizes = [lay.total_bytes for lay in lays]
+    sends = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)
+    recvs = _slices(call.lease.take(gsize * sum(sizes), torch.uint8, dev), [gsize * t for t in sizes])
+    kq = call.kernel4(dev, n)
+    works = []
+    for (a, b), lay, send, recv in zip(pieces, lays, sends, recvs):
+        call.pack4(x2[:, a:b], lay, send, kq)
+        call.checked()
+        works.append(all_gather_bytes(recv, send, group, async_op=True))
+    call.record(stats_op, (gsize - 1) * sum(sizes), (gsize - 1) * n * stats_dtype.itemsize, n, calls=calls)
     kd = call.kernel4(dev, gsize * n)
+    d2 = dest  # [gsize, n]
+    direct = dest.dtype == torch.float32  # decoded straight into dest's columns (no padded copy)
 
     def finish():
-        work.wait()
-        all_rows = lay.with_rows((1,) * gsize)
-        dec = call.lease.take(gsize * lay.k, torch.float32, dev).view(gsize, lay.k)
-        unpack_fp4(recv, all_rows, s.hadamard, s.hadamard_seed, out=dec, backend=kd)
-        dest.copy_(dec[:, :n])
+        for (a, b), lay, recv, w in zip(pieces, lays, recvs, works):
+            w.wait()
+            all_rows = lay.with_rows((1,) * gsize)
+            c = min(b, n) - a  # the piece's real columns
+            if c <= 0:
+                continue
+            if direct:
+                unpack_fp4(recv, all_rows, s.hadamard, s.hadamard_seed, out=d2[:, a : a + c], backend=kd)
+            else:
+                dec = call.lease.take(gsize * lay.k, torch.float32, dev).view(gsize, lay.k)
+                unpack_fp4(recv, all_rows, s.hadamard, s.hadamard_seed, out=dec, backend=kd)
+                d2[:, a : a + c].copy_(dec[:, :c])
         return dest
 
-    return Pieces([work]), finish
+    return Pieces(works), finish
 
 
 def gathered_into(call: Call, out_flat: torch.Tensor, n_valid: int, L: int, gsize: int) -> torch.Tensor:

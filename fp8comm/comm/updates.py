@@ -38,6 +38,7 @@ class ReplicaUpdate:
                 "sent with the next change"
             )
         self.primed = False
+        self._buffers: dict[str, torch.Tensor] = {}  # fp32 scratch reused between gathers (change, decoded, ...)
         self.last_wire_bytes = 0  # bytes this rank sent in its last gather (to the other ranks)
         self.last_dtype_bytes = 0  # what gathering the replica's dtype would have sent
 
@@ -57,14 +58,25 @@ class ReplicaUpdate:
             self.primed = True
             self.last_wire_bytes = self.last_dtype_bytes
             return replica
-        change = shard.float() - mine.float()
-        decoded = torch.empty(world * n, dtype=torch.float32, device=replica.device)
+        # change = shard - mine in fp32; buffers kept between gathers (fresh ones cost page faults on every step)
+        change = self._scratch("change", n, replica.device).copy_(mine)
+        src = shard if shard.dtype == torch.float32 else self._scratch("shard", n, replica.device).copy_(shard)
+        torch.sub(src, change, out=change)
+        decoded = self._scratch("decoded", world * n, replica.device)
         all_gather_into(decoded, change, group, config=self.config)
-        # The same fp32 add (decoded + replica, promoted in place: no fp32 copy of the replica) and one rounding
-        # into the replica's dtype on every rank: bit-identical replicas.
-        replica.copy_(decoded.add_(replica))
+        _apply(replica, decoded, self._scratch("apply", min(_APPLY_STEP, replica.numel()), replica.device))
         self.last_wire_bytes = (world - 1) * self.wire_bytes(n)
         return replica
+
+    def _scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """fp32 scratch; on CPU kept for the next gather (a fresh buffer of replica size costs its page faults on
+        every step: measured 2-3 ns per element); on CUDA the caching allocator already reuses memory."""
+        t = self._buffers.get(name)
+        if t is None or t.numel() != numel or t.device != device:
+            t = torch.empty(numel, dtype=torch.float32, device=device)
+            if device.type == "cpu":
+                self._buffers[name] = t
+        return t
 
     def wire_bytes(self, n: int) -> int:
         """Bytes one rank's change of n elements takes on the wire (payload, scales, padding)."""
@@ -78,6 +90,21 @@ class ReplicaUpdate:
 
     def load_state_dict(self, sd: dict) -> None:
         self.primed = bool(sd["primed"])
+
+
+_APPLY_STEP = 1 << 20  # elements per piece of the replica's fp32 add (the piece stays in cache)
+
+
+def _apply(replica: torch.Tensor, decoded: torch.Tensor, tmp: torch.Tensor) -> None:
+    """replica <- replica + decoded: the fp32 sum rounded once into the replica's dtype, on every rank the same
+    bits (bit-identical replicas); a bf16 replica goes through fp32 pieces (mixed-dtype adds are slow on CPU)."""
+    if replica.dtype == torch.float32:
+        replica.add_(decoded)
+        return
+    for a in range(0, replica.numel(), tmp.numel()):
+        b = min(a + tmp.numel(), replica.numel())
+        t = tmp[: b - a].copy_(replica[a:b])
+        replica[a:b].copy_(t.add_(decoded[a:b]))
 
 
 def _check(replica, shard, world: int) -> None:

@@ -22,7 +22,7 @@ from .fp4 import (
 )
 from .reference import seed_key
 
-BACKENDS = ("reference", "compiled", "triton")
+BACKENDS = ("reference", "compiled", "native", "triton")
 
 
 def quantize_fp4(
@@ -60,6 +60,10 @@ def quantize_fp4(
         from . import fp4_compiled
 
         codes, sbytes, ts = fp4_compiled.encode_2d(x2, f, key, index_base, tensor_amax)
+    elif backend == "native":
+        from . import fp4_native
+
+        codes, sbytes, ts = fp4_native.encode_2d(x2, f, key, index_base, tensor_amax)
     else:
         from . import fp4_triton
 
@@ -78,6 +82,10 @@ def dequantize_fp4(q: Fp4Tensor, out_dtype: torch.dtype | None = None, backend: 
         from . import fp4_compiled
 
         v = fp4_compiled.decode_2d(q.codes, q.scales, q.tensor_scale, q.fmt)
+    elif backend == "native":
+        from . import fp4_native
+
+        v = fp4_native.decode_2d(q.codes, q.scales, q.tensor_scale, q.fmt)
     else:
         from . import fp4_triton
 

@@ -14,13 +14,14 @@ from functools import cached_property, lru_cache
 import torch
 
 from ..errors import Fp8CommError
+from . import fp4_native
 from .dispatch import COMPILE_MIN_NUMEL, triton_available
 from .fp4 import Fp4Format, decode_2d, encode_2d, hadamard_forward, hadamard_inverse, unpack_nibbles
 from .layout import Chunks, align
 from .reference import seed_key
 from .wire import _check_buf
 
-__all__ = ["Fp4Layout", "fp4_layout", "pack_fp4", "unpack_fp4", "unpack_fp4_sum", "fp4_backend"]
+__all__ = ["Fp4Layout", "fp4_layout", "pack_fp4", "unpack_fp4", "unpack_fp4_sum", "residual_fp4", "fp4_backend"]
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,17 @@ def fp4_layout(rows: tuple[int, ...], k: int, fmt: Fp4Format) -> Fp4Layout:
 
 
 def fp4_backend(name: str, device: torch.device, numel: int) -> str:
-    """The 4-bit kernels for a call: 'auto' is Triton on CUDA, the compiled reference for big CPU buffers, else the
-    reference (the same rule as the FP8 dispatch); every choice gives the same bits (tests/unit/test_fp4.py)."""
+    """The 4-bit kernels for a call: 'auto' is Triton on CUDA, the native kernels on CPU (the compiled reference
+    for big buffers where no C compiler is found), else the reference; every choice gives the same bits
+    (tests/unit/test_fp4.py)."""
     if name == "auto":
         if device.type == "cuda" and triton_available(device):
             return "triton"
+        if device.type == "cpu" and fp4_native.available():
+            return "native"
         return "compiled" if device.type == "cpu" and numel >= COMPILE_MIN_NUMEL else "reference"
+    if name == "native" and device.type != "cpu":
+        raise Fp8CommError(f"backend 'native' runs on CPU tensors (tensor on {device})")
     if name == "triton" and not triton_available(device):
         raise Fp8CommError(f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})")
     return name
@@ -109,6 +115,8 @@ def _decode(codes, scales, ts, fmt: Fp4Format, backend: str) -> torch.Tensor:
         from . import fp4_triton
 
         return fp4_triton.decode_2d(codes, scales, ts, fmt)
+    if backend == "native":
+        return fp4_native.decode_2d(codes, scales, ts, fmt)
     if backend == "compiled":
         from . import fp4_compiled
 
@@ -154,6 +162,9 @@ def pack_fp4(
     y = hadamard_forward(x2, hadamard, hadamard_seed) if hadamard else x2
     sr = None if rounding == "nearest" else int(seed)
     k, fmt = layout.k, layout.fmt
+    if be == "native":  # straight into each chunk's sections
+        _pack_native(y, layout, sr, out, counters)
+        return out
     if be == "triton" and fmt.two_level:  # the kernel takes one tensor scale: a launch per chunk
         parts = [
             (c, _encode(y[r0 : r0 + n], fmt, sr, r0 * k, be))
@@ -182,6 +193,25 @@ def pack_fp4(
         y_rows = y if sum(rows) == y.shape[0] else y[: sum(rows)]
         counters += _counts(y_rows, q_all)
     return out
+
+
+def _pack_native(y: torch.Tensor, layout: Fp4Layout, sr: int | None, out: torch.Tensor, counters) -> None:
+    """pack_fp4 on the native kernels: each chunk encoded in place (NVFP4: one scale per row, each row given its
+    chunk's amax unless chunks are single rows)."""
+    k, fmt = layout.k, layout.fmt
+    one_row = all(r <= 1 for r in layout.rows)
+    ta = _chunk_amax_rows(y, layout) if fmt.two_level and not one_row else None
+    key = None if sr is None else seed_key(sr)
+    for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows)):
+        if not n:
+            continue
+        codes, scales, ts = layout.sections(out, c)
+        t = torch.empty(n, dtype=torch.float32) if ts is not None else None
+        tac = None if ta is None else ta[r0 : r0 + n]
+        fp4_native.encode_into(y[r0 : r0 + n], fmt, codes, scales, t, key, r0 * k, tac, counters)
+        if ts is not None and t is not None:
+            ts.copy_(t[:1])
+        _zero_padding(out, layout, c)
 
 
 def _zero_padding(out: torch.Tensor, layout: Fp4Layout, c: int) -> None:
@@ -236,16 +266,21 @@ def unpack_fp4(
     out: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Decode every chunk of `buf` into fp32 [M, K] (the Hadamard transform inverted per row block)."""
+    """Decode every chunk of `buf` into fp32 [M, K] (the Hadamard transform inverted per row block); an `out` of
+    [M, L], L <= K, receives the first L columns of each row (the padding stays behind)."""
     _check_buf(buf, layout)
     if out is None:
         out = torch.empty(layout.total_rows, layout.k, dtype=torch.float32, device=buf.device)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (layout.total_rows, layout.k):
-        raise Fp8CommError(f"unpack_fp4: out must be fp32 {(layout.total_rows, layout.k)}")
+    elif out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != layout.total_rows or out.shape[1] > layout.k:
+        raise Fp8CommError(f"unpack_fp4: out must be fp32 [{layout.total_rows}, <= {layout.k}]")
     be = fp4_backend(backend, buf.device, layout.total_rows * layout.k)
-    if layout.total_rows:
+    if be == "native" and not hadamard:  # each chunk straight into its rows of out
+        for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows)):
+            if n:
+                fp4_native.decode([layout.sections(buf, c)], layout.fmt, out[r0 : r0 + n])
+    elif layout.total_rows:
         v = _decode_all(buf, layout, be)
-        out.copy_(hadamard_inverse(v, hadamard, hadamard_seed) if hadamard else v)
+        out.copy_((hadamard_inverse(v, hadamard, hadamard_seed) if hadamard else v)[:, : out.shape[1]])
     return out
 
 
@@ -270,10 +305,28 @@ def unpack_fp4_sum(
     be = fp4_backend(backend, buf.device, layout.total_rows * layout.k)
     if not rows:
         return out
+    if be == "native":  # decoded and summed in one pass, in chunk order
+        fp4_native.decode([layout.sections(buf, c) for c in range(len(layout.rows))], layout.fmt, out, "sum")
+        if hadamard:
+            out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
+        return out
     v = _decode_all(buf, layout, be).view(len(layout.rows), rows, layout.k)
     out.copy_(v[0])
     for c in range(1, len(layout.rows)):
         out.add_(v[c])
     if hadamard:
         out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
+    return out
+
+
+def residual_fp4(buf: torch.Tensor, layout: Fp4Layout, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Error feedback's residual in one pass (native kernels, no transform): out = x - decoded, over the first
+    L = x.shape[1] columns of each row, non-finite differences 0; x and out fp32 [M, L], L <= K. The same bits as
+    unpack_fp4 followed by the subtraction in torch."""
+    _check_buf(buf, layout)
+    if x.shape != out.shape or x.shape[0] != layout.total_rows or x.shape[1] > layout.k:
+        raise Fp8CommError(f"residual_fp4: x {tuple(x.shape)} and out {tuple(out.shape)} vs layout rows of {layout.k}")
+    for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows)):
+        if n:
+            fp4_native.decode([layout.sections(buf, c)], layout.fmt, out[r0 : r0 + n], "residual", x[r0 : r0 + n])
     return out

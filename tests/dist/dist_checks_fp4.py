@@ -161,8 +161,37 @@ def check_fp4_refusals(ctx: Ctx) -> None:
     dist.barrier()
 
 
+def check_fp4_pipelined_pieces(ctx: Ctx) -> None:
+    """MXFP4 calls cut into pipelined pieces (whole blocks each) give the one-piece bits: reduce_scatter with and
+    without error feedback (output and residual, over two steps), all_reduce, all_gather into bf16 and fp32, with
+    padded tail blocks; NVFP4 (a second-level scale per whole row) stays one piece and still matches."""
+    r, W = ctx.rank, ctx.world
+    x = randn((W * 1000 + 7,), 900 + r, scale=1 + r)
+    for fmt in ("mxfp4", "nvfp4"):
+        one = fc.reduce_scatter(x, fmt=fmt, pipeline=False)
+        assert torch.equal(one, rs4_reference(gather(x), W, r, fmt, 0)[: one.numel()]), fmt
+        for p in (2, 3, 5):
+            assert torch.equal(fc.reduce_scatter(x, fmt=fmt, pipeline=p), one), f"{fmt} rs pipeline={p}"
+        ar = fc.all_reduce(x, fmt=fmt, pipeline=False)
+        assert torch.equal(fc.all_reduce(x, fmt=fmt, pipeline=3), ar), f"{fmt} all_reduce pieces"
+    res = {}
+    for p in (False, 3):
+        ef = fc.ErrorFeedback()
+        cfg = fc.WireConfig(fmt="mxfp4", error_feedback=True)
+        outs = [fc.reduce_scatter(x * (s + 1), config=cfg, error_feedback=ef, pipeline=p) for s in range(2)]
+        res[p] = (outs, ef.residual.clone())
+    assert all(torch.equal(a, b) for a, b in zip(res[False][0], res[3][0])), "EF outputs differ with pieces"
+    assert torch.equal(res[False][1], res[3][1]), "EF residual differs with pieces"
+    for dt in (torch.bfloat16, torch.float32):
+        w = randn((5, 333), 950 + r, dt)
+        one = fc.all_gather(w, fmt="mxfp4", pipeline=False)
+        for p in (2, 4):
+            assert torch.equal(fc.all_gather(w, fmt="mxfp4", pipeline=p), one), f"all_gather {dt} pipeline={p}"
+
+
 CHECKS_FP4 = [
     check_fp4_reduce_scatter,
+    check_fp4_pipelined_pieces,
     check_fp4_all_gather,
     check_fp4_error_feedback,
     check_fp4_replica_update,

@@ -471,3 +471,61 @@ def test_compiled_bit_exact(fmt):
         fp4_api.dequantize_fp4(want, torch.float32),
         "deq",
     )
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_native_bit_exact(fmt):
+    """fp4_native (the C kernels of the CPU wire) against the reference: every code x scale case, the scale edges
+    and random data with non-finite blocks; nearest and stochastic; NVFP4's three tensor-scale scopes (the whole
+    input, a given amax of one or per row, each row's own); and the decode of every scale byte x every code."""
+    from fp8comm.quant import fp4_native
+
+    if not fp4_native.available():
+        pytest.fail(f"the native 4-bit kernels did not build: {fp4_native.problem()}")
+    ex = exhaustive(fmt)
+    x = torch.cat([ex, scale_edges(fmt), random_data(fmt, m=16, k=ex.shape[1])])
+    kws: list[dict] = [{}, dict(rounding="stochastic", seed=77, index_base=5)]
+    if fmt.two_level:
+        kws += [
+            dict(tensor_amax=torch.tensor([3.0])),
+            dict(rounding="stochastic", seed=3, tensor_amax=torch.tensor(1e-3)),
+        ]
+    for kw in kws:
+        want = fp4_api.quantize_fp4(x, fmt, **kw)
+        got = fp4_api.quantize_fp4(x, fmt, backend="native", **kw)
+        same_q(got, want, f"{fmt} native {kw}")
+        same_f(
+            fp4_api.dequantize_fp4(got, torch.float32, backend="native"),
+            fp4_api.dequantize_fp4(want, torch.float32),
+            f"{fmt} native deq {kw}",
+        )
+    if fmt.two_level:  # per-row second-level scales: given per row, and each row's own
+        rows_ta = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(dim=1) * 0.7
+        for ta, own in ((rows_ta, False), (None, True)):
+            want = fp4.encode_2d(x, fmt, None, 0, ta, own)
+            got = fp4_native.encode_2d(x, fmt, None, 0, ta, own)
+            same_q(fp4.Fp4Tensor(*got, fmt, x.shape, x.dtype), fp4.Fp4Tensor(*want, fmt, x.shape, x.dtype), "rows")
+            same_f(fp4_native.decode_2d(*got, fmt), fp4.decode_2d(*want, fmt), "per-row decode")
+    codes = (torch.arange(16, dtype=torch.int32) * 0x11).to(torch.uint8).repeat(256, 1)
+    sb = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(256, 1).repeat(1, 32 // fmt.block)
+    ts = torch.tensor([2.0**-3])
+    same_f(fp4_native.decode_2d(codes, sb, ts, fmt), fp4.decode_2d(codes, sb, ts, fmt), f"{fmt} every scale byte")
+
+
+def test_native_refuses_cleanly_without_a_compiler(monkeypatch, tmp_path):
+    """No C compiler: 'auto' keeps the compiled reference (same bits), and asking for 'native' names the problem."""
+    from fp8comm.quant import fp4_native, wire4
+
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    monkeypatch.setenv("FP8COMM_CACHE", str(tmp_path))
+    fp4_native._lib.cache_clear()
+    try:
+        assert not fp4_native.available()
+        assert "no C compiler" in (fp4_native.problem() or "")
+        assert wire4.fp4_backend("auto", torch.device("cpu"), 1 << 22) == "compiled"
+        with pytest.raises(Fp8CommError, match="'native' is unavailable: no C compiler"):
+            fp4_api.quantize_fp4(torch.randn(2, 32), "mxfp4", backend="native")
+    finally:
+        monkeypatch.undo()
+        fp4_native._lib.cache_clear()
+    assert fp4_native.available()

@@ -157,3 +157,40 @@ def test_triton_wire_bit_exact(interpreted, fmt):
             for fn in (unpack_fp4, unpack_fp4_sum):
                 a, b = fn(got, lay, h, 3, backend="triton"), fn(want, lay, h, 3, backend="reference")
                 assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), fn
+
+
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4])
+def test_native_wire_bit_exact(fmt):
+    """The native CPU path of the wire byte for byte against the reference: one-row and multi-row chunks (NVFP4's
+    per-chunk scale), both roundings, with and without the transform, wide magnitudes, a non-finite block; its
+    decode, fp32 sum, partial-width decode and error-feedback residual bit for bit, and the guard's counts."""
+    from fp8comm.quant import fp4_native
+    from fp8comm.quant.wire4 import residual_fp4
+
+    assert fp4_native.available(), fp4_native.problem()
+    x = rows(6, 256, 4) * torch.logspace(-6, 6, 6).reshape(6, 1)
+    x[2, 100] = float("inf")
+    x[4, 3] = 1e-30  # flushed next to the row's big values
+    for chunking in ((1,) * 6, (2, 1, 3)):
+        lay = fp4_layout(chunking, 256, fmt)
+        for rounding in ("nearest", "stochastic"):
+            for h in (0, 16):
+                cw, cg = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+                want = pack_fp4(x, lay, rounding, 9, h, 3, backend="reference", counters=cw)
+                got = pack_fp4(x, lay, rounding, 9, h, 3, backend="native", counters=cg)
+                assert torch.equal(got, want), (chunking, rounding, h)
+                assert cg.tolist() == cw.tolist() and cw[1] > 0 and cw[2] == (1 if h == 0 else h), (cg, cw)
+                fns = [unpack_fp4] + ([unpack_fp4_sum] if len(set(chunking)) == 1 else [])
+                for fn in fns:
+                    a, b = fn(got, lay, h, 3, backend="native"), fn(want, lay, h, 3, backend="reference")
+                    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), fn
+        part = torch.full((6, 200), 7.0)  # the first 200 columns only: the padding's decode stays behind
+        full = unpack_fp4(want, lay, backend="reference")
+        unpack_fp4(want, lay, out=part, backend="native")
+        assert torch.equal(part.nan_to_num(), full[:, :200].nan_to_num())
+        r = torch.empty(6, 200)
+        residual_fp4(want, lay, x[:, :200].contiguous(), r)
+        ref = x[:, :200] - full[:, :200]
+        assert torch.equal(r, ref.masked_fill(~torch.isfinite(ref), 0.0))
+    with pytest.raises(Fp8CommError, match="residual_fp4"):
+        residual_fp4(want, lay, torch.zeros(5, 200), torch.zeros(5, 200))
