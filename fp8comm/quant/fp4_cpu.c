@@ -71,20 +71,21 @@ static inline void block_codes(const float *xf, int64_t bsz, int nv, float mul, 
     }
 }
 
-/* Encode x [m, k] (row stride ldx, fp32) into codes [m, k/2] and scale bytes [m, k/block], both contiguous.
- * nv = 0: MXFP4 (block 32, E8M0). nv = 1: NVFP4 (block 16, E4M3) relative to a power-of-two scale per row taken
+/* Encode x [m, k] (row stride ldx elements; fp32, or bf16 when bf) into codes [m, k/2] and scale bytes
+ * [m, k/block], both contiguous. nv = 0: MXFP4 (block 32, E8M0). nv = 1: NVFP4 (block 16, E4M3) relative to a power-of-two scale per row taken
  * from ta[i * ta_step] (ta_step 0: one value for every row), or from the row's own finite amax when ta is NULL;
  * tscale[i] receives that scale. sr: stochastic rounding with uniforms from (key, index_base + i * k + j).
  * counters (or NULL) += [finite non-zero elements encoded as +-0, non-finite elements]. */
-void fp4_encode(const float *x, int64_t m, int64_t k, int64_t ldx, int nv, const float *ta, int64_t ta_step,
+void fp4_encode(const void *x, int bf, int64_t m, int64_t k, int64_t ldx, int nv, const float *ta, int64_t ta_step,
                 int sr, uint32_t key, int64_t index_base, uint8_t *codes, uint8_t *sbytes, float *tscale,
                 int64_t *counters) {
     const int64_t bsz = nv ? 16 : 32, nb = k / bsz;
     int64_t flushed = 0, nonfinite = 0;
-    float xf[32], u[32];
+    float xf[32], u[32], wide[32];
     uint8_t c[32];
     for (int64_t i = 0; i < m; i++) {
-        const float *xr = x + i * ldx;
+        const float *xr = (const float *)x + i * ldx;
+        const uint16_t *hr = (const uint16_t *)x + i * ldx;
         float pg = 1.0f;
         if (nv) {
             float t;
@@ -93,7 +94,7 @@ void fp4_encode(const float *x, int64_t m, int64_t k, int64_t ldx, int nv, const
             } else {
                 t = 0.0f;
                 for (int64_t j = 0; j < k; j++) {
-                    float v = xr[j], av = is_fin(v) ? fabsf(v) : 0.0f;
+                    float v = bf ? u2f((uint32_t)hr[j] << 16) : xr[j], av = is_fin(v) ? fabsf(v) : 0.0f;
                     t = av > t ? av : t;
                 }
             }
@@ -103,6 +104,10 @@ void fp4_encode(const float *x, int64_t m, int64_t k, int64_t ldx, int nv, const
         }
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = xr + b * bsz;
+            if (bf) { /* bf16 widened exactly (torch's .float()), a block at a time */
+                for (int64_t j = 0; j < bsz; j++) wide[j] = u2f((uint32_t)hr[b * bsz + j] << 16);
+                xb = wide;
+            }
             float amax = 0.0f;
             int bad = 0;
             for (int64_t j = 0; j < bsz; j++) {

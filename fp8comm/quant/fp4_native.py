@@ -75,7 +75,8 @@ def _lib() -> ctypes.CDLL | None:
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))
     lib.fp4_encode.restype = None
-    lib.fp4_encode.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, _I64, ctypes.c_int, ctypes.c_uint32]
+    lib.fp4_encode.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _I64, ctypes.c_int, _PTR, _I64, ctypes.c_int]
+    lib.fp4_encode.argtypes += [ctypes.c_uint32]
     lib.fp4_encode.argtypes += [_I64, _PTR, _PTR, _PTR, _PTR]
     lib.fp4_decode.restype = None
     lib.fp4_decode.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int]
@@ -135,7 +136,7 @@ def encode_into(
     key: seed_key of the seed for stochastic rounding, None for nearest. counters: int64 [3] += the guard's
     [0, flushed, non-finite]."""
     lib = _need()
-    x = x2 if x2.dtype == torch.float32 else x2.float()
+    x = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()  # bf16 is widened in the kernel
     if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         x = x.contiguous()
     m, k = x.shape
@@ -148,6 +149,7 @@ def encode_into(
         raise Fp8CommError("native encode writes contiguous codes and scale bytes")
     lib.fp4_encode(
         x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
         m,
         k,
         x.stride(0) if m > 1 else k,

@@ -494,6 +494,8 @@ def test_native_bit_exact(fmt):
         want = fp4_api.quantize_fp4(x, fmt, **kw)
         got = fp4_api.quantize_fp4(x, fmt, backend="native", **kw)
         same_q(got, want, f"{fmt} native {kw}")
+        xb = x.bfloat16()  # bf16 input: widened inside the kernel
+        same_q(fp4_api.quantize_fp4(xb, fmt, backend="native", **kw), fp4_api.quantize_fp4(xb, fmt, **kw), "bf16")
         same_f(
             fp4_api.dequantize_fp4(got, torch.float32, backend="native"),
             fp4_api.dequantize_fp4(want, torch.float32),

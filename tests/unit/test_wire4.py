@@ -180,6 +180,9 @@ def test_native_wire_bit_exact(fmt):
                 got = pack_fp4(x, lay, rounding, 9, h, 3, backend="native", counters=cg)
                 assert torch.equal(got, want), (chunking, rounding, h)
                 assert cg.tolist() == cw.tolist() and cw[1] > 0 and cw[2] == (1 if h == 0 else h), (cg, cw)
+                xb = x.bfloat16()  # bf16 rows: widened inside the kernel
+                cb = pack_fp4(xb, lay, rounding, 9, h, 3, backend="native")
+                assert torch.equal(cb, pack_fp4(xb, lay, rounding, 9, h, 3, backend="reference")), "bf16"
                 fns = [unpack_fp4] + ([unpack_fp4_sum] if len(set(chunking)) == 1 else [])
                 for fn in fns:
                     a, b = fn(got, lay, h, 3, backend="native"), fn(want, lay, h, 3, backend="reference")
