@@ -103,11 +103,13 @@ def test_shutdown_releases_what_fp8comm_holds():
 
 @pytest.mark.slow
 def test_three_rank_script_exits_clean_many_times(tmp_path):
-    """The job of the report, 14 times in a row (a 1-in-5 failure survives 14 runs with probability 0.8^14 < 5%):
-    every torchrun launch exits 0 and no rank prints "terminate called"."""
+    """The job of the report, 5 times in a row: every torchrun launch exits 0 and no rank prints "terminate called".
+    A regression smoke test, not proof (the abort never reproduced here: 0 in 69 + 14 runs before the fix); a 1-in-5
+    failure survives 5 runs with probability 0.33. The deterministic guards are the thread counts above. (14 runs
+    cost 2.7 min of a suite that must stay short.)"""
     script = Path(__file__).with_name("exit_script.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for i in range(14):
+    for i in range(5):
         p = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(script)],
             capture_output=True,
