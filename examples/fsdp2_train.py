@@ -203,26 +203,30 @@ def print_table(res: dict) -> None:
     print("\n".join(rows), flush=True)
 
 
+def run(args) -> None:
+    data, vocab = load_corpus()
+    mesh = make_mesh(args)
+    plain = train(args, data, vocab, mesh, fp8=False) if (args.plain or args.bench) else None
+    fp8 = train(args, data, vocab, mesh, fp8=True) if not args.plain else None
+    res = summarize(args, plain, fp8)
+    if dist.get_rank() == 0:
+        if fp8 is not None:
+            print(fp8["report"], flush=True)
+        print_table(res)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res, fh, indent=1)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     try:
-        data, vocab = load_corpus()
-        mesh = make_mesh(args)
-        plain = train(args, data, vocab, mesh, fp8=False) if (args.plain or args.bench) else None
-        fp8 = train(args, data, vocab, mesh, fp8=True) if not args.plain else None
-        res = summarize(args, plain, fp8)
-        if dist.get_rank() == 0:
-            if fp8 is not None:
-                print(fp8["report"], flush=True)
-            print_table(res)
-            if args.json:
-                with open(args.json, "w") as fh:
-                    json.dump(res, fh, indent=1)
+        run(args)  # the mesh and models live in run(): gone before the groups are destroyed
     finally:
-        fp8comm.shutdown()  # what fp8comm holds on the groups goes before them
+        fp8comm.shutdown()  # what fp8comm (and torch's DTensor caches) hold on the groups goes before them
         dist.destroy_process_group()
 
 

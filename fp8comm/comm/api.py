@@ -7,6 +7,7 @@ buf.stats.snapshot()                                              # this Buffer'
 
 from __future__ import annotations
 
+import gc
 import inspect
 import sys
 
@@ -118,11 +119,44 @@ def shutdown() -> None:
 
     Idempotent, local (no collective), safe without torch.distributed. It drops the node groups that hierarchical
     mode created (cached per parent group, re-created on the next hierarchical call), the default state's scratch
-    memory, and the group references torch binds at import time (unpin_default_groups), so that
-    destroy_process_group() really stops every backend thread before the interpreter exits. Handles not yet waited
+    memory, the group references torch binds at import time (unpin_default_groups) and those its DTensor caches
+    keep (clear_dtensor_caches: FSDP2 fills them), so that destroy_process_group() really stops every backend
+    thread before the interpreter exits. Handles not yet waited
     must be waited first (their collectives are in flight); a Buffer's scratch is freed by Buffer.release()."""
     from . import hierarchical
 
     hierarchical._CACHE.clear()
     default_state().pool.clear()
     unpin_default_groups()
+    clear_dtensor_caches()
+    gc.collect()  # meshes also wait in reference cycles (FSDP2 state): free them while the interpreter is whole
+
+
+def clear_dtensor_caches() -> None:
+    """Empty torch's DTensor caches that keep a DeviceMesh alive, when DTensor is loaded: sharding propagation
+    (C++ and Python), redistribute plans and transform infos, mesh topology.
+
+    Their entries hold DTensorSpecs or meshes, hence the meshes' process groups: after FSDP2 (which fills them)
+    dist.destroy_process_group() could not free the default group, and its gloo threads ran into interpreter
+    teardown (measured in torch 2.13 without fp8comm: 3 threads per rank; CI saw both ranks of the FSDP2 example
+    abort at exit). Clearing costs only recomputation on the next DTensor op. Private torch names, looked up
+    defensively: a torch without one of them simply has nothing there to clear."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    dtensor = getattr(sys.modules["torch.distributed.tensor"], "DTensor", None)
+    prop = getattr(getattr(dtensor, "_op_dispatcher", None), "sharding_propagator", None)
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    collective = sys.modules.get("torch.distributed.tensor._collective_utils")
+    for cached in (
+        getattr(prop, "propagate_op_sharding", None),
+        getattr(redistribute, "_gen_transform_infos", None),
+        getattr(getattr(collective, "MeshTopoInfo", None), "build_from_mesh", None),
+    ):
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    plans = getattr(redistribute, "_planner_cache", None)
+    if isinstance(plans, dict):
+        plans.clear()

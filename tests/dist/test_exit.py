@@ -101,6 +101,40 @@ def test_shutdown_releases_what_fp8comm_holds():
     assert got["left"] == 0, f"{got['left']} gloo threads still running after shutdown() + destroy: {got}"
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
+def test_shutdown_releases_the_group_fsdp2_pins():
+    """FSDP2 fills torch's DTensor caches (sharding propagation in C++ and Python, redistribute plans, transform
+    infos, mesh topology), whose entries hold the DeviceMesh and through it the process group, and its state sits in
+    reference cycles: without fp8comm.shutdown() clearing them and collecting, destroy_process_group() leaves the
+    gloo threads running into teardown (seen in CI: both ranks of examples/fsdp2_train.py aborted at exit)."""
+    got = run(
+        """
+        import gc
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        import fp8comm
+
+        def train():
+            mesh = init_device_mesh("cpu", (1,))
+            model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            model(torch.randn(2, 16)).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # DTensor redistribution: its plan caches
+            model[0].weight.full_tensor()
+            cycle = {"mesh": mesh}
+            cycle["self"] = cycle  # garbage only a collection frees (as FSDP2's own state cycles are)
+
+        train()
+        fp8comm.shutdown()
+        dist.destroy_process_group()
+        print(json.dumps({"running": running, "left": gloo_threads_left()}))
+        """
+    )
+    assert got["left"] == 0, f"{got['left']} gloo threads still running after fully_shard, shutdown() + destroy: {got}"
+
+
 @pytest.mark.slow
 def test_three_rank_script_exits_clean_many_times(tmp_path):
     """The job of the report, 5 times in a row: every torchrun launch exits 0 and no rank prints "terminate called".
