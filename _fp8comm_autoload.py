@@ -3,11 +3,14 @@
 Run at interpreter start by the one-line `fp8comm-autoload.pth` in site-packages; standard library only (sys, os).
 Costs nothing at start: it imports neither torch, nor deepspeed, nor fp8comm; it puts a finder on sys.meta_path that
 answers only for `deepspeed` and, once deepspeed's own module has run, replaces `deepspeed.initialize` with a wrapper.
-The wrapper hands a call to `fp8comm.integrations.deepspeed.initialize` only when the call's config mentions the
-section (importing fp8comm then); every other call goes straight to DeepSpeed. Nothing here raises during
+The wrapper reads the call's config as DeepSpeed does (dict, JSON/HJSON file, base64 string) and hands the call to
+`fp8comm.integrations.deepspeed.initialize` only when the section is on by the adapter's rule (present at the top
+level, not false, not "enabled": false), importing fp8comm then; every other call, and a config it cannot read,
+goes straight to DeepSpeed with nothing of fp8comm imported or patched. Nothing here raises during
 `import deepspeed`: refusals (a DeepSpeed version fp8comm does not support, a bad section) come from fp8comm inside
-initialize(). `FP8COMM_AUTOLOAD=0` (also false/no/off) at interpreter start turns all of this off. Importing
-fp8comm.integrations.deepspeed calls release(): its own config flag then wraps DeepSpeed's original, once.
+initialize(). `FP8COMM_AUTOLOAD=0` (also false/no/off) at interpreter start turns all of this off, release() and
+reattach() included. Importing fp8comm.integrations.deepspeed calls release(): its own config flag then wraps
+DeepSpeed's original, once.
 
 This is a top-level module, not fp8comm._autoload, so that interpreter start does not import the fp8comm package.
 """
@@ -20,9 +23,9 @@ TARGET = "deepspeed"
 ADAPTER = "fp8comm.integrations.deepspeed"
 MARK = "_fp8comm_autoload"  # attribute set on the wrapper: tells it apart from DeepSpeed's own and fp8comm's flag
 
-# What the hook did in this process (tests and `python -c` diagnostics read it): finder on, deepspeed.initialize
-# wrapped, and how many initialize() calls it handed to fp8comm.
-state = {"finder": False, "wrapped": False, "handed_to_fp8comm": 0, "released": False}
+# What the hook did in this process (tests and `python -c` diagnostics read it): on (FP8COMM_AUTOLOAD at interpreter
+# start), finder on, deepspeed.initialize wrapped, and how many initialize() calls it handed to fp8comm.
+state = {"enabled": False, "finder": False, "wrapped": False, "handed_to_fp8comm": 0, "released": False}
 
 
 def enabled() -> bool:
@@ -113,43 +116,71 @@ def _wrap(ds) -> None:
 
 
 def asks_for_fp8comm(orig, args: tuple, kwargs: dict) -> bool:
-    """Whether a config this call of DeepSpeed's `orig` can use mentions the section (a top-level key of a dict; the
-    text of a JSON/HJSON file or a base64 string). Erring towards True is safe: fp8comm then parses the config fully
-    and hands a config without an enabled section to DeepSpeed unchanged."""
+    """Whether this call of DeepSpeed's `orig` turns the section on (section_on() of the config DeepSpeed will use,
+    read as DeepSpeed reads it); False for a config that cannot be read, which DeepSpeed then reports."""
     import inspect
 
     try:  # DeepSpeed's own signature (the wrapper's __wrapped__), so positional configs are found too
         bound = inspect.signature(orig).bind_partial(*args, **kwargs).arguments
     except (TypeError, ValueError):
-        bound = dict(kwargs)  # DeepSpeed will report the bad call itself
+        bound = {}  # DeepSpeed will report the bad call itself
+    bound = {**kwargs, **bound}  # a signature with **kwargs (another DeepSpeed) binds config=... under its name
+    # The same choice as DeepSpeed and the adapter (engine._ds_config): config, config_params, then args.
+    cfg = bound.get("config")
+    if cfg is None:
+        cfg = bound.get("config_params")
     ns = bound.get("args")
-    candidates = [bound.get("config"), bound.get("config_params")]
-    candidates += [getattr(ns, "deepspeed_config", None), getattr(ns, "deepscale_config", None)]
-    return any(_mentions(c) for c in candidates)
+    if cfg is None and ns is not None:
+        cfg = getattr(ns, "deepspeed_config", None) or getattr(ns, "deepscale_config", None)
+    return section_on(load_config(cfg))
 
 
-def _mentions(cfg) -> bool:
+def load_config(cfg):
+    """`cfg` as DeepSpeed 0.19.8's load_ds_config reads it: a dict as is, a path to a JSON/HJSON file, or a base64
+    string of one; None for anything else and for whatever fails to read or parse (DeepSpeed raises there)."""
     if isinstance(cfg, dict):
-        return SECTION in cfg
-    if not isinstance(cfg, (str, bytes, os.PathLike)):
-        return False
+        return cfg
+    if not isinstance(cfg, str):
+        return None
     try:
-        if os.path.isfile(cfg):
-            with open(cfg, "rb") as f:
-                return SECTION.encode() in f.read()
-        if isinstance(cfg, (str, bytes)):
+        try:
+            import hjson as parser  # DeepSpeed's own parser (a dependency of it, so importable once it is loaded)
+        except ImportError:
+            import json as parser  # a DeepSpeed without hjson reads JSON; the hook must still see the section
+        if os.path.exists(cfg):
+            with open(cfg) as f:
+                out = parser.load(f, object_pairs_hook=_no_duplicate_keys)  # DeepSpeed refuses them in a file
+        else:
             import base64
 
-            return SECTION.encode() in base64.urlsafe_b64decode(cfg)
-    except (OSError, ValueError, TypeError):
-        return False  # DeepSpeed reports the unreadable config itself
-    return False
+            out = parser.loads(base64.urlsafe_b64decode(cfg).decode("utf-8"))
+    except Exception:  # unreadable, not JSON/HJSON, not base64, duplicate keys: DeepSpeed reports it
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate keys")
+    return out
+
+
+def section_on(ds_config) -> bool:
+    """The adapter's rule (config.parse): on when fp8_comm is a top-level key that is not false and, as an object,
+    not "enabled": false. A section fp8comm cannot read counts as on, so that fp8comm reports it."""
+    if not isinstance(ds_config, dict) or SECTION not in ds_config:
+        return False
+    raw = ds_config[SECTION]
+    if isinstance(raw, dict):
+        return raw.get("enabled", True) is not False
+    return raw is not False
 
 
 # --------------------------------------------------------------------------------------- on / hand over
 def install() -> None:
     """Put the finder on sys.meta_path (once), or wrap deepspeed.initialize now if deepspeed is already loaded."""
-    if not enabled() or state["finder"] or state["released"]:
+    if not state["enabled"] or state["finder"] or state["released"]:
         return
     ds = sys.modules.get(TARGET)
     if ds is not None:
@@ -163,6 +194,8 @@ def release() -> None:
     """fp8comm's own config flag takes over: drop the finder and give deepspeed.initialize back to DeepSpeed's
     original, so that the flag wraps DeepSpeed's function (never this wrapper: no call goes through fp8comm twice).
     Callers holding this wrapper (`from deepspeed import initialize` before) still reach fp8comm through it."""
+    if not state["enabled"]:  # FP8COMM_AUTOLOAD=0: nothing of the hook runs
+        return
     state["released"] = True
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
     state["finder"] = False
@@ -173,7 +206,10 @@ def release() -> None:
 
 
 def reattach() -> None:
-    """Undo release() (the adapter failed to import): the wrapper goes back, so the section is not silently ignored."""
+    """Undo release() (the adapter failed to import): the wrapper goes back, so the section is not silently ignored.
+    With FP8COMM_AUTOLOAD=0 it does nothing: DeepSpeed's initialize stays as the program left it."""
+    if not state["enabled"]:
+        return
     state["released"] = False
     ds = sys.modules.get(TARGET)
     if ds is not None:
@@ -182,4 +218,5 @@ def reattach() -> None:
         install()
 
 
+state["enabled"] = enabled()
 install()

@@ -1,4 +1,11 @@
-"""Build step that installs the one-line `fp8comm-autoload.pth` into site-packages (metadata: pyproject.toml).
+"""Build steps (metadata: pyproject.toml): the 4-bit CPU kernels as a native extension, and the one-line
+`fp8comm-autoload.pth` in site-packages.
+
+The extension `fp8comm.quant._fp4_cpu` is fp4_cpu.c compiled by the installer's C compiler, loaded with ctypes by
+fp8comm/quant/fp4_native.py (no Python API inside). It is optional: without a compiler the install still succeeds
+and the CPU wire uses the (slower, bit-identical) compiled or reference path with one warning. Its flags run on any
+machine of the platform (no -march=native; the C file carries per-CPU clones), and the library records the sha256
+of its source, so a stale in-place build is refused rather than loaded.
 
 The line imports `_fp8comm_autoload` at interpreter start, which makes `deepspeed.initialize` honour the "fp8_comm"
 section without any import in the user's script (docs/deepspeed.md, "The flag alone"). The file must land at the
@@ -13,9 +20,11 @@ command's install_lib, which setuptools' editable_wheel points at that directory
 
 from __future__ import annotations
 
+import hashlib
 import os
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 from setuptools.errors import SetupError
 
@@ -50,4 +59,30 @@ class BuildPyWithAutoload(build_py):
         return outputs
 
 
-setup(cmdclass={"build_py": BuildPyWithAutoload})
+FP4_SRC = "fp8comm/quant/fp4_cpu.c"
+# Kept equal to fp4_native.CFLAGS (the opt-in build at first use): -ffp-contract=off and no fast-math keep every
+# fp32 operation rounding as torch's does.
+FP4_CFLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math"]
+
+
+class BuildExtOptional(build_ext):
+    """build_ext with the source's sha256 compiled in; a failed build is reported, never fatal (optional=True)."""
+
+    def build_extension(self, ext) -> None:
+        sha = hashlib.sha256(open(FP4_SRC, "rb").read()).hexdigest()
+        ext.define_macros = [*ext.define_macros, ("FP8COMM_SRC_SHA", f'"{sha}"')]
+        super().build_extension(ext)
+
+
+setup(
+    cmdclass={"build_py": BuildPyWithAutoload, "build_ext": BuildExtOptional},
+    ext_modules=[
+        Extension(
+            "fp8comm.quant._fp4_cpu",
+            [FP4_SRC],
+            extra_compile_args=FP4_CFLAGS,
+            libraries=["m"],
+            optional=True,
+        )
+    ],
+)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..errors import Fp8CommError
 from ..quant.layout import view_2d
 from ..quant.tensor import Fp8Tensor
+from ..quant.wire4 import backend_problem
 from .buffers import Handle, Lease, completed, refuse_capture
 from .checks import Meta, exchange, group_rank_size, out_problem, tensor_problem
 from .config import WireConfig, WireSpec, resolve
@@ -77,6 +78,8 @@ def start_call(
                     + ("hierarchical=...; use the flat call" if meta.hier else "splits; all_to_all takes e4m3/e5m2"),
                 )
             )
+        if device is not None and (problem := backend_problem(cfg.spec.backend, device)) is not None:
+            meta.fail(("option", problem))  # an explicit backend this rank cannot run: refused on every rank
         if extra is not None:
             meta.fail(extra(cfg.spec))
         if cfg.error_feedback and ef is None:

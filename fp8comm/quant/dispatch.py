@@ -1,7 +1,8 @@
 """Which kernels run a quantization: the torch reference, torch.compile (CPU) or Triton (CUDA, or the interpreter).
 
 resolve_backend(name, device, numel) returns the backend module; "auto" picks Triton on CUDA and the compiled path
-for big CPU tensors. Every backend implements the same functions and is tested bit-exact against the reference.
+for big CPU tensors (the reference, with one warning, where inductor has no C++ compiler). Every backend implements
+the same functions and is tested bit-exact against the reference.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from ..errors import Fp8CommError, Fp8CommRuntimeError
 from . import backend_compiled, backend_reference
+from .toolchain import compiled_cpu_problem, step_down
 
 BACKENDS = ("reference", "compiled", "triton")
 # Below this many elements the compile path is not worth its per-shape compile time on CPU.
@@ -33,12 +35,18 @@ def resolve_backend(name: str, device: torch.device, numel: int | None = None):
         if device.type == "cuda" and triton_available(device):
             name = "triton"
         elif device.type == "cpu" and numel is not None and numel >= COMPILE_MIN_NUMEL:
-            name = "compiled"
+            problem = compiled_cpu_problem(device)
+            name = "compiled" if problem is None else "reference"
+            if problem is not None:
+                step_down(problem, "the torch reference for big CPU tensors")
         else:
             name = "reference"
     if name == "reference":
         return backend_reference
     if name == "compiled":
+        problem = compiled_cpu_problem(device)
+        if problem is not None:
+            raise Fp8CommRuntimeError(f"backend 'compiled' cannot run here: {problem}")
         return backend_compiled
     if name == "triton":
         if not triton_available(device):

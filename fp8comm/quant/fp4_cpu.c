@@ -8,6 +8,24 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The build records which source it came from (fp4_native.py refuses a library built from another fp4_cpu.c: a
+ * stale in-place build after an edit would otherwise give other bits). */
+#ifndef FP8COMM_SRC_SHA
+#define FP8COMM_SRC_SHA "unknown"
+#endif
+const char *fp4_source_sha(void) { return FP8COMM_SRC_SHA; }
+
+/* Built for any machine of the platform (wheels and images get copied: no -march=native). On x86-64 Linux with GCC
+ * the two hot entry points also get AVX2 and AVX-512 clones, picked at load time by the CPU's features; the
+ * arithmetic is the same fp32 operations in the same order (no contraction: -ffp-contract=off), so every clone
+ * gives the same bits. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 6 \
+    && !defined(FP8COMM_NO_CLONES)
+#define FP8COMM_CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
+#else
+#define FP8COMM_CLONES
+#endif
+
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float pow2i(int e) { return u2f((uint32_t)(e + 127) << 23); } /* e in [-126, 127] */
@@ -76,6 +94,7 @@ static inline void block_codes(const float *xf, int64_t bsz, int nv, float mul, 
  * from ta[i * ta_step] (ta_step 0: one value for every row), or from the row's own finite amax when ta is NULL;
  * tscale[i] receives that scale. sr: stochastic rounding with uniforms from (key, index_base + i * k + j).
  * counters (or NULL) += [finite non-zero elements encoded as +-0, non-finite elements]. */
+FP8COMM_CLONES
 void fp4_encode(const void *x, int bf, int64_t m, int64_t k, int64_t ldx, int nv, const float *ta, int64_t ta_step,
                 int sr, uint32_t key, int64_t index_base, uint8_t *codes, uint8_t *sbytes, float *tscale,
                 int64_t *counters) {
@@ -167,6 +186,7 @@ void fp4_encode(const void *x, int bf, int64_t m, int64_t k, int64_t ldx, int nv
  * mode 0: chunk c into rows c * rows .. (out holds n * rows rows); mode 1: the sum of the chunks in chunk order
  * (acc = d0; acc += d1; ...). mode 2: out = x - decode (x row stride ldo too), non-finite differences -> 0: the
  * error-feedback residual (n == 1). vals: the 16 E2M1 values; scales: the 256 scale-byte values. */
+FP8COMM_CLONES
 void fp4_decode(const uint8_t *const *codes, const uint8_t *const *sbytes, const float *const *tscale, int64_t n,
                 int64_t rows, int64_t k, int64_t cols, int nv, const float *vals, const float *scales, int mode,
                 const float *x, float *out, int64_t ldo) {

@@ -1,16 +1,19 @@
 """The 4-bit CPU kernels (fp4_cpu.c): encode and decode in one pass over memory, bit for bit with fp4.py.
 
-Built on first use with the system C compiler (the one torch.compile's CPU backend needs too) into a per-user
-cache, keyed by source, flags, compiler and CPU; `available()` says whether that worked and `problem()` why not.
+The library is built when the package is installed (setup.py's optional extension `fp8comm.quant._fp4_cpu`) and
+loaded from the package. FP8COMM_NATIVE_JIT=1 also allows a build at first use into a private per-user cache (0700,
+owner and mode checked on the opened file). `available()` says whether the kernels load, `problem()` why not.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from functools import cache
@@ -18,62 +21,34 @@ from pathlib import Path
 
 import torch
 
-from ..errors import Fp8CommError
+from ..errors import Fp8CommError, Fp8CommRuntimeError
 from . import fp4
 from .layout import decode_e8m0
 
 _SRC = Path(__file__).with_name("fp4_cpu.c")
-# -ffp-contract=off: no fused multiply-adds (each product rounds, as torch's does); no fast-math anywhere
-_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
-if platform.machine() in ("x86_64", "AMD64"):
-    _FLAGS.append("-march=native")  # the cache key holds the CPU's flags: a build never meets another CPU
+EXTENSION = "_fp4_cpu"  # setup.py builds fp8comm.quant._fp4_cpu from fp4_cpu.c
+# -ffp-contract=off: no fused multiply-adds (each product rounds, as torch's does); no fast-math anywhere. No
+# -march=native: a build runs on any machine of its platform (the C file adds per-CPU clones where they pay).
+CFLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math"]
+JIT_ENV = "FP8COMM_NATIVE_JIT"
 _PTR = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _problem: str | None = None
+_source: str | None = None  # "extension" or the JIT library's path, once loaded
 
 
-def _cpu_id() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(keep)))
+def source_sha() -> str:
+    """The sha256 of the fp4_cpu.c this package ships: a loaded library must report the same one."""
+    return hashlib.sha256(_SRC.read_bytes()).hexdigest()
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("FP8COMM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fp8comm"
-    )
-    return Path(base)
-
-
-@cache
-def _lib() -> ctypes.CDLL | None:
-    global _problem
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        _problem = f"no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH)"
-        return None
-    src = _SRC.read_bytes()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        _problem = f"{cc} --version failed: {e}"
-        return None
-    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), version.encode(), _cpu_id().encode()]))
-    so = _cache_dir() / f"fp4_cpu-{key.hexdigest()[:20]}.so"
-    if not so.exists():
-        so.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)  # ranks build at once: each its own file, then
-        os.close(fd)  # an atomic rename
-        p = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
-        if p.returncode != 0:
-            os.unlink(tmp)
-            _problem = f"building {_SRC.name} failed: {p.stderr.strip()[-800:]}"
-            return None
-        os.replace(tmp, so)
-    lib = ctypes.CDLL(str(so))
+def _bind(lib: ctypes.CDLL, what: str) -> ctypes.CDLL:
+    """Declare the entry points; refuse a library built from another source (a stale in-place build)."""
+    lib.fp4_source_sha.restype = ctypes.c_char_p
+    lib.fp4_source_sha.argtypes = []
+    got = (lib.fp4_source_sha() or b"").decode()
+    if got != source_sha():
+        raise _Unusable(f"{what} was built from another fp4_cpu.c (source {got[:12]}, shipped {source_sha()[:12]})")
     lib.fp4_encode.restype = None
     lib.fp4_encode.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _I64, ctypes.c_int, _PTR, _I64, ctypes.c_int]
     lib.fp4_encode.argtypes += [ctypes.c_uint32]
@@ -84,8 +59,164 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
+class _Unusable(Exception):
+    """A library or cache that must not be loaded; its message is problem()'s text."""
+
+
+def _installed() -> Path | None:
+    """The extension built at install, beside this file (None when the install had no C compiler)."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        p = Path(__file__).with_name(EXTENSION + suffix)
+        if p.is_file():
+            return p
+    return None
+
+
+# ------------------------------------------------------------------------------ opt-in build at first use
+def _cache_dir() -> Path:
+    """FP8COMM_CACHE, else $XDG_CACHE_HOME/fp8comm, else ~/.cache/fp8comm; always an absolute path."""
+    base = os.environ.get("FP8COMM_CACHE")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        home = os.path.expanduser("~")
+        if not xdg and not os.path.isabs(home):  # HOME unset and no password entry: "~" would be relative
+            raise _Unusable(
+                f"no home directory for uid {os.getuid()} (HOME unset, no password entry); set {JIT_ENV}"
+                " off or FP8COMM_CACHE to a directory of your own"
+            )
+        base = os.path.join(xdg or os.path.join(home, ".cache"), "fp8comm")
+    if not os.path.isabs(base):
+        raise _Unusable(f"the kernel cache {base!r} is not an absolute path")
+    return Path(base)
+
+
+def _private(st: os.stat_result, what: str) -> None:
+    """Refuse what another user owns or could have written: it would run its code in every training process."""
+    if st.st_uid != os.getuid():
+        raise _Unusable(f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _Unusable(f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def _open_dir(d: Path) -> int:
+    """An fd of the cache directory (created 0700), checked to be this user's and private."""
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise _Unusable(f"the kernel cache {str(d)!r} is unusable: {e}") from None
+    try:
+        _private(os.fstat(fd), f"the kernel cache {str(d)!r}")
+    except _Unusable:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _load_checked(dfd: int, name: str, d: Path) -> ctypes.CDLL:
+    """dlopen the file `name` of the directory fd, checked on the opened file itself (no check-then-load race)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Unusable(f"{d / name} is not a regular file")
+        _private(st, str(d / name))
+        proc = f"/proc/self/fd/{fd}"  # the inode just checked, whatever the name points to by now
+        lib = ctypes.CDLL(proc if os.path.exists(proc) else str(d / name))
+    finally:
+        os.close(fd)
+    return _bind(lib, str(d / name))
+
+
+def _compile(cc: str, out: Path) -> None:
+    """Build the library into `out` (a new file, fsynced); a failed or killed build leaves nothing behind."""
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *CFLAGS, "-fPIC", "-shared", f'-DFP8COMM_SRC_SHA="{source_sha()}"', str(_SRC), "-o", tmp, "-lm"]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise _Unusable(f"building {_SRC.name} failed: {e}") from None
+        if p.returncode != 0:
+            raise _Unusable(f"building {_SRC.name} failed: {p.stderr.strip()[-800:]}")
+        with open(tmp, "rb") as f:  # a lost write must not leave a short file under the final name
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        tmp = ""
+    finally:
+        if tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _jit() -> ctypes.CDLL:
+    """Build (once per source, flags and compiler) into the private cache and load; a broken file is rebuilt."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise _Unusable(f"no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise _Unusable(f"{cc} --version failed: {e}") from None
+    key = hashlib.sha256("\0".join([source_sha(), " ".join(CFLAGS), version, platform.machine()]).encode())
+    d = _cache_dir()
+    name = f"fp4_cpu-{key.hexdigest()[:20]}.so"
+    dfd = _open_dir(d)
+    try:
+        for attempt in (0, 1):
+            if attempt or not os.path.exists(d / name):
+                _compile(cc, d / name)
+            try:
+                return _load_checked(dfd, name, d)
+            except OSError as e:  # truncated or corrupt ("file too short", "invalid ELF header"): rebuild once
+                if attempt:
+                    raise _Unusable(f"the rebuilt {d / name} does not load: {e}") from None
+                os.unlink(d / name)
+            except _Unusable as e:
+                if "built from another" not in str(e) or attempt:
+                    raise
+                os.unlink(d / name)
+        raise AssertionError("unreachable")
+    finally:
+        os.close(dfd)
+
+
+@cache
+def _lib() -> ctypes.CDLL | None:
+    global _problem, _source
+    causes = []
+    ext = _installed()
+    if ext is not None:
+        try:
+            lib = _bind(ctypes.CDLL(str(ext)), f"the installed {ext.name}")
+            _source = "extension"
+            return lib
+        except (OSError, _Unusable) as e:
+            causes.append(str(e))
+    else:
+        causes.append(f"the extension {EXTENSION} was not built at install (no C compiler then?)")
+    if os.environ.get(JIT_ENV, "0").strip().lower() in ("1", "true", "yes", "on"):
+        try:
+            lib = _jit()
+            _source = "jit"
+            return lib
+        except (OSError, _Unusable) as e:
+            causes.append(f"{JIT_ENV}=1: {e}")
+    else:
+        causes.append(f"{JIT_ENV}=1 would build it at first use")
+    _problem = "; ".join(causes)
+    return None
+
+
 def available() -> bool:
-    """Whether the kernels are built (or can be): a C compiler on PATH and a successful build."""
+    """Whether the kernels load: the installed extension, or (FP8COMM_NATIVE_JIT=1) a build in the private cache."""
     return _lib() is not None
 
 
@@ -94,10 +225,15 @@ def problem() -> str | None:
     return _problem
 
 
+def source() -> str | None:
+    """Where the loaded kernels came from: "extension" (built at install) or "jit"; None when not loaded."""
+    return _source if _lib() is not None else None
+
+
 def _need() -> ctypes.CDLL:
     lib = _lib()
     if lib is None:
-        raise Fp8CommError(f"4-bit backend 'native' is unavailable: {_problem}")
+        raise Fp8CommRuntimeError(f"4-bit backend 'native' is unavailable: {_problem}")
     return lib
 
 
@@ -108,6 +244,15 @@ def _tables(fmt: fp4.Fp4Format) -> tuple[torch.Tensor, torch.Tensor]:
     b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     scales = fp4.decode_e4m3(b) if fmt.two_level else decode_e8m0(b)
     return vals, scales.float().contiguous()
+
+
+def _check_bytes(t: torch.Tensor, n: int, what: str) -> None:
+    """A contiguous CPU uint8 tensor of exactly n bytes (the kernels write every one and nothing past them)."""
+    if t.dtype != torch.uint8 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+        raise Fp8CommError(
+            f"native kernels need {what} as {n} contiguous CPU uint8 bytes, got {t.dtype} {tuple(t.shape)} on "
+            f"{t.device}{'' if t.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def _check_cpu(*ts: torch.Tensor) -> None:
@@ -140,13 +285,22 @@ def encode_into(
     if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         x = x.contiguous()
     m, k = x.shape
-    ta = None if tensor_amax is None else tensor_amax.float().reshape(-1).contiguous()
-    if fmt.two_level and (tscale is None or tscale.numel() < m):
-        raise Fp8CommError(f"nvfp4 encode needs a tensor-scale output of {m} fp32")
-    cnt = None if counters is None else torch.zeros(2, dtype=torch.int64)
     _check_cpu(x)
-    if not (codes.is_contiguous() and sbytes.is_contiguous()):
-        raise Fp8CommError("native encode writes contiguous codes and scale bytes")
+    if k % fmt.block:
+        raise Fp8CommError(f"native encode: row length {k} is not a multiple of {fmt.name}'s block {fmt.block}")
+    ta = None if tensor_amax is None else tensor_amax.float().reshape(-1).contiguous()
+    # The kernel trusts every size: a wrong one would read or write past a buffer, so each is checked here.
+    _check_bytes(codes, m * k // 2, "codes")
+    _check_bytes(sbytes, m * (k // fmt.block), "scale bytes")
+    if fmt.two_level and (tscale is None or tscale.dtype != torch.float32 or tscale.numel() < m):
+        raise Fp8CommError(f"nvfp4 encode needs a tensor-scale output of {m} fp32")
+    if tscale is not None and not (tscale.device.type == "cpu" and tscale.is_contiguous()):
+        raise Fp8CommError("native encode writes a contiguous CPU tensor-scale output")
+    if ta is not None and (ta.device.type != "cpu" or ta.numel() not in (1, m)):
+        raise Fp8CommError(f"native encode: tensor_amax needs 1 or {m} (one per row) CPU values, got {ta.numel()}")
+    if counters is not None and counters.numel() < 3:
+        raise Fp8CommError(f"native encode: counters need 3 int64 slots, got {counters.numel()}")
+    cnt = None if counters is None else torch.zeros(2, dtype=torch.int64)
     lib.fp4_encode(
         x.data_ptr(),
         int(x.dtype == torch.bfloat16),
@@ -212,11 +366,15 @@ def decode(
     rows_out = r * len(chunks) if mode == "rows" else r
     if out.dtype != torch.float32 or cols > k or out.shape[0] != rows_out:
         raise Fp8CommError(f"native decode writes fp32 [{rows_out}, <= {k}], got {out.dtype} {tuple(out.shape)}")
+    if k % fmt.block:
+        raise Fp8CommError(f"native decode: row length {k} is not a multiple of {fmt.name}'s block {fmt.block}")
     for c, s, t in chunks:
-        if not (c.is_contiguous() and s.is_contiguous()):
-            raise Fp8CommError("native decode reads contiguous codes and scale bytes")
+        _check_bytes(c, r * kh, "codes")
+        _check_bytes(s, r * (k // fmt.block), "scale bytes")
         if c.shape != (r, kh) or s.shape != (r, k // fmt.block) or (fmt.two_level and t is None):
             raise Fp8CommError("native decode: chunks differ in shape or lack their tensor scale")
+        if t is not None and (t.dtype != torch.float32 or t.numel() < 1 or t.device.type != "cpu"):
+            raise Fp8CommError("native decode: a chunk's tensor scale must be one fp32 CPU value")
     vals, scales = _tables(fmt)
     cp, sp, tp = _ptrs([c for c, _, _ in chunks]), _ptrs([s for _, s, _ in chunks]), _ptrs([t for *_, t in chunks])
     lib.fp4_decode(

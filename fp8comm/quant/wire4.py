@@ -13,15 +13,25 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from ..errors import Fp8CommError
+from ..errors import Fp8CommError, Fp8CommRuntimeError
 from . import fp4_native
 from .dispatch import COMPILE_MIN_NUMEL, triton_available
 from .fp4 import Fp4Format, decode_2d, encode_2d, hadamard_forward, hadamard_inverse, unpack_nibbles
 from .layout import Chunks, align
 from .reference import seed_key
+from .toolchain import compiled_cpu_problem, step_down
 from .wire import _check_buf
 
-__all__ = ["Fp4Layout", "fp4_layout", "pack_fp4", "unpack_fp4", "unpack_fp4_sum", "residual_fp4", "fp4_backend"]
+__all__ = [
+    "Fp4Layout",
+    "fp4_layout",
+    "pack_fp4",
+    "unpack_fp4",
+    "unpack_fp4_sum",
+    "residual_fp4",
+    "fp4_backend",
+    "backend_problem",
+]
 
 
 @dataclass(frozen=True)
@@ -79,20 +89,44 @@ def fp4_layout(rows: tuple[int, ...], k: int, fmt: Fp4Format) -> Fp4Layout:
 
 
 def fp4_backend(name: str, device: torch.device, numel: int) -> str:
-    """The 4-bit kernels for a call: 'auto' is Triton on CUDA, the native kernels on CPU (the compiled reference
-    for big buffers where no C compiler is found), else the reference; every choice gives the same bits
-    (tests/unit/test_fp4.py)."""
+    """The 4-bit kernels for a call: 'auto' is Triton on CUDA, the native kernels on CPU (where they do not load:
+    the compiled reference for big buffers if inductor has a compiler, else the reference, with one warning naming
+    the cause); every choice gives the same bits (tests/unit/test_fp4.py). An explicit backend that cannot run
+    raises."""
     if name == "auto":
         if device.type == "cuda" and triton_available(device):
             return "triton"
-        if device.type == "cpu" and fp4_native.available():
+        if device.type != "cpu":
+            return "reference"
+        if fp4_native.available():
             return "native"
-        return "compiled" if device.type == "cpu" and numel >= COMPILE_MIN_NUMEL else "reference"
-    if name == "native" and device.type != "cpu":
-        raise Fp8CommError(f"backend 'native' runs on CPU tensors (tensor on {device})")
-    if name == "triton" and not triton_available(device):
-        raise Fp8CommError(f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})")
+        cause = f"the native 4-bit CPU kernels are unavailable: {fp4_native.problem()}"
+        if numel < COMPILE_MIN_NUMEL:
+            chosen = "reference"
+        elif (problem := compiled_cpu_problem(device)) is None:
+            chosen = "compiled"
+        else:
+            chosen, cause = "reference", f"{cause}; and {problem}"
+        step_down(cause, f"'{chosen}' for 4 bits")
+        return chosen
+    problem = backend_problem(name, device)
+    if problem is not None:
+        raise Fp8CommRuntimeError(problem)
     return name
+
+
+def backend_problem(name: str, device: torch.device) -> str | None:
+    """Why an explicit 4-bit backend cannot run for tensors on `device` (None: it can, or 'auto')."""
+    if name == "native":
+        if device.type != "cpu":
+            return f"backend 'native' runs on CPU tensors (tensor on {device})"
+        return None if fp4_native.available() else f"4-bit backend 'native' is unavailable: {fp4_native.problem()}"
+    if name == "compiled":
+        problem = compiled_cpu_problem(device)
+        return None if problem is None else f"backend 'compiled' cannot run here: {problem}"
+    if name == "triton" and not triton_available(device):
+        return f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})"
+    return None
 
 
 def _encode(x2, fmt: Fp4Format, seed: int | None, index_base: int, backend: str, tensor_amax=None, rows=False):
@@ -162,6 +196,7 @@ def pack_fp4(
     y = hadamard_forward(x2, hadamard, hadamard_seed) if hadamard else x2
     sr = None if rounding == "nearest" else int(seed)
     k, fmt = layout.k, layout.fmt
+    _zero_empty_chunks(out, layout)
     if be == "native":  # straight into each chunk's sections
         _pack_native(y, layout, sr, out, counters)
         return out
@@ -212,6 +247,13 @@ def _pack_native(y: torch.Tensor, layout: Fp4Layout, sr: int | None, out: torch.
         if ts is not None and t is not None:
             ts.copy_(t[:1])
         _zero_padding(out, layout, c)
+
+
+def _zero_empty_chunks(out: torch.Tensor, layout: Fp4Layout) -> None:
+    """A chunk of 0 rows still owns its NVFP4 tensor-scale section, which no encoder writes: send it as zeros."""
+    for c, n in enumerate(layout.rows):
+        if not n and layout.chunk_bytes[c]:
+            out[layout.offsets[c] : layout.offsets[c] + layout.chunk_bytes[c]].zero_()
 
 
 def _zero_padding(out: torch.Tensor, layout: Fp4Layout, c: int) -> None:

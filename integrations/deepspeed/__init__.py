@@ -81,7 +81,8 @@ def summary(engine=None) -> str:
 
 def _take_over_from_autoload() -> None:
     """The autoload hook (_fp8comm_autoload, run by the installed .pth) gives deepspeed.initialize back before the
-    flag wraps it, so the flag wraps DeepSpeed's own function once; if the flag cannot be enabled, the hook returns."""
+    flag wraps it, so the flag wraps DeepSpeed's own function once; if the flag cannot be enabled, the hook returns.
+    Both are no-ops when FP8COMM_AUTOLOAD=0 turned the hook off: a failed import then leaves initialize untouched."""
     hook = sys.modules.get("_fp8comm_autoload")
     if hook is not None:
         hook.release()

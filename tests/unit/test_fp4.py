@@ -473,15 +473,38 @@ def test_compiled_bit_exact(fmt):
     )
 
 
+@pytest.fixture(params=["installed", "baseline"])
+def native_build(request, monkeypatch, tmp_path):
+    """The installed extension (on this CPU its widest clone runs), and a build of the same source with no per-CPU
+    clones (what a CPU without AVX2 runs): both must give the reference's bits."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from fp8comm.quant import fp4_native
+
+    if not fp4_native.available():
+        pytest.fail(f"the native 4-bit kernels did not build: {fp4_native.problem()}")
+    if request.param == "baseline":
+        cc = shutil.which("cc")
+        if cc is None:
+            pytest.fail("no C compiler to build the baseline variant (the README's set-up needs one)")
+        so = tmp_path / "baseline.so"
+        flags = [*fp4_native.CFLAGS, "-fPIC", "-shared", "-DFP8COMM_NO_CLONES"]
+        sha = f'-DFP8COMM_SRC_SHA="{fp4_native.source_sha()}"'
+        subprocess.run([cc, *flags, sha, str(fp4_native._SRC), "-o", str(so), "-lm"], check=True)
+        lib = fp4_native._bind(ctypes.CDLL(str(so)), "baseline")
+        monkeypatch.setattr(fp4_native, "_lib", lambda: lib)
+    return request.param
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
-def test_native_bit_exact(fmt):
+def test_native_bit_exact(fmt, native_build):
     """fp4_native (the C kernels of the CPU wire) against the reference: every code x scale case, the scale edges
     and random data with non-finite blocks; nearest and stochastic; NVFP4's three tensor-scale scopes (the whole
     input, a given amax of one or per row, each row's own); and the decode of every scale byte x every code."""
     from fp8comm.quant import fp4_native
 
-    if not fp4_native.available():
-        pytest.fail(f"the native 4-bit kernels did not build: {fp4_native.problem()}")
     ex = exhaustive(fmt)
     x = torch.cat([ex, scale_edges(fmt), random_data(fmt, m=16, k=ex.shape[1])])
     kws: list[dict] = [{}, dict(rounding="stochastic", seed=77, index_base=5)]
@@ -514,20 +537,10 @@ def test_native_bit_exact(fmt):
     same_f(fp4_native.decode_2d(codes, sb, ts, fmt), fp4.decode_2d(codes, sb, ts, fmt), f"{fmt} every scale byte")
 
 
-def test_native_refuses_cleanly_without_a_compiler(monkeypatch, tmp_path):
-    """No C compiler: 'auto' keeps the compiled reference (same bits), and asking for 'native' names the problem."""
-    from fp8comm.quant import fp4_native, wire4
+def test_native_kernels_come_from_the_install():
+    """The README's set-up builds the extension at install: the bit-exactness tests above ran against it (not an
+    opt-in build at first use, nor a fallback)."""
+    from fp8comm.quant import fp4_native
 
-    monkeypatch.setenv("CC", "no-such-compiler-xyz")
-    monkeypatch.setenv("FP8COMM_CACHE", str(tmp_path))
-    fp4_native._lib.cache_clear()
-    try:
-        assert not fp4_native.available()
-        assert "no C compiler" in (fp4_native.problem() or "")
-        assert wire4.fp4_backend("auto", torch.device("cpu"), 1 << 22) == "compiled"
-        with pytest.raises(Fp8CommError, match="'native' is unavailable: no C compiler"):
-            fp4_api.quantize_fp4(torch.randn(2, 32), "mxfp4", backend="native")
-    finally:
-        monkeypatch.undo()
-        fp4_native._lib.cache_clear()
-    assert fp4_native.available()
+    assert fp4_native.available(), fp4_native.problem()
+    assert fp4_native.source() == "extension"

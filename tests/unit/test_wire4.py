@@ -197,3 +197,67 @@ def test_native_wire_bit_exact(fmt):
         assert torch.equal(r, ref.masked_fill(~torch.isfinite(ref), 0.0))
     with pytest.raises(Fp8CommError, match="residual_fp4"):
         residual_fp4(want, lay, torch.zeros(5, 200), torch.zeros(5, 200))
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_empty_chunk_travels_as_zeros(backend):
+    """An NVFP4 chunk of 0 rows still owns its 16-byte tensor-scale section; no encoder writes it, so it must be
+    zeroed: the same input gives the same bytes whatever the scratch held before."""
+    lay = fp4_layout((2, 0, 1), 64, NVFP4)
+    assert lay.chunk_bytes[1] == 16
+    x = rows(3, 64, 5)
+    a = pack_fp4(x, lay, out=torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8), backend=backend)
+    b = pack_fp4(x, lay, out=torch.full((lay.total_bytes,), 0x5C, dtype=torch.uint8), backend=backend)
+    assert torch.equal(a, b)
+    o = lay.offsets[1]
+    assert (a[o : o + lay.chunk_bytes[1]] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4])
+def test_native_entry_points_check_every_size(fmt):
+    """The C kernels trust their sizes, so the Python entry points refuse wrong ones (never an out-of-bounds read or
+    write): codes, scale bytes, the tensor-scale output, tensor_amax, the counters, and decode's chunks."""
+    from fp8comm.quant import fp4_native
+
+    assert fp4_native.available(), fp4_native.problem()
+    m, k = 4, 64
+    x = rows(m, k, 1)
+    kb = k // fmt.block
+
+    def enc(codes=None, sb=None, ts=None, ta=None, counters=None):
+        codes = torch.empty(m, k // 2, dtype=torch.uint8) if codes is None else codes
+        sb = torch.empty(m, kb, dtype=torch.uint8) if sb is None else sb
+        ts = (torch.empty(m) if fmt.two_level else None) if ts is None else ts
+        fp4_native.encode_into(x, fmt, codes, sb, ts, None, 0, ta, counters)
+
+    enc()  # the right sizes pass
+    bad = [
+        dict(codes=torch.empty(m, k // 2 - 1, dtype=torch.uint8)),
+        dict(codes=torch.empty(1, dtype=torch.uint8)),
+        dict(codes=torch.empty(m, k // 2, dtype=torch.int16)),
+        dict(sb=torch.empty(m, kb - 1, dtype=torch.uint8)),
+        dict(sb=torch.empty(m * kb + 64, dtype=torch.uint8)),
+        dict(counters=torch.zeros(1, dtype=torch.int64)),
+    ]
+    if fmt.two_level:
+        bad += [dict(ts=torch.empty(m - 1)), dict(ta=torch.ones(m - 1)), dict(ta=torch.ones(m + 3))]
+    for kw in bad:
+        with pytest.raises(Fp8CommError):
+            enc(**kw)
+    codes, sb = torch.empty(m, k // 2, dtype=torch.uint8), torch.empty(m, kb, dtype=torch.uint8)
+    ts = torch.ones(1)
+    enc(codes, sb, torch.empty(m) if fmt.two_level else None)
+    out = torch.empty(m, k)
+    fp4_native.decode([(codes, sb, ts if fmt.two_level else None)], fmt, out)
+    for chunk in [
+        (codes[:, :-1].contiguous(), sb, ts),
+        (codes, sb[:, :-1].contiguous() if kb > 1 else sb[:-1], ts),
+        (codes.reshape(-1)[1:].view(1, -1), sb, ts),
+    ]:
+        with pytest.raises(Fp8CommError):
+            fp4_native.decode([chunk], fmt, out)
+    if fmt.two_level:
+        with pytest.raises(Fp8CommError):
+            fp4_native.decode([(codes, sb, torch.ones(1, dtype=torch.float64))], fmt, out)
+    with pytest.raises(Fp8CommError):
+        fp4_native.decode([(codes, sb, ts)], fmt, torch.empty(m + 1, k))

@@ -11,9 +11,11 @@ hand-over counter, fp8comm's hook counters). FP8COMM_AUTOLOAD=0 is the negative 
 
 from __future__ import annotations
 
+import argparse
 import base64
 import functools
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -21,6 +23,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -150,7 +153,8 @@ def venvs(tmp_path_factory) -> dict:
         for name in SOURCES:
             p = ROOT / name
             if p.is_dir():
-                shutil.copytree(p, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+                # never this checkout's in-place build: each venv's install must build its own extension
+                shutil.copytree(p, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
             else:
                 shutil.copy2(p, src / name)
         site = _make_venv(base / "venv", src, editable=(kind == "editable"))
@@ -215,6 +219,37 @@ def test_pth_installed_and_startup_imports_nothing(venvs):
             [str(py), "-c", probe], cwd=site.parent, env=_env(FP8COMM_AUTOLOAD="0"), text=True
         )
         assert json.loads(off)["hook"] is False, (kind, off)
+
+
+@pytest.mark.slow
+def test_installed_extension_loads_without_a_compiler(venvs, tmp_path):
+    """Both installs built the 4-bit CPU kernels (setup.py's extension); at run time they load from the package
+    with no compiler on PATH, and give the reference's bits through a public collective."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    probe = textwrap.dedent(
+        """
+        import json, torch, torch.distributed as dist
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        import fp8comm
+        from fp8comm.quant import fp4_native
+        x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1))
+        auto = fp8comm.reduce_scatter(x, fmt="mxfp4")
+        same = torch.equal(auto, fp8comm.reduce_scatter(x, fmt="mxfp4", backend="reference"))
+        print(json.dumps({"source": fp4_native.source(), "problem": fp4_native.problem(), "same": same,
+                          "file": fp4_native.__file__}))
+        """
+    )
+    for kind, (py, site, src) in venvs.items():
+        env = _env(PATH=str(empty), FP8COMM_NATIVE_JIT="0")
+        env.pop("CC", None)
+        out = subprocess.run([str(py), "-c", probe], cwd=site.parent, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, (kind, out.stderr[-3000:])
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["source"] == "extension" and got["same"], (kind, got)
+        where = src if kind == "editable" else site
+        assert Path(got["file"]).resolve().is_relative_to(where.resolve()), (kind, got)
+        assert list((Path(got["file"]).parent).glob("_fp4_cpu*.so")), (kind, got)
 
 
 @pytest.mark.slow
@@ -352,6 +387,7 @@ def test_wrapper_hands_over_and_release_restores(hook, monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", ds)
     # An adapter imported by an earlier test in this process would take every call (by design): start without it.
     monkeypatch.delitem(sys.modules, ADAPTER, raising=False)
+    monkeypatch.setitem(hook.state, "enabled", True)  # an active hook: release()/reattach() act
     hook.state["released"] = False
     hook._wrap(ds)
     wrapper = ds.initialize
@@ -375,3 +411,269 @@ def test_wrapper_hands_over_and_release_restores(hook, monkeypatch):
     monkeypatch.setattr(hook, "ADAPTER", "fp8comm_no_such_adapter_module")
     with pytest.raises(ModuleNotFoundError):
         ds.initialize(config={"fp8_comm": {}})
+
+
+# The section's values and whether the adapter's rule (config.parse, docs/deepspeed.md) turns the section on.
+SECTIONS = [
+    (True, True),
+    (False, False),
+    ({}, True),
+    ({"enabled": True}, True),
+    ({"enabled": False}, False),
+    ({"gemm": {"enabled": True}}, True),
+    ({"mode": "measure", "log": False}, True),
+    ({"enabled": False, "gemm": True}, False),
+    # sections fp8comm refuses count as on: fp8comm reports them instead of DeepSpeed silently ignoring them
+    (None, True),
+    ("on", True),
+    (1, True),
+    ({"enabled": "no"}, True),
+    ({"enabled": 0}, True),
+    ({"blok_size": 128}, True),
+]
+# Configs that only mention the section: never on.
+MENTIONS = [
+    {},
+    {"description": "a run without fp8_comm"},
+    {"fp8_communication": {"enabled": True}},
+    {"comm": {"fp8_comm": {"enabled": True}}},
+]
+
+
+def _b64(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def _call_forms(cfg: dict, where: Path) -> dict:
+    """Every way deepspeed.initialize takes `cfg`: {label: (args, kwargs)}."""
+    text = json.dumps(cfg)
+    hjson_text = "# fp8_comm: an HJSON comment\n" + text  # HJSON reads JSON; the comment is HJSON's own syntax
+    f, h = where / "c.json", where / "c.hjson"
+    f.write_text(text)
+    h.write_text(hjson_text)
+    return {
+        "dict": ((), {"config": cfg}),
+        "config_params": ((), {"config_params": cfg}),
+        "positional": ((None,) * 10 + (cfg,), {}),
+        "json file": ((), {"config": str(f)}),
+        "hjson file": ((), {"config": str(h)}),
+        "base64 json": ((), {"config": _b64(text)}),
+        "base64 hjson": ((), {"config_params": _b64(hjson_text)}),
+        "args.deepspeed_config": ((argparse.Namespace(deepspeed_config=str(h)),), {}),
+        "args.deepscale_config": ((), {"args": argparse.Namespace(deepspeed_config=None, deepscale_config=str(f))}),
+    }
+
+
+def _adapter_engages(*args, **kwargs) -> bool:
+    """The adapter's own decision for a deepspeed.initialize call: its config loader (DeepSpeed's) and parse()."""
+    from fp8comm.errors import Fp8CommConfigError
+    from fp8comm.integrations.deepspeed import config as section
+    from fp8comm.integrations.deepspeed import engine
+
+    try:
+        ds_config = engine._ds_config(inspect.signature(_ds_signature).bind(*args, **kwargs))
+    except Exception:  # DeepSpeed's loader refuses the config: DeepSpeed reports it, fp8comm plays no part
+        return False
+    try:
+        return section.parse(ds_config).enabled
+    except Fp8CommConfigError:
+        return True  # fp8comm reports the bad section
+
+
+def test_hook_rule_matches_the_adapter(hook, tmp_path):
+    """For every section value and every way DeepSpeed takes a config, the hook hands the call to fp8comm exactly
+    when the adapter's rule turns the section on; mentions and configs DeepSpeed cannot read never engage."""
+    table = [({"train_batch_size": 1, "fp8_comm": value}, on) for value, on in SECTIONS]
+    table += [({"train_batch_size": 1, **cfg}, False) for cfg in MENTIONS]
+    wrong = []
+    for i, (cfg, on) in enumerate(table):
+        where = tmp_path / str(i)
+        where.mkdir()
+        for label, (a, k) in _call_forms(cfg, where).items():
+            got = (hook.asks_for_fp8comm(_ds_signature, a, k), _adapter_engages(*a, **k))
+            if got != (on, on):
+                wrong.append((cfg, label, "hook, adapter:", got, "want:", on))
+    on = json.dumps({"fp8_comm": {"enabled": True}})
+    dup, bad = tmp_path / "dup.json", tmp_path / "bad.hjson"
+    dup.write_text('{"fp8_comm": {"enabled": true}, "fp8_comm": {"enabled": true}}')  # DeepSpeed refuses it
+    bad.write_text(on + "}")
+    unreadable = {
+        "duplicate keys": str(dup),
+        "bad hjson file": str(bad),
+        "bad hjson base64": _b64(on + "}"),
+        "not a path nor base64": "fp8_comm.json",
+        "pathlib.Path": tmp_path / "0" / "c.json",  # DeepSpeed takes str paths only
+        "bytes": _b64(on).encode(),
+    }
+    for label, cfg in unreadable.items():
+        got = (hook.asks_for_fp8comm(_ds_signature, (), {"config": cfg}), _adapter_engages(config=cfg))
+        if got != (False, False):
+            wrong.append((label, "hook, adapter:", got, "want: False"))
+    assert not wrong, "\n".join(map(str, wrong))
+
+
+def test_hook_finds_a_config_behind_catch_all_parameters(hook):
+    """A DeepSpeed whose initialize takes (*args, **kwargs), or a wrapper with that signature: a config given by
+    name is still read, so the section is not silently ignored (fp8comm then refuses that DeepSpeed itself)."""
+
+    def initialize(*args, **kwargs):
+        """Another DeepSpeed's signature."""
+
+    on, off = {"fp8_comm": {"enabled": True}}, {"fp8_comm": {"enabled": False}}
+    assert hook.asks_for_fp8comm(initialize, (), {"config": on})
+    assert hook.asks_for_fp8comm(initialize, (argparse.Namespace(deepspeed_config=None),), {"config": on})
+    assert not hook.asks_for_fp8comm(initialize, (), {"config": off})
+
+
+# Runs in a fresh interpreter started with FP8COMM_AUTOLOAD=0, so that an installed .pth hook does nothing; it then
+# loads the hook file under test as _fp8comm_autoload with FP8COMM_AUTOLOAD=argv[2], as the .pth would: before torch
+# and deepspeed. "on": configs that do not turn the section on, then one that does; "off": the hook stays out.
+CONFIG_SCRIPT = r"""
+import argparse, base64, importlib.util, json, os, sys
+hook_file, autoload, tmp = sys.argv[1:4]
+os.environ["FP8COMM_AUTOLOAD"] = autoload
+spec = importlib.util.spec_from_file_location("_fp8comm_autoload", hook_file)
+hook = importlib.util.module_from_spec(spec)
+sys.modules["_fp8comm_autoload"] = hook
+spec.loader.exec_module(hook)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
+import deepspeed
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # DeepSpeed's CPU shm op build: not needed here
+ADAPTER = "fp8comm.integrations.deepspeed"
+DS_OWN = getattr(deepspeed.initialize, "_fp8comm_autoload_original", deepspeed.initialize)
+BASE = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6}
+
+
+def path(name, text):
+    p = os.path.join(tmp, name)
+    with open(p, "w") as f:
+        f.write(text)
+    return p
+
+
+def b64(text):
+    return base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def build(**kw):
+    # DeepSpeed's own errors (an unreadable config) are results here, like an engine
+    try:
+        eng, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), **kw)
+        return type(eng).__name__
+    except Exception as e:
+        return type(e).__name__
+
+
+def deepspeed_as_is():
+    init = deepspeed.initialize
+    return {
+        "adapter_imported": ADAPTER in sys.modules,
+        "initialize_is_deepspeeds": getattr(init, "_fp8comm_autoload_original", init) is DS_OWN,
+        "engine_init_patched": hasattr(DeepSpeedEngine.__init__, "__wrapped__"),
+        "handed_to_fp8comm": hook.state["handed_to_fp8comm"],
+    }
+
+
+out = {"state_at_start": dict(hook.state), "hook_wrapped": bool(getattr(deepspeed.initialize, hook.MARK, False))}
+if autoload == "1":
+    out["cases"] = {}
+    for name, kw in {
+        "dict enabled false": {"config": {**BASE, "fp8_comm": {"enabled": False}}},
+        "config_params false": {"config_params": {**BASE, "fp8_comm": False}},
+        "json file, description": {"config": path("d.json", json.dumps({**BASE, "description": "no fp8_comm"}))},
+        "json file, fp8_communication": {
+            "config": path("s.json", json.dumps({**BASE, "fp8_communication": {"enabled": True}}))
+        },
+        "hjson file enabled false": {
+            "config": path("h.hjson", "# fp8_comm stays off\n{\n  train_micro_batch_size_per_gpu: 1\n"
+                           "  fp8_comm: {enabled: false}\n}\n")
+        },
+        "base64 enabled false": {"config": b64(json.dumps({**BASE, "fp8_comm": {"enabled": False}}))},
+        "args.deepspeed_config enabled false": {
+            "args": argparse.Namespace(local_rank=0, deepspeed_config=path(
+                "a.json", json.dumps({**BASE, "fp8_comm": {"enabled": False}})))
+        },
+        "json file, duplicate keys": {
+            "config": path("dup.json", '{"train_micro_batch_size_per_gpu": 1, "fp8_comm": {}, "fp8_comm": {}}')
+        },
+        "base64, bad hjson": {"config": b64('{"fp8_comm": {"enabled": true}}}')},
+    }.items():
+        out["cases"][name] = {"result": build(**kw), **deepspeed_as_is()}
+    model = torch.nn.Linear(4, 4)
+    on = path("on.hjson", "{\n  train_micro_batch_size_per_gpu: 1\n  zero_optimization: {stage: 3}\n"
+              "  fp8_comm: {gemm: false}  # on\n}\n")
+    eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=on)
+    out["on"] = {"fp8comm_engine": sys.modules[ADAPTER].engine_state(eng) is not None, **deepspeed_as_is()}
+else:
+    # A DeepSpeed whose initialize the adapter refuses (a newer signature): the explicit import fails
+    def newer_initialize(*args, tp_plan=None, **kwargs):
+        return DS_OWN(*args, **kwargs)
+
+    deepspeed.initialize = newer_initialize
+    try:
+        import fp8comm.integrations.deepspeed  # noqa: F401
+        out["import"] = "ok"
+    except Exception as e:
+        out["import"] = type(e).__name__
+    out["initialize_untouched"] = deepspeed.initialize is newer_initialize
+    out["state_after_import"] = dict(hook.state)
+    out["section_ignored"] = build(config={**BASE, "fp8_comm": {"enabled": True}})
+    out["adapter_imported"] = ADAPTER in sys.modules
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _start_config_script(hook_file: Path, autoload: str, where: Path) -> subprocess.Popen:
+    (where / "script.py").write_text(CONFIG_SCRIPT)
+    e = _env(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        FP8COMM_AUTOLOAD="0",
+    )
+    return subprocess.Popen(
+        [sys.executable, "script.py", str(hook_file), autoload, str(where)],
+        cwd=where,
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_only_an_enabled_section_engages(tmp_path):
+    """Real DeepSpeed, fresh interpreters (run at once). Hook on: configs that do not turn the section on (off,
+    mentions, unreadable) leave DeepSpeed as it is: adapter not imported, nothing patched; an HJSON file with the
+    section on still engages fp8comm. FP8COMM_AUTOLOAD=0: a failed explicit import leaves initialize untouched."""
+    hook_file = ROOT / "_fp8comm_autoload.py"
+    procs = {}
+    for autoload in ("1", "0"):
+        where = tmp_path / f"autoload-{autoload}"
+        where.mkdir()
+        start = functools.partial(_start_config_script, hook_file, autoload, where)
+        procs[autoload] = (start(), start)
+    res = {k: _result(p, timeout=240, restart=again) for k, (p, again) in procs.items()}
+
+    r = res["1"]
+    assert r["state_at_start"]["finder"] and r["hook_wrapped"], r
+    untouched = {"adapter_imported": False, "initialize_is_deepspeeds": True, "engine_init_patched": False}
+    wrong = {k: v for k, v in r["cases"].items() if v != {**v, **untouched, "handed_to_fp8comm": 0}}
+    assert not wrong, json.dumps(wrong, indent=1)
+    built = {k: v["result"] for k, v in r["cases"].items()}
+    assert built.pop("json file, duplicate keys") == "ValueError", r  # DeepSpeed's own errors
+    assert built.pop("base64, bad hjson") == "ValueError", r
+    assert set(built.values()) == {"DeepSpeedEngine"}, built
+    assert r["on"] == {**r["on"], "fp8comm_engine": True, "adapter_imported": True, "handed_to_fp8comm": 1}, r
+
+    o = res["0"]
+    off = {"enabled": False, "finder": False, "wrapped": False, "released": False, "handed_to_fp8comm": 0}
+    assert o["state_at_start"] == off and not o["hook_wrapped"], o
+    assert o["import"] == "Fp8CommUnsupportedError", o
+    assert o["initialize_untouched"] and o["state_after_import"] == off, o
+    assert o["section_ignored"] == "DeepSpeedEngine" and not o["adapter_imported"], o
