@@ -5,7 +5,7 @@ the receiver; see docs/collectives.md for options, error bounds and the metadata
 """
 
 from ..errors import CommMismatchError, Fp8CommConfigError, Fp8CommError
-from .api import Buffer, shutdown, unpin_default_groups
+from .api import Buffer, shutdown, teardown, unpin_default_groups
 from .buffers import Handle, ScratchPool
 from .collectives import all_gather, all_gather_into, all_reduce, all_reduce_into, reduce_scatter, reduce_scatter_into
 from .config import (
@@ -20,7 +20,7 @@ from .config import (
 )
 from .feedback import ErrorFeedback
 from .guard import Guard, GuardBucket, GuardPolicy, config_for
-from .hierarchical import HierarchicalGroups, node_groups
+from .hierarchical import HierarchicalGroups, node_groups, release_node_groups
 from .moe import WIRES, all_to_all
 from .state import CommState, default_state
 from .stats import Stats, comm_stats, format_comm_stats, reset_comm_stats
@@ -43,6 +43,7 @@ __all__ = [
     "all_to_all",
     "comm_stats",
     "shutdown",
+    "teardown",
     "reset_comm_stats",
     "format_comm_stats",
     "Buffer",
@@ -56,6 +57,7 @@ __all__ = [
     "ErrorFeedback",
     "HierarchicalGroups",
     "node_groups",
+    "release_node_groups",
     "Fp8CommError",
     "Fp8CommConfigError",
     "CommMismatchError",

@@ -8,17 +8,19 @@ buf.stats.snapshot()                                              # this Buffer'
 from __future__ import annotations
 
 import gc
+import importlib
 import inspect
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from ..errors import Fp8CommConfigError
+from ..errors import Fp8CommConfigError, Fp8CommError
 from .buffers import Handle, ScratchPool
 from .collectives import all_gather, all_gather_into, all_reduce, all_reduce_into, reduce_scatter, reduce_scatter_into
 from .config import WireConfig, resolve
-from .hierarchical import HierarchicalGroups
+from .hierarchical import CALLER, LIBRARY, HierarchicalGroups, release_all_node_groups, release_node_groups
 from .moe import all_to_all
 from .state import CommState, default_state
 from .stats import Stats
@@ -115,21 +117,51 @@ def unpin_default_groups() -> int:
 
 
 def shutdown() -> None:
-    """Release what fp8comm holds on process groups and scratch memory; call it before dist.destroy_process_group().
+    """Release what fp8comm holds on process groups and scratch memory, for every holder; call it on every rank
+    before dist.destroy_process_group(). Adapters call teardown(their holder) instead.
 
-    Idempotent, local (no collective), safe without torch.distributed. It drops the node groups that hierarchical
-    mode created (cached per parent group, re-created on the next hierarchical call), the default state's scratch
-    memory, the group references torch binds at import time (unpin_default_groups) and those its DTensor caches
-    keep (clear_dtensor_caches: FSDP2 fills them), so that destroy_process_group() really stops every backend
-    thread before the interpreter exits. Handles not yet waited
-    must be waited first (their collectives are in flight); a Buffer's scratch is freed by Buffer.release()."""
-    from . import hierarchical
-
-    hierarchical._CACHE.clear()
+    Idempotent, safe without torch.distributed (and after destroy_process_group()). It destroys every node group
+    fp8comm made (node_groups() of the caller and of adapters, and those hierarchical=True created: a later
+    node_groups() or hierarchical call makes new ones), frees the default state's scratch memory, drops the group
+    references torch binds at import time (unpin_default_groups) and those its DTensor caches keep
+    (clear_dtensor_caches: FSDP2 fills them; it cannot reach other threads' caches), and collects reference
+    cycles, so that destroy_process_group() really stops every backend thread before the interpreter exits.
+    Handles not yet waited must be waited first (their collectives are in flight); a Buffer's scratch is freed by
+    Buffer.release()."""
+    release_all_node_groups()
     default_state().pool.clear()
     unpin_default_groups()
     clear_dtensor_caches()
     gc.collect()  # meshes also wait in reference cycles (FSDP2 state): free them while the interpreter is whole
+
+
+def teardown(holder: str) -> int:
+    """An adapter's teardown: release the node groups `holder` took (release_node_groups), free the default scratch
+    pool's idle blocks and unpin torch's import-time default groups; returns how many node-group sets it destroyed.
+
+    What others hold (the caller's node_groups(), another adapter's) stays usable, and torch's DTensor caches are
+    left alone: the process-wide fp8comm.shutdown() frees those. Call it on every rank, like node_groups()."""
+    if holder in (CALLER, LIBRARY):
+        raise Fp8CommError(
+            f"teardown({holder!r}): that holder is the caller's or the library's; an adapter releases its own "
+            "holder (fp8comm.comm.release_node_groups() releases the caller's, fp8comm.shutdown() everything)"
+        )
+    destroyed = release_node_groups(holder)
+    default_state().pool.clear()
+    unpin_default_groups()
+    return destroyed
+
+
+# Where torch 2.13 caches a DTensorSpec or a DeviceMesh: (module, attribute path, how to empty it). Private names:
+# a torch that renamed one makes clear_dtensor_caches() warn once instead of silently leaving that cache full.
+_DTENSOR_CACHES = (
+    ("torch._C", "_clear_DTensor_sharding_propagator_cache", None),  # C++ fast path, per thread
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding", "cache_clear"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos", "cache_clear"),
+    ("torch.distributed.tensor._redistribute", "_planner_cache", "clear"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh", "cache_clear"),
+)
+_WARNED_MISSING: set[str] = set()
 
 
 def clear_dtensor_caches() -> None:
@@ -139,24 +171,40 @@ def clear_dtensor_caches() -> None:
     Their entries hold DTensorSpecs or meshes, hence the meshes' process groups: after FSDP2 (which fills them)
     dist.destroy_process_group() could not free the default group, and its gloo threads ran into interpreter
     teardown (measured in torch 2.13 without fp8comm: 3 threads per rank; CI saw both ranks of the FSDP2 example
-    abort at exit). Clearing costs only recomputation on the next DTensor op. Private torch names, looked up
-    defensively: a torch without one of them simply has nothing there to clear."""
+    abort at exit). Clearing costs only recomputation on the next DTensor op.
+    What it cannot reach: both sharding-propagation caches are per thread in torch 2.13, so only the calling
+    thread's are emptied; entries made by DTensor ops in another thread still alive (autograd's device threads on
+    CUDA) keep their meshes until that thread ends, and torch has no public call that empties them. The names are
+    private torch names: when one is missing, this warns once (RuntimeWarning) and clears the others."""
     if "torch.distributed.tensor" not in sys.modules:
         return
-    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear is not None:
-        clear()
-    dtensor = getattr(sys.modules["torch.distributed.tensor"], "DTensor", None)
-    prop = getattr(getattr(dtensor, "_op_dispatcher", None), "sharding_propagator", None)
-    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-    collective = sys.modules.get("torch.distributed.tensor._collective_utils")
-    for cached in (
-        getattr(prop, "propagate_op_sharding", None),
-        getattr(redistribute, "_gen_transform_infos", None),
-        getattr(getattr(collective, "MeshTopoInfo", None), "build_from_mesh", None),
-    ):
-        if cached is not None and hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    plans = getattr(redistribute, "_planner_cache", None)
-    if isinstance(plans, dict):
-        plans.clear()
+    missing = []
+    for module, path, method in _DTENSOR_CACHES:
+        target = _lookup(module, path)
+        clear = target if method is None else getattr(target, method, None)
+        if callable(clear):
+            clear()
+        else:
+            missing.append(f"{module}.{path}" + (f".{method}" if method else ""))
+    new = [name for name in missing if name not in _WARNED_MISSING]
+    if new:
+        _WARNED_MISSING.update(new)
+        warnings.warn(
+            f"fp8comm: torch {torch.__version__} has no {', '.join(new)}; the DTensor cache behind it is not "
+            "emptied, so a DeviceMesh it holds (and the mesh's process groups) can outlive "
+            "dist.destroy_process_group() (fp8comm needs updating for this torch version)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _lookup(module: str, path: str) -> object:
+    """module.path, or None where any part of it is missing."""
+    obj: object
+    try:
+        obj = importlib.import_module(module)
+    except ImportError:
+        return None
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+    return obj

@@ -9,6 +9,7 @@ same bytes all-gathered inside the node (cheaper than high precision, and every 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,17 +33,44 @@ class HierarchicalGroups:
     local_rank: int
 
 
-_CACHE: dict[tuple, HierarchicalGroups | None] = {}
+CALLER = "caller"  # the holder of node_groups() calls that name none
+LIBRARY = "fp8comm"  # the holder of the world's node groups that a hierarchical=True call created
 
 
-def node_groups(group=None, local_size: int | None = None, ranks: list[int] | None = None):
-    """Node-local and cross-node subgroups of `group` (local size from LOCAL_WORLD_SIZE); cached per group.
+# Node groups are held, never owned alone: a caller, an adapter (Megatron's hooks), the library. A holder releases
+# its hold; the groups are destroyed when the last one does. fp8comm.shutdown() releases every holder.
+@dataclass(eq=False)
+class _Entry:
+    groups: list  # every dist.new_group result, in creation order (NON_GROUP_MEMBER where I am not a member)
+    mine: HierarchicalGroups | None  # None on ranks outside the parent group
+    holders: set[str]
+
+
+_CACHE: dict[tuple, _Entry] = {}  # (global ranks of the parent group, node size) -> its node groups
+# id -> HierarchicalGroups whose groups were destroyed (by identity: a user's may hold unhashable stand-ins)
+_RELEASED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def node_groups(
+    group=None, local_size: int | None = None, ranks: list[int] | None = None, *, holder: str = CALLER
+) -> HierarchicalGroups | None:
+    """Node-local and cross-node subgroups of `group` (local size from LOCAL_WORLD_SIZE); cached per group and
+    held by `holder` until release_node_groups(holder) (or fp8comm.shutdown()) on every rank.
 
     Collective over the WHOLE world, like dist.new_group: every process creates every node group in the same order
     (gloo groups built by members only deadlock once earlier groups differ in membership). For the world group the
     first hierarchical call does this; for a subgroup, call node_groups(group, ranks=its global ranks) on every
-    rank first. Returns None on ranks outside `group`.
+    rank first. A holder holds a set once however often it asks. Returns None on ranks outside `group`.
     """
+    if not isinstance(holder, str) or not holder:
+        raise Fp8CommError(f"node_groups: holder must be a non-empty string, got {holder!r}")
+    entry = _entry(group, local_size, ranks)
+    entry.holders.add(holder)
+    return entry.mine
+
+
+def _entry(group, local_size: int | None, ranks: list[int] | None) -> _Entry:
+    """The cached node groups of the parent group, created (collective over the world) when missing."""
     if not dist.is_available() or not dist.is_initialized():
         raise Fp8CommError("torch.distributed is not initialized; call dist.init_process_group first")
     if local_size is None:
@@ -65,12 +93,51 @@ def node_groups(group=None, local_size: int | None = None, ranks: list[int] | No
         intra = [dist.new_group([ranks[n * local_size + i] for i in range(local_size)]) for n in range(nodes)]
         inter = [dist.new_group([ranks[n * local_size + i] for n in range(nodes)]) for i in range(local_size)]
         me = dist.get_rank()
-        if me not in ranks:
-            _CACHE[key] = None
-        else:
+        mine = None
+        if me in ranks:
             node, lr = divmod(ranks.index(me), local_size)
-            _CACHE[key] = HierarchicalGroups(intra[node], inter[lr], nodes, local_size, node, lr)
+            mine = HierarchicalGroups(intra[node], inter[lr], nodes, local_size, node, lr)
+        _CACHE[key] = _Entry(intra + inter, mine, set())
     return _CACHE[key]
+
+
+def release_node_groups(holder: str = CALLER) -> int:
+    """Drop `holder`'s hold on every node-group set it took; destroys the sets no one holds any more and returns
+    how many. Call it on every rank in the same order (destroying a group must happen alike everywhere).
+
+    Other holders' sets stay usable: an adapter's teardown releases its own holder, never the caller's."""
+    return _release(lambda e: e.holders.discard(holder))
+
+
+def release_all_node_groups() -> int:
+    """Drop every holder's hold and destroy every node group fp8comm made (fp8comm.shutdown())."""
+    return _release(lambda e: e.holders.clear())
+
+
+def _release(drop) -> int:
+    destroyed = 0
+    # Newest first, as torch destroys the world's groups; creation order is the same on every rank, so is this.
+    for key, entry in reversed(list(_CACHE.items())):
+        drop(entry)
+        if entry.holders:
+            continue
+        del _CACHE[key]
+        if entry.mine is not None:
+            _RELEASED[id(entry.mine)] = entry.mine
+        for pg in reversed(entry.groups):
+            _destroy(pg)
+        destroyed += 1
+    return destroyed
+
+
+def _destroy(pg) -> None:
+    """dist.destroy_process_group(pg) for a group of ours still registered (a member's group, the world alive)."""
+    if not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
+        return  # NON_GROUP_MEMBER; or the world is gone, and every group with it
+    try:
+        dist.destroy_process_group(pg)
+    except ValueError:  # "Invalid process group specified": destroyed already (the world destroyed, re-initialized)
+        pass
 
 
 def precheck(hierarchical, group) -> tuple[int, tuple[str, str] | None]:
@@ -78,6 +145,12 @@ def precheck(hierarchical, group) -> tuple[int, tuple[str, str] | None]:
     if hierarchical is None or hierarchical is False:
         return 0, None
     if isinstance(hierarchical, HierarchicalGroups):
+        if _RELEASED.get(id(hierarchical)) is hierarchical:
+            return 0, (
+                "option",
+                "hierarchical: these node groups were released and destroyed (release_node_groups(), an adapter's "
+                "teardown or fp8comm.shutdown()); prepare them again with fp8comm.comm.node_groups(...) on every rank",
+            )
         return hierarchical.local, None
     if hierarchical is not True:
         return 0, ("option", f"hierarchical must be None/False, True or HierarchicalGroups, got {hierarchical!r}")
@@ -102,12 +175,16 @@ def precheck(hierarchical, group) -> tuple[int, tuple[str, str] | None]:
 
 
 def resolve_groups(hierarchical, group) -> HierarchicalGroups | None:
-    """The groups for a call that passed the metadata check (creates the world's node groups on first use)."""
+    """The groups for a call that passed the metadata check (precheck refused destroyed ones): the cached set of
+    `group`, whoever holds it, else the world's, created now and held by the library."""
     if hierarchical is None or hierarchical is False:
         return None
     if isinstance(hierarchical, HierarchicalGroups):
         return hierarchical
-    return node_groups(group)
+    entry = _entry(group, None, None)
+    if not entry.holders:  # created just now: every rank is in this world-wide call (precheck refused subgroups)
+        entry.holders.add(LIBRARY)
+    return entry.mine
 
 
 def hier_rs_phase(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fp8comm.comm import Guard, GuardBucket, WireConfig, config_for, default_check_policy, shutdown
+from fp8comm.comm import Guard, GuardBucket, WireConfig, config_for, default_check_policy, teardown
 from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError, Fp8CommUnsupportedError
 from fp8comm.gemm import Fp8Linear, convert_to_fp8
 
@@ -232,7 +232,7 @@ def uninstall(engine=None) -> None:
     _remove_dispatchers()
     for w in _FLAG.restore():
         log.warning(w)
-    shutdown()  # nothing of fp8comm's (node groups, scratch, pinned default groups) outlives the adapter
+    teardown("deepspeed")  # its own share only: node groups the caller prepared stay (fp8comm.shutdown() frees all)
 
 
 def _remove_dispatchers() -> None:

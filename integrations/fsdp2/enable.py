@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from fp8comm.comm import shutdown
+from fp8comm.comm import teardown
 
 from . import hooks, layout
 from .config import Fp8CommFsdp2Config, Fp8CommFsdp2Error, parse
@@ -265,7 +265,7 @@ def disable(model: nn.Module) -> bool:
         m.set_custom_all_gather(ag)
         m.set_custom_reduce_scatter(rs)
     object.__delattr__(model, _ATTR)
-    shutdown()  # nothing of fp8comm's (node groups, scratch, pinned default groups) outlives the hooks
+    teardown("fsdp2")  # its own share only: node groups the caller prepared stay (fp8comm.shutdown() frees all)
     return True
 
 

@@ -15,7 +15,8 @@ Synchronous blocks (overlap off) wait before the block returns, exactly like the
 
 Plain DDP (no distributed optimizer) all-reduces each bucket with a direct `torch.distributed.all_reduce` inside
 the same block; the wrapped `start_grad_sync` takes exactly those calls (make_start_grad_sync). Hierarchical mode's
-node groups are created at install for every data-parallel group of the job (prepare_node_groups).
+node groups are created at install for every data-parallel group of the job (prepare_node_groups) and held
+under HOLDER: uninstall() releases that hold only, so node groups the caller prepared for the same ranks stay.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from fp8comm import comm as fcomm
 from . import error_feedback, guard, replica_update
 from .config import Fp8CommMegatronConfig, Fp8CommMegatronError, count
 from .installation import installed
+
+HOLDER = "megatron"  # fp8comm.comm.node_groups holder of the node groups install() prepares
 
 _tls = threading.local()
 
@@ -198,7 +201,9 @@ def prepare_node_groups() -> dict:
     dist.all_gather_object(everyone, mine)
     out: dict = {}
     for ranks, local in node_group_plan([r for lists in everyone for r in lists], int(lws)):
-        out[ranks] = local if isinstance(local, str) else fcomm.node_groups(ranks=list(ranks), local_size=local)
+        out[ranks] = (
+            local if isinstance(local, str) else fcomm.node_groups(ranks=list(ranks), local_size=local, holder=HOLDER)
+        )
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fp8comm.comm import shutdown as fcomm_shutdown
+from fp8comm.comm import teardown as fcomm_teardown
 
 from . import ddp_hooks, error_feedback, guard, moe_hooks, replica_update
 from .config import FP4_LAYOUT, HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError
@@ -601,7 +601,7 @@ def uninstall() -> None:
         obj, name, orig = inst.saved.pop()
         setattr(obj, name, orig)
     moe_hooks.reset_marks()
-    fcomm_shutdown()  # nothing of fp8comm's (node groups, scratch, pinned default groups) outlives the adapter
+    fcomm_teardown(ddp_hooks.HOLDER)  # the node groups install() took; a caller's stay (fp8comm.shutdown(): all)
 
 
 def active_config() -> Fp8CommMegatronConfig | None:
