@@ -34,12 +34,17 @@ def _note_skip(report) -> None:
         _unlisted.append(f"{report.nodeid or '<collection>'}: {reason}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     # Every multi-process test shares a torchrun launch whose start-up alone (interpreters, torch, gloo rendezvous)
     # takes 10-30 s on 2 cores: `dist` implies `slow`, so `-m "not slow"` is the single-process fast tier.
+    # test.sh runs the files on parallel workers (pytest-xdist, --dist loadgroup): each file is one group, so its
+    # module-scoped launches start once; the simulated-cluster files share one group (one cluster at a time).
     for item in items:
         if item.get_closest_marker("dist") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group("cluster" if path.startswith("tests/cluster/") else path))
 
 
 def pytest_collectreport(report) -> None:

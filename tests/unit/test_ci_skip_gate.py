@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
 SAMPLE = """
@@ -22,7 +24,7 @@ def test_passes():
 """
 
 
-def _run(tmp_path: Path, ci: bool, body: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, ci: bool, body: str, workers: int = 0) -> subprocess.CompletedProcess:
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "test_sample.py").write_text(body)
     (tmp_path / "test_other.py").write_text("def test_ok():\n    pass\n")
@@ -30,7 +32,8 @@ def _run(tmp_path: Path, ci: bool, body: str) -> subprocess.CompletedProcess:
     if ci:
         env["CI"] = "true"
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)]
+        + (["-n", str(workers), "--dist", "loadgroup"] if workers else []),
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -39,14 +42,17 @@ def _run(tmp_path: Path, ci: bool, body: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_unlisted_skip_fails_in_ci(tmp_path):
-    r = _run(tmp_path, True, SAMPLE_RUN)
+@pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
+def test_unlisted_skip_fails_in_ci(tmp_path, workers):
+    """test.sh runs on pytest-xdist workers: the gate must see their skips too."""
+    r = _run(tmp_path, True, SAMPLE_RUN, workers)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "test_sample.py::test_skips: Skipped: nope" in r.stdout
 
 
-def test_module_level_importorskip_fails_in_ci(tmp_path):
-    r = _run(tmp_path, True, SAMPLE)
+@pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
+def test_module_level_importorskip_fails_in_ci(tmp_path, workers):
+    r = _run(tmp_path, True, SAMPLE, workers)
     assert r.returncode == 1, r.stdout + r.stderr  # 1 passed, 1 skipped module: the gate, not "no tests" (5)
     assert "stands for a broken install" in r.stdout
 

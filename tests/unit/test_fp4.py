@@ -427,6 +427,7 @@ def _cases(fmt):
         yield "tensor-amax", rnd, dict(tensor_amax=torch.tensor(3.0))
 
 
+@pytest.mark.slow  # compile- or memory-bound (5-20 s on 2 cores): out of the fast tier, in the full run
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_triton_bit_exact(ft, fmt):
     """The fused Triton quantize+pack and dequantize kernels (interpreted) against the reference, byte for byte."""

@@ -275,6 +275,7 @@ def test_transposed_weight_comes_with_weight_and_follows_updates():
     assert torch.equal(wq_t.data.view(torch.uint8), wq.data.view(torch.uint8).t())
 
 
+@pytest.mark.slow  # compile- or memory-bound (5-20 s on 2 cores): out of the fast tier, in the full run
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise", "rowwise", "mxfp8", "delayed"])
 def test_weight_cache_gathered_matches_step_and_keeps_no_copy(recipe):
     """weight_cache="gathered" (ZeRO-3 / FSDP) gives the same bits as caching, keeps no FP8 weight alive between

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # fresh interpreters and a 2^20-element collective per case: 20-30 s
 
 PRELUDE = """
 import json, os, sys, warnings

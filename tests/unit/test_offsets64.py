@@ -28,6 +28,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # compile- or memory-bound (5-20 s on 2 cores): out of the fast tier, in the full run
 def test_unpack_sum_chunk_offsets_past_2gib():
     """unpack_sum's kernel reads chunk ci at ci * chunk_stride bytes: three 1x128 chunks 2^30 + 16 bytes apart
     put the third at 2^31 + 32, which int32 arithmetic wraps to a negative offset."""
@@ -61,6 +62,7 @@ def test_unpack_sum_chunk_offsets_past_2gib():
     assert r.returncode == 0 and "OK" in r.stdout, f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
 
 
+@pytest.mark.slow  # compile- or memory-bound (5-20 s on 2 cores): out of the fast tier, in the full run
 def test_gemm_row_offsets_past_2_31():
     """The Triton GEMM addresses row m of A at m * stride_am: rows 2^30 bytes apart put row 2 at 2^31, which
     int32 arithmetic wraps (the full-size case: M = 140000 tokens x K = 16384)."""

@@ -115,6 +115,7 @@ def make_layout(rows, k, sc=None):
     return ChunkLayout(tuple(rows), k, sc if sc is not None else BlockScaling(128))
 
 
+@pytest.mark.slow  # compile- or memory-bound (5-20 s on 2 cores): out of the fast tier, in the full run
 @pytest.mark.parametrize("backend", ["reference", "compiled"])
 @pytest.mark.parametrize("sc", [BlockScaling(128), BlockScaling(128, encoding="e8m0"), RowScaling(), MXScaling()])
 def test_pack_chunks_matches_per_chunk_quantize(backend, sc):

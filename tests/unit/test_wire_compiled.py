@@ -41,6 +41,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.slow  # compile- or memory-bound (5-20 s on 2 cores): out of the fast tier, in the full run
 @pytest.mark.parametrize("fmt,sc,dtype", CONFIGS, ids=lambda v: getattr(v, "describe", lambda: str(v))())
 def test_fused_wire_graphs_bit_exact(fmt, sc, dtype):
     f = get_format(fmt)

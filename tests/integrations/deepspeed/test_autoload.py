@@ -646,6 +646,7 @@ def _start_config_script(hook_file: Path, autoload: str, where: Path) -> subproc
     )
 
 
+@pytest.mark.slow  # two fresh interpreters with DeepSpeed: ~20 s
 @pytest.mark.timeout(300)
 def test_only_an_enabled_section_engages(tmp_path):
     """Real DeepSpeed, fresh interpreters (run at once). Hook on: configs that do not turn the section on (off,
