@@ -6,9 +6,10 @@ A small Llama built from a LlamaConfig (no downloaded weights) learns the bytes 
 CPU ranks (gloo); `--variants plain,fp8` trains the same run without and with the "fp8_comm" section, one after the
 other in this one launch, and writes `report.json` (losses, fp8comm's counters, where each model was saved).
 
-This script never imports fp8comm: the installed package's autoload hook (docs/deepspeed.md, "The flag alone") makes
-`deepspeed.initialize`, which accelerate calls for the Trainer, honour the section. With the hook off
-(FP8COMM_AUTOLOAD=0) add `import fp8comm.integrations.deepspeed` before the Trainer is built.
+This script never imports fp8comm to train (only at exit, to release DeepSpeed's process groups): the installed
+package's autoload hook (docs/deepspeed.md, "The flag alone") makes `deepspeed.initialize`, which accelerate calls
+for the Trainer, honour the section. With the hook off (FP8COMM_AUTOLOAD=0) add `import fp8comm.integrations.deepspeed`
+before the Trainer is built.
 
 CPU notes: the Trainer refuses `bf16=True` without an accelerator ("Your setup doesn't support bf16/gpu"), so this
 runs in fp32 (on GPUs use `bf16=True` and the config's "bf16" section). Without an accelerator, accelerate would start
@@ -177,10 +178,12 @@ def main() -> None:
                 last = r["losses"][-10:]
                 print(f"{v}: loss {r['losses'][0]:.4f} -> {sum(last) / len(last):.4f} (mean of the last 10 steps)")
     # Destroy the groups before exit, as torch asks: gloo threads left running into interpreter teardown can abort
-    # it ("terminate called without an active exception", seen once in CI here). fp8comm first, if it is loaded.
-    fc = sys.modules.get("fp8comm")
-    if fc is not None:
-        fc.shutdown()
+    # it ("terminate called without an active exception", seen in CI here). DeepSpeed keeps its groups in module
+    # globals that destroy_process_group() cannot free; fp8comm's adapter releases them (and fp8comm's own
+    # references), so it is imported here for that, training done, even when no variant used the section.
+    import fp8comm.integrations.deepspeed as fd
+
+    fd.shutdown()
     torch.distributed.destroy_process_group()
 
 

@@ -224,6 +224,7 @@ def main(argv=None) -> dict:
         return res
     finally:
         if own_group:
+            plain = fp8 = None  # their models (FSDP2 state: reference cycles) hold the mesh; shutdown() collects them
             fp8comm.shutdown()  # what fp8comm holds on the groups goes before them
             dist.destroy_process_group()
 

@@ -31,8 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-import fp8comm
-
 SIZES = {  # n_layer, n_head, n_embd, block, micro-batch per rank
     "tiny": (2, 4, 64, 64, 8),
     "small": (4, 4, 128, 64, 16),
@@ -387,10 +385,13 @@ def _worker(opts: dict) -> int:
         if hasattr(engine, "destroy"):
             engine.destroy()
         fd.uninstall()
+        # Drop this run's engine: it holds DeepSpeed's groups, and so do the last loss and logits (their autograd
+        # graph reaches the ZeRO-3 module and its hooks); fd.shutdown() warns about an engine still alive.
+        del engine, _, opt, model, loss, x, y
     if rank == 0:
         (Path(opts["folder"]) / "report.json").write_text(json.dumps(report, indent=1))
     dist.barrier()
-    fp8comm.shutdown()
+    fd.shutdown()  # fp8comm's and DeepSpeed's own references to the groups (fp8comm.shutdown() included) go first
     dist.destroy_process_group()  # in order, before interpreter teardown destroys gloo's threads at random
     return 0
 

@@ -23,6 +23,7 @@ from .compat import SUPPORTED_BELOW, SUPPORTED_MIN
 from .config import Fp8CommDeepSpeedConfig, GradientConfig, GuardConfig, TrafficConfig, defaults, parse
 from .engine import EngineState, enable_config_flag, engine_state, engines, initialize, install, uninstall
 from .patching import PASSTHROUGH
+from .teardown import release_groups, shutdown
 
 
 def is_installed() -> bool:
@@ -100,6 +101,8 @@ __all__ = [
     "initialize",
     "install",
     "uninstall",
+    "shutdown",
+    "release_groups",
     "is_installed",
     "hook_stats",
     "reset_hook_stats",

@@ -104,6 +104,7 @@ def main() -> int:
         if what == "moe":
             print(f"FP8 vs BF16 combine: {100 * res['fp8_vs_bf16_combine']:+.3f}%")
     dist.barrier()
+    fd.shutdown()  # DeepSpeed's and fp8comm's references to the groups go before them (gloo threads at exit)
     dist.destroy_process_group()
     return 0
 

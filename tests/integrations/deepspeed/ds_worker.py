@@ -447,7 +447,9 @@ def main() -> int:
             break
     dist.barrier(group=status)
     out.close()
-    dist.destroy_process_group()  # in order, before interpreter teardown destroys gloo's threads at random
+    del status
+    fd.shutdown()  # DeepSpeed's and fp8comm's references to the groups go first: else their gloo threads outlive
+    dist.destroy_process_group()  # them, and interpreter teardown meets running threads (an abort, at random)
     return 0
 
 
