@@ -91,6 +91,12 @@ def examples(out: Path) -> dict:
             [*TORCHRUN, str(ex / "torchtitan_fsdp2.py"), "--bench", "--steps", "2", "--json", str(out / "titan.json")],
             {},
         ),
+        # tests/dist/exit_script.py, the 3-rank job of the original abort report (the suite launches it once)
+        "three_rank_script": (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
+            + [str(REPO / "tests" / "dist" / "exit_script.py")],
+            {},
+        ),
         # its docstring's CPU launch (the test shims), the distributed optimizer with overlap, 2 iterations
         "megatron_loop": (
             [*TORCHRUN, str(REPO / "tests" / "integrations" / "megatron" / "run_on_cpu.py")]

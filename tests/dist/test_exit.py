@@ -177,21 +177,20 @@ def test_deepspeed_shutdown_releases_the_groups_deepspeed_keeps():
 
 
 @pytest.mark.slow
-def test_three_rank_script_exits_clean_many_times(tmp_path):
-    """The job of the report, 5 times in a row: every torchrun launch exits 0 and no rank prints "terminate called".
-    A regression smoke test, not proof (the abort never reproduced here: 0 in 69 + 14 runs before the fix); a 1-in-5
-    failure survives 5 runs with probability 0.33. The deterministic guards are the thread counts above. (14 runs
-    cost 2.7 min of a suite that must stay short.)"""
+def test_three_rank_script_exits_clean(tmp_path):
+    """The job of the report, launched once: every rank exits 0 and none prints "terminate called". A smoke test, not
+    proof (the abort never reproduced here); the deterministic guards are the thread counts above, and repeated
+    launches of this script and of every example are `launch/exit_check.py`'s job (docs/benchmarks.md, "Clean
+    exits"), not the suite's."""
     script = Path(__file__).with_name("exit_script.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for i in range(5):
-        p = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(script)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            cwd=tmp_path,
-        )
-        out = p.stdout + p.stderr
-        assert p.returncode == 0 and "terminate called" not in out, f"run {i + 1}: exit {p.returncode}\n{out[-3000:]}"
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "terminate called" not in out, f"exit {p.returncode}\n{out[-3000:]}"
