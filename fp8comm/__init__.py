@@ -16,6 +16,7 @@ from .errors import (
     Fp8CommCaptureError,
     Fp8CommConfigError,
     Fp8CommError,
+    Fp8CommFallbackWarning,
     Fp8CommNotImplementedError,
     Fp8CommRuntimeError,
     Fp8CommStateError,
@@ -62,6 +63,7 @@ __all__ = [
     "Fp8CommUnsupportedError",
     "Fp8CommStateError",
     "Fp8CommCaptureError",
+    "Fp8CommFallbackWarning",
 ]
 _FROM = {  # subpackage -> the names this package re-exports from it
     "comm": (

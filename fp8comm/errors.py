@@ -43,3 +43,8 @@ class Fp8CommStateError(Fp8CommError, RuntimeError):
 class Fp8CommCaptureError(Fp8CommError, RuntimeError):
     """An fp8comm collective (or a handle's wait) inside CUDA graph capture: refused before anything is queued,
     since its scratch memory, host-side checks and multi-phase steps cannot be replayed safely."""
+
+
+class Fp8CommFallbackWarning(UserWarning):
+    """A warning, not an error: backend 'auto' runs a slower kernel path than usual on this machine (the same bits);
+    the message names the cause (no native kernels, no C++ compiler for inductor). Given once per cause."""

@@ -11,10 +11,7 @@ from functools import cache
 
 import torch
 
-
-class Fp8CommFallbackWarning(UserWarning):
-    """'auto' chose a slower kernel path than usual on this machine (same bits); the message names the cause."""
-
+from ..errors import Fp8CommFallbackWarning
 
 _warned: set[str] = set()
 

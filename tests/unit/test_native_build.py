@@ -27,7 +27,7 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 import fp8comm
 from fp8comm.quant import fp4_native, toolchain
-from fp8comm.quant.toolchain import Fp8CommFallbackWarning
+from fp8comm import Fp8CommFallbackWarning
 warnings.simplefilter("always", Fp8CommFallbackWarning)  # count fp8comm's once-per-cause rule, not Python's
 X = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
 
