@@ -10,4 +10,4 @@ bash launch/install_cluster_deps.sh
 # at most 4 (the multi-rank launches start 2-4 processes each). FP8COMM_TEST_WORKERS=0 runs in this process.
 cores="$(nproc 2>/dev/null || echo 1)"
 workers="${FP8COMM_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
-exec python -m pytest -q -n "$workers" --dist loadgroup "$@"
+exec python -m pytest -q -n "$workers" --dist loadfile "$@"

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -34,17 +35,29 @@ def _note_skip(report) -> None:
         _unlisted.append(f"{report.nodeid or '<collection>'}: {reason}")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+if importlib.util.find_spec("xdist") is not None:  # the hook exists only with pytest-xdist installed
+
+    def pytest_xdist_make_scheduler(config, log):
+        """test.sh runs the test files on parallel workers (--dist loadfile): each file stays on one worker, so its
+        module-scoped launches start once; the simulated-cluster files form one unit (one cluster at a time)."""
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadFileScheduling
+
+        class FileScheduling(LoadFileScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                path = nodeid.split("::", 1)[0]
+                return "tests/cluster/" if path.startswith("tests/cluster/") else path
+
+        return FileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     # Every multi-process test shares a torchrun launch whose start-up alone (interpreters, torch, gloo rendezvous)
     # takes 10-30 s on 2 cores: `dist` implies `slow`, so `-m "not slow"` is the single-process fast tier.
-    # test.sh runs the files on parallel workers (pytest-xdist, --dist loadgroup): each file is one group, so its
-    # module-scoped launches start once; the simulated-cluster files share one group (one cluster at a time).
     for item in items:
         if item.get_closest_marker("dist") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
-        path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group("cluster" if path.startswith("tests/cluster/") else path))
 
 
 def pytest_collectreport(report) -> None:
