@@ -12,9 +12,10 @@ On a machine without a GPU, Megatron-Core needs CUDA stand-ins; this repository'
     torchrun --nproc-per-node 2 tests/integrations/megatron/run_on_cpu.py examples/megatron_simple_loop.py
 
 It follows the shape of Megatron-LM's examples/run_simple_mcore_train_loop.py (initialize, build a GPTModel, wrap
-it in Megatron's DDP, loop over get_forward_backward_func) and adds the one fp8comm call: `install(...)` after the
-parallel state exists and before the model is wrapped in DDP. The rest is plain Megatron-Core. Data are synthetic
-(the megatron-core wheel's dataset helpers need a compiled extension it does not ship).
+it in Megatron's DDP, loop over get_forward_backward_func) and adds the fp8comm calls: `install(...)` after the
+parallel state exists and before the model is wrapped in DDP, and `shutdown()` at the end of the job, model dropped,
+before destroy_process_group(). The rest is plain Megatron-Core. Data are synthetic (the megatron-core wheel's
+dataset helpers need a compiled extension it does not ship).
 """
 
 from __future__ import annotations
@@ -139,7 +140,28 @@ def forward_step(data_iterator, model):
 
 
 def main(argv=None) -> dict:
-    """Train; returns {"loss": [...], "hook_stats": ..., "comm_stats": ...} (the test reads it)."""
+    """Train; returns {"loss": [...], "hook_stats": ..., "comm_stats": ...} (the test reads it). Ends the job
+    (fp8comm's Megatron shutdown(), destroy_process_group()) when it started torch.distributed itself."""
+    import fp8comm.integrations.megatron as fp8comm_megatron
+
+    args = parse_args(argv)
+    started = initialize()
+    try:
+        return train(args)  # the model, optimizer and config live in train()'s frame: gone once it returns
+    finally:
+        if started:
+            # End of the job: uninstall(), Megatron's destroy_model_parallel() and the group references Megatron
+            # keeps after it (a rotary-embedding cache holds the model), fp8comm's own; then destroy_process_group()
+            # stops every gloo thread before interpreter teardown, which running ones can abort (issue 27).
+            fp8comm_megatron.shutdown()
+            dist.destroy_process_group()
+        else:  # the caller's process group (a test harness): it ends the job
+            fp8comm_megatron.uninstall()
+            fp8comm_megatron.release_groups()
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Build, install fp8comm, train args.iters steps; the result of main()."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -149,8 +171,6 @@ def main(argv=None) -> dict:
     import fp8comm.integrations.megatron as fp8comm_megatron
     from fp8comm.comm import comm_stats, format_comm_stats, reset_comm_stats
 
-    args = parse_args(argv)
-    started = initialize()
     rank0 = dist.get_rank() == 0
     model, config = build_model(args)
     ddp_config = DistributedDataParallelConfig(
@@ -176,69 +196,63 @@ def main(argv=None) -> dict:
         )
     fp8comm_megatron.hook_stats(reset=True)
     reset_comm_stats()
-    try:
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    if args.distributed_optimizer:
+        model.broadcast_params()
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            weight_decay=0.0,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            use_distributed_optimizer=args.distributed_optimizer,
+            clip_grad=1.0,
+        ),
+        [model],
+    )
+    # What Megatron's schedule calls around the backward: loss scaling, the end-of-step gradient reduction,
+    # and (with overlap) deferring the reduction to the last micro-batch and the parameter gather to the forward.
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap:
+        config.no_sync_func = model.no_sync
         if args.distributed_optimizer:
-            model.broadcast_params()
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=args.lr,
-                weight_decay=0.0,
-                bf16=True,
-                params_dtype=torch.bfloat16,
-                use_distributed_optimizer=args.distributed_optimizer,
-                clip_grad=1.0,
-            ),
-            [model],
-        )
-        # What Megatron's schedule calls around the backward: loss scaling, the end-of-step gradient reduction,
-        # and (with overlap) deferring the reduction to the last micro-batch and the parameter gather to the forward.
-        config.grad_scale_func = optimizer.scale_loss
-        config.finalize_model_grads_func = finalize_model_grads
-        if args.overlap:
-            config.no_sync_func = model.no_sync
-            if args.distributed_optimizer:
-                config.param_sync_func = model.start_param_sync
+            config.param_sync_func = model.start_param_sync
 
-        data = batches(args, parallel_state.get_data_parallel_rank())
-        forward_backward = get_forward_backward_func()
-        losses = []
-        for it in range(args.iters):
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            out = forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=data,
-                model=[model],
-                num_microbatches=1,
-                seq_length=SEQ,
-                micro_batch_size=args.micro_batch_size,
-                forward_only=False,
-            )
-            ok, grad_norm, _ = optimizer.step()
-            s = torch.stack([o["lm loss"] for o in out]).sum(0)
-            dist.all_reduce(s, group=parallel_state.get_data_parallel_group())  # mean over all ranks' tokens
-            losses.append(float(s[0] / s[1]))
-            if rank0:
-                print(f"iteration {it + 1:3d} | loss {losses[-1]:.4f} | grad norm {float(grad_norm):.4f}", flush=True)
-        if args.overlap and args.distributed_optimizer:
-            model.start_param_sync(force_sync=True)  # the last step's gather is otherwise left to the next forward
-        result = {
-            "loss": losses,
-            "hook_stats": fp8comm_megatron.hook_stats(),
-            "comm_stats": comm_stats(),
-            "params": torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]),
-        }
+    data = batches(args, parallel_state.get_data_parallel_rank())
+    forward_backward = get_forward_backward_func()
+    losses = []
+    for it in range(args.iters):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=[model],
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = optimizer.step()
+        s = torch.stack([o["lm loss"] for o in out]).sum(0)
+        dist.all_reduce(s, group=parallel_state.get_data_parallel_group())  # mean over all ranks' tokens
+        losses.append(float(s[0] / s[1]))
         if rank0:
-            print(f"fp8comm hooks: {result['hook_stats']}")
-            print(format_comm_stats(), flush=True)
-        return result
-    finally:
-        fp8comm_megatron.uninstall()
-        parallel_state.destroy_model_parallel()
-        if started:
-            dist.destroy_process_group()
+            print(f"iteration {it + 1:3d} | loss {losses[-1]:.4f} | grad norm {float(grad_norm):.4f}", flush=True)
+    if args.overlap and args.distributed_optimizer:
+        model.start_param_sync(force_sync=True)  # the last step's gather is otherwise left to the next forward
+    result = {
+        "loss": losses,
+        "hook_stats": fp8comm_megatron.hook_stats(),
+        "comm_stats": comm_stats(),
+        "params": torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]),
+    }
+    if rank0:
+        print(f"fp8comm hooks: {result['hook_stats']}")
+        print(format_comm_stats(), flush=True)
+    return result
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ parameter all-gather or 4-bit weight updates (replica += change), FP8 MoE dispat
 
 Megatron-LM:  args = parse_args(extra_args_provider=add_args); ...; install(args)   (before the model is built)
 Megatron-Core: install(ddp_config=ddp_config, transformer_config=config, grad_reduce=True, param_gather=True)
-uninstall() restores every patched name. See docs/megatron.md.
+uninstall() restores every patched name; shutdown() at the end of the job, before destroy_process_group(), also
+releases the process groups Megatron keeps. See docs/megatron.md.
 """
 
 from fp8comm.deprecation import renamed
@@ -32,11 +33,14 @@ from .replica_update import load_state_dict as load_replica_update_state_dict
 from .replica_update import nbytes as replica_update_nbytes
 from .replica_update import reset as reset_replica_updates
 from .replica_update import state_dict as replica_update_state_dict
+from .teardown import release_groups, shutdown
 
 __all__ = [
     "add_args",
     "install",
     "uninstall",
+    "shutdown",
+    "release_groups",
     "active_config",
     "hook_stats",
     "Fp8CommMegatronConfig",

@@ -8,7 +8,8 @@
         --fp8comm-grad-reduce --fp8comm-param-gather
 
 The three fp8comm lines are what a real pretrain script needs: `extra_args_provider=add_args` when parsing,
-`install(args)` after parsing and before the model is built, and (optionally) logging comm_stats(). Everything else
+`install(args)` after parsing and before the model is built, and (optionally) logging comm_stats(); at exit,
+`shutdown()` before destroy_process_group() (end_job()) releases the groups Megatron keeps. Everything else
 is plain Megatron-Core: GPTModel, Float16Module, DistributedDataParallel, get_megatron_optimizer and the
 forward-backward schedule (pipeline stages too: --pipeline-model-parallel-size, no virtual stages).
 Rank 0 ends with one `pretrain_gpt summary: {json}` line: median step time (warm-up excluded), bytes its node's
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from fp8comm.comm import comm_stats, format_comm_stats, reset_comm_stats
 from fp8comm.distributed import link_bytes, link_ifname
-from fp8comm.integrations.megatron import add_args, error_feedback_nbytes, hook_stats, install, uninstall
+from fp8comm.integrations.megatron import add_args, error_feedback_nbytes, hook_stats, install, shutdown, uninstall
 
 
 def _init_distributed() -> None:
@@ -264,5 +265,13 @@ def _summary(h: dict, args, ifname: str | None) -> dict:
     }
 
 
+def end_job() -> None:
+    """After main(), on every rank: fp8comm's Megatron shutdown(), then destroy_process_group() (issue 27: gloo
+    threads of a group something still holds run into interpreter teardown, which they can abort)."""
+    shutdown()  # Megatron's destroy_model_parallel() and the group references it leaves, fp8comm's own
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    end_job()

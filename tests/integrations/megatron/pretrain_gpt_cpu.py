@@ -18,6 +18,7 @@ import mcore_cpu  # noqa: E402
 
 if __name__ == "__main__":
     mcore_cpu.install()
-    from fp8comm.integrations.megatron.pretrain_gpt import main
+    from fp8comm.integrations.megatron.pretrain_gpt import end_job, main
 
     main()
+    end_job()
