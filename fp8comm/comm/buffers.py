@@ -224,6 +224,9 @@ class Handle:
 
     def is_completed(self) -> bool:
         if not self._done:
+            # Refused inside capture whether or not the transfer has finished: a poll that raised only when it
+            # happened to find the transfer done would fail on some ranks and runs, not others.
+            refuse_capture("Handle.is_completed", self._device)
             if self._later_phases:
                 return False  # its later collectives start in wait(): a poll must not issue them at its own moment
             if not all(w.is_completed() for w in self._works):

@@ -94,6 +94,28 @@ def one_rank():
     dist.destroy_process_group()
 
 
+def test_polling_a_handle_inside_capture_is_refused_whatever_the_transfer_state(monkeypatch):
+    """is_completed() inside capture raises even while the transfer is still in flight (it used to raise only once
+    the transfer had finished, so the same program failed or not by timing; seen in CI under load)."""
+    import fp8comm.comm.buffers as fb
+    from fp8comm.errors import Fp8CommCaptureError
+
+    class InFlight:
+        def is_completed(self):
+            return False
+
+        def wait(self, timeout=None):
+            return True
+
+    monkeypatch.setattr(fb, "_GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    h = fb.Handle([InFlight()], lambda: torch.zeros(1), device=torch.device("cpu"))
+    with pytest.raises(Fp8CommCaptureError, match="Handle.is_completed"):
+        h.is_completed()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not h.is_completed() and torch.equal(h.wait(), torch.zeros(1))
+
+
 def test_cpu_tensors_never_ask_about_capture(one_rank, monkeypatch):
     """The capture query is asked only for CUDA tensors: the CPU build raises in it."""
     import fp8comm.comm as fc
