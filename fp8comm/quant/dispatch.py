@@ -43,20 +43,24 @@ def resolve_backend(name: str, device: torch.device, numel: int | None = None):
             name = "reference"
     if name == "reference":
         return backend_reference
+    if name in ("compiled", "triton") and (problem := backend_problem(name, device)) is not None:
+        raise Fp8CommRuntimeError(problem)
     if name == "compiled":
-        problem = compiled_cpu_problem(device)
-        if problem is not None:
-            raise Fp8CommRuntimeError(f"backend 'compiled' cannot run here: {problem}")
         return backend_compiled
     if name == "triton":
-        if not triton_available(device):
-            raise Fp8CommRuntimeError(
-                f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})"
-            )
         from . import backend_triton  # triton is an optional dependency: imported on first use
 
         return backend_triton
     raise Fp8CommError(f"unknown backend {name!r}; valid: auto, {', '.join(BACKENDS)}")
+
+
+def backend_problem(name: str, device: torch.device) -> str | None:
+    """Why an explicit kernel backend cannot run for tensors on `device` (None: it can, or it is 'auto')."""
+    if name == "compiled" and (problem := compiled_cpu_problem(device)) is not None:
+        return f"backend 'compiled' cannot run here: {problem}"
+    if name == "triton" and not triton_available(device):
+        return f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})"
+    return None
 
 
 def backend_name(name: str, device: torch.device, numel: int | None = None) -> str:

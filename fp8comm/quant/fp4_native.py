@@ -37,6 +37,7 @@ _problem: str | None = None
 _source: str | None = None  # "extension" or the JIT library's path, once loaded
 
 
+@cache
 def source_sha() -> str:
     """The sha256 of the fp4_cpu.c this package ships: a loaded library must report the same one."""
     return hashlib.sha256(_SRC.read_bytes()).hexdigest()
@@ -48,7 +49,7 @@ def _bind(lib: ctypes.CDLL, what: str) -> ctypes.CDLL:
     lib.fp4_source_sha.argtypes = []
     got = (lib.fp4_source_sha() or b"").decode()
     if got != source_sha():
-        raise _Unusable(f"{what} was built from another fp4_cpu.c (source {got[:12]}, shipped {source_sha()[:12]})")
+        raise _Stale(f"{what} was built from another fp4_cpu.c (source {got[:12]}, shipped {source_sha()[:12]})")
     lib.fp4_encode.restype = None
     lib.fp4_encode.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _I64, ctypes.c_int, _PTR, _I64, ctypes.c_int]
     lib.fp4_encode.argtypes += [ctypes.c_uint32]
@@ -61,6 +62,10 @@ def _bind(lib: ctypes.CDLL, what: str) -> ctypes.CDLL:
 
 class _Unusable(Exception):
     """A library or cache that must not be loaded; its message is problem()'s text."""
+
+
+class _Stale(_Unusable):
+    """A library built from another fp4_cpu.c: the opt-in build replaces it, the installed one is refused."""
 
 
 def _installed() -> Path | None:
@@ -175,13 +180,9 @@ def _jit() -> ctypes.CDLL:
                 _compile(cc, d / name)
             try:
                 return _load_checked(dfd, name, d)
-            except OSError as e:  # truncated or corrupt ("file too short", "invalid ELF header"): rebuild once
+            except (OSError, _Stale) as e:  # truncated, corrupt ("file too short") or stale: rebuild once
                 if attempt:
                     raise _Unusable(f"the rebuilt {d / name} does not load: {e}") from None
-                os.unlink(d / name)
-            except _Unusable as e:
-                if "built from another" not in str(e) or attempt:
-                    raise
                 os.unlink(d / name)
         raise AssertionError("unreachable")
     finally:

@@ -16,6 +16,7 @@ import torch
 from ..errors import Fp8CommError, Fp8CommRuntimeError
 from . import fp4_native
 from .dispatch import COMPILE_MIN_NUMEL, triton_available
+from .dispatch import backend_problem as dispatch_problem
 from .fp4 import Fp4Format, decode_2d, encode_2d, hadamard_forward, hadamard_inverse, unpack_nibbles
 from .layout import Chunks, align
 from .reference import seed_key
@@ -116,17 +117,13 @@ def fp4_backend(name: str, device: torch.device, numel: int) -> str:
 
 
 def backend_problem(name: str, device: torch.device) -> str | None:
-    """Why an explicit 4-bit backend cannot run for tensors on `device` (None: it can, or 'auto')."""
-    if name == "native":
-        if device.type != "cpu":
-            return f"backend 'native' runs on CPU tensors (tensor on {device})"
-        return None if fp4_native.available() else f"4-bit backend 'native' is unavailable: {fp4_native.problem()}"
-    if name == "compiled":
-        problem = compiled_cpu_problem(device)
-        return None if problem is None else f"backend 'compiled' cannot run here: {problem}"
-    if name == "triton" and not triton_available(device):
-        return f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1 (tensor on {device})"
-    return None
+    """Why an explicit backend cannot run for tensors on `device` (None: it can, or 'auto'): 'native' here, the
+    backends FP8 shares in dispatch.backend_problem."""
+    if name != "native":
+        return dispatch_problem(name, device)
+    if device.type != "cpu":
+        return f"backend 'native' runs on CPU tensors (tensor on {device})"
+    return None if fp4_native.available() else f"4-bit backend 'native' is unavailable: {fp4_native.problem()}"
 
 
 def _encode(x2, fmt: Fp4Format, seed: int | None, index_base: int, backend: str, tensor_amax=None, rows=False):

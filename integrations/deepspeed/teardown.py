@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from fp8comm.comm import shutdown as comm_shutdown
 
+from ..private_names import MissingNames
 from .engine import _ENGINES, uninstall
 from .patching import log
 
@@ -53,16 +54,7 @@ GROUP_GLOBALS = (
 # methods whose ProcessGroup defaults are replaced by None: each turns None back into GroupMember.WORLD itself
 DEFAULT_BOUND = ("barrier", "monitored_barrier")
 
-_REPORTED: set[str] = set()
-
-
-def _missing(name: str) -> None:
-    if name not in _REPORTED:
-        _REPORTED.add(name)
-        log.warning(
-            f"fp8comm: DeepSpeed has no {name} (read on DeepSpeed {CHECKED_ON}); the process groups it kept there "
-            "are not released, and gloo threads may outlive destroy_process_group()"
-        )
+_missing = MissingNames("DeepSpeed", CHECKED_ON, log)
 
 
 def shutdown() -> None:

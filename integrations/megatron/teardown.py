@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from fp8comm.comm import shutdown as comm_shutdown
 
+from ..private_names import MissingNames
 from .install import logger, uninstall
 
 CHECKED_ON = "0.19.2"  # the Megatron-Core release whose private names below were read
@@ -59,16 +60,7 @@ GRAPH_HOLDERS = (
     ("megatron.core.transformer.moe.token_dispatcher", "_DispatchManager"),
 )
 
-_REPORTED: set[str] = set()
-
-
-def _missing(name: str) -> None:
-    if name not in _REPORTED:
-        _REPORTED.add(name)
-        logger.warning(
-            f"fp8comm: Megatron-Core has no {name} (read on Megatron-Core {CHECKED_ON}); the process groups it kept "
-            "there are not released, and gloo threads may outlive destroy_process_group()"
-        )
+_missing = MissingNames("Megatron-Core", CHECKED_ON, logger)
 
 
 def shutdown() -> None:
