@@ -17,7 +17,8 @@ const char *fp4_source_sha(void) { return FP8COMM_SRC_SHA; }
 
 /* Built for any machine of the platform (wheels and images get copied: no -march=native). On x86-64 Linux with
  * GCC >= 12 the two hot entry points also get x86-64-v3 (AVX2) and x86-64-v4 (AVX-512) clones, picked at load time
- * by the CPU's features (measured: encode as fast as a -march=native build, docs/fp4.md); the arithmetic is the same
+ * by the CPU's features (measured, docs/fp4.md: fp32 encode as fast as a -march=native build, bf16 encode ~25%
+ * slower, decode and sum at parity); the arithmetic is the same
  * fp32 operations in the same order (no contraction: -ffp-contract=off), so every clone gives the same bits. */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 \
     && !defined(FP8COMM_NO_CLONES)
