@@ -28,7 +28,8 @@ from .config import WireConfig, WireSpec, resolve
 from .core import Call, ag_phase, chunk_rows, gathered_into, guarded, rs_phase
 from .feedback import ErrorFeedback
 from .guard import GuardBucket
-from .hierarchical import hier_ag_phase, hier_rs_phase, precheck, resolve_groups
+from .hierarchical import precheck, resolve_groups
+from .levels import hier_ag_phase, hier_rs_phase
 from .state import default_state
 
 _OPS = {"sum": 0, "avg": 1, dist.ReduceOp.SUM: 0, dist.ReduceOp.AVG: 1}
@@ -70,14 +71,6 @@ def start_call(
         meta.fail(("option", str(e)))
     if cfg is not None:
         meta.spec, meta.pipeline = cfg.spec, cfg.pipeline
-        if cfg.is_fp4 and (op == "all_to_all" or meta.hier):
-            meta.fail(
-                (
-                    "option",
-                    f"fmt={cfg.fmt!r} (4-bit) is available for reduce_scatter, all_reduce and all_gather without "
-                    + ("hierarchical=...; use the flat call" if meta.hier else "splits; all_to_all takes e4m3/e5m2"),
-                )
-            )
         if device is not None and (problem := backend_problem(cfg.spec.backend, device)) is not None:
             meta.fail(("option", problem))  # an explicit backend this rank cannot run: refused on every rank
         if extra is not None:
@@ -208,8 +201,8 @@ def _ag_out_problem(tensor, group, hierarchical, fp8_out, out):
                 return p
         if not fp8_out:
             return None
-        if spec.fp4 is not None:
-            return "option", "fp8_out=True returns FP8 codes; a 4-bit wire (fmt=mxfp4/nvfp4) has no such output"
+        if not spec.codec.codes_out:
+            return "option", f"fp8_out=True returns FP8 codes; the {spec.wire_name} wire has no such output"
         if hierarchical:
             return "option", "fp8_out=True is not available with hierarchical=...; use the flat all-gather"
         b = spec.scaling.cols

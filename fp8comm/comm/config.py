@@ -15,6 +15,7 @@ import torch
 
 from ..errors import Fp8CommConfigError
 from ..quant.api import ROUNDINGS
+from ..quant.codec import WireCodec, codec_for
 from ..quant.dispatch import BACKENDS
 from ..quant.formats import E4M3, Fp8Format, get_format
 from ..quant.formats import FORMATS as _FORMATS
@@ -63,6 +64,11 @@ class WireSpec:
     @property
     def wire_name(self) -> str:
         return self.fp4.name if self.fp4 is not None else self.fmt.name
+
+    @cached_property
+    def codec(self) -> WireCodec:
+        """The wire format's codec (quant.codec): everything comm/ does with the bits goes through it."""
+        return codec_for(self.fmt, self.scaling, self.fp4, self.hadamard, self.hadamard_seed)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 from ..quant.formats import get_format
+from ..quant.layout import Chunks
 from ..quant.tensor import Fp8Tensor
-from ..quant.wire import ChunkLayout, layout_of, unpack_chunks, unpack_codes
 from .buffers import Handle, Lease, refuse_capture
 from .checks import Meta, as_int_list, exchange_sizes, group_rank_size, out_problem, split_problem, tensor_problem
 from .collectives import start_call
-from .config import WireSpec
-from .core import Call, Pieces, _slices, guarded, quantize_input, update_residual
+from .config import WireConfig, WireSpec
+from .core import Call, Pieces, _slices, guarded, padded_rows, quantize_input, update_residual
 from .feedback import ErrorFeedback
 from .guard import GuardBucket
 from .pieces import row_part, sized_plan
@@ -110,6 +110,11 @@ def all_to_all(
             )
         return out_problem(out, (sum(outs), tensor.shape[1]), tensor.dtype, tensor.device, spec if fp8_out else None)
 
+    def check(spec: WireSpec):
+        if fp8_out and not spec.codec.codes_out:
+            return "option", f"fp8_out=True returns FP8 codes; the {spec.wire_name} wire has no such output"
+        return out_check(spec)
+
     even = input_split_sizes is None and output_split_sizes is None
     # Deferred with even splits: the check travels while the first piece is quantized. Uneven splits need its
     # table first (the piece plan below depends on every rank's token count).
@@ -118,14 +123,19 @@ def all_to_all(
         group,
         meta,
         kw,
-        out_check,
+        check,
         defer=even,
         fp8_wire=wire == "fp8",
         ef=error_feedback,
         device=tensor.device if isinstance(tensor, torch.Tensor) else None,
     )
     spec = call.spec
-    grad_spec = WireSpec(grad_format or spec.fmt, spec.scaling, spec.rounding, spec.backend)
+    # The backward's quantized wire: the forward's codec, or grad_fmt's FP8 format (with the forward's FP8
+    # scaling; the default scaling when the forward is 4-bit).
+    grad_spec = spec
+    if grad_format is not None:
+        scaling = spec.scaling if spec.fp4 is None else WireConfig().spec.scaling
+        grad_spec = WireSpec(grad_format, scaling, spec.rounding, spec.backend)
     # Auto pipelining needs a size every rank agrees on: even splits (the token count is checked to be equal), or
     # the largest rank's token count from the metadata check's table of every rank's splits.
     h = tensor.shape[1]
@@ -249,33 +259,35 @@ def _start(
         nbytes = (sum(ins) - ins[me]) * h * send.element_size()
         call.record(stats_op, nbytes, (sum(ins) - ins[me]) * h * x.element_size(), 0)
         return _Pending(work, lambda: out if recv is out else out.copy_(recv))
-    spec = call.spec
+    spec, codec = call.spec, call.codec
     # Pipelined on CPU: piece p carries rows row_part(n, p, P) of every destination's chunk (whole tokens, so each
     # chunk's rows stay contiguous in the input and in the output), one all_to_all each; see core.rs_phase.
     npieces = call.piece_count(call.size_hint, dev) if ef is None else 1
     xq = x if ef is None else quantize_input(call, x, x.numel(), ef).view(x.shape)  # + residual, fp32
+    x2 = padded_rows(call, xq.reshape(-1), x.shape[0], h)  # tokens padded to the codec's row width
+    k = x2.shape[1]
     parts = [[row_part(n, p, npieces) for n in ins] for p in range(npieces)]
     oparts = [[row_part(n, p, npieces) for n in outs] for p in range(npieces)]
-    lins = [layout_of(tuple(b - a for a, b in pp), h, spec.scaling) for pp in parts]
-    louts = [layout_of(tuple(b - a for a, b in pp), h, spec.scaling) for pp in oparts]
+    lins = [codec.layout(tuple(b - a for a, b in pp), k) for pp in parts]
+    louts = [codec.layout(tuple(b - a for a, b in pp), k) for pp in oparts]
     sends = _slices(
         call.lease.take(sum(lay.total_bytes for lay in lins), torch.uint8, dev), [lay.total_bytes for lay in lins]
     )
     recvs = _slices(
         call.lease.take(sum(lay.total_bytes for lay in louts), torch.uint8, dev), [lay.total_bytes for lay in louts]
     )
-    kq, kd = call.kernel(dev, x.numel()), call.kernel(dev, sum(outs) * h)
+    kq, kd = call.kernel(dev, x2.numel()), call.kernel(dev, sum(outs) * k)
     in0, out0 = [0, *accumulate(ins)], [0, *accumulate(outs)]  # first row of each chunk
     works = []
     for pp, lin, send, recv, lout in zip(parts, lins, sends, recvs, louts):
         if npieces == 1:  # one call for every chunk (one fused kernel on GPU)
-            call.pack(xq, lin, send, kq)
+            call.pack(x2, lin, send, kq)
             if ef is not None:
-                update_residual(call, ef, xq.view(-1), send, lin)
+                update_residual(call, ef, xq.view(x.shape[0], h), send, lin, (0, k), kq)
         else:
             for j, (a, b) in enumerate(pp):
-                one, o = lin.chunk(j), lin.offsets[j]
-                call.pack(x[in0[j] + a : in0[j] + b], one, send[o : o + one.total_bytes], kq)
+                one, o = codec.layout((b - a,), k), lin.offsets[j]
+                call.pack(x2[in0[j] + a : in0[j] + b], one, send[o : o + one.total_bytes], kq)
         call.checked()  # the deferred metadata check travelled while piece 0 was quantized
         # Byte splits: each destination's chunk is payload + scales, so one collective carries both.
         works.append(
@@ -295,12 +307,12 @@ def _start(
         codes = torch.empty(sum(outs), h, dtype=torch.uint8, device=dev)
         scales = torch.empty(spec.scaling.scale_shape(sum(outs), h), dtype=torch.float32, device=dev)
 
-    def receive(recv: torch.Tensor, lout: ChunkLayout, r0: int, r1: int) -> None:
+    def receive(recv: torch.Tensor, lout: Chunks, r0: int, r1: int) -> None:
         # rows [r0, r1) of the output, laid out as lout in recv
         if fp8_out:
-            unpack_codes(recv, lout, codes[r0:r1], scales[r0:r1])
+            codec.unpack_codes(recv, lout, codes[r0:r1], scales[r0:r1])
         else:
-            unpack_chunks(recv, lout, spec.fmt, dtype, out=out[r0:r1], backend=kd)
+            codec.unpack(recv, lout, out[r0:r1], kernel=kd, scratch=call.scratch)
 
     def finish():
         for pp, lout, recv, w in zip(oparts, louts, recvs, works):
@@ -311,7 +323,7 @@ def _start(
             for i, (a, b) in enumerate(pp):
                 if b > a:
                     o = lout.offsets[i]
-                    receive(recv[o : o + lout.chunk_bytes[i]], lout.chunk(i), out0[i] + a, out0[i] + b)
+                    receive(recv[o : o + lout.chunk_bytes[i]], codec.layout((b - a,), k), out0[i] + a, out0[i] + b)
         if fp8_out:
             return (
                 given

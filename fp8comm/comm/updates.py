@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import Fp8CommError
-from ..quant.layout import align, layout_of
-from ..quant.wire4 import fp4_layout
 from .checks import group_rank_size
 from .collectives import all_gather_into
 from .config import WireConfig
@@ -80,10 +78,8 @@ class ReplicaUpdate:
 
     def wire_bytes(self, n: int) -> int:
         """Bytes one rank's change of n elements takes on the wire (payload, scales, padding)."""
-        s = self.config.spec
-        if s.fp4 is not None:
-            return fp4_layout((1,), align(n, s.fp4.block), s.fp4).total_bytes
-        return layout_of((1,), n, s.scaling).total_bytes
+        codec = self.config.spec.codec
+        return codec.layout((1,), codec.width(n)).total_bytes
 
     def state_dict(self) -> dict:
         return {"primed": self.primed}

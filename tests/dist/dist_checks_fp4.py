@@ -146,7 +146,9 @@ def check_fp4_refusals(ctx: Ctx) -> None:
     r, W = ctx.rank, ctx.world
     x = randn((W * 64,), r)
     expect_error(lambda: fc.all_gather(x.view(W, 64), fmt="mxfp4", fp8_out=True), _fc.Fp8CommError, "no such output")
-    expect_error(lambda: fc.all_to_all(x.view(W * 2, 32), [2] * W, [2] * W, fmt="mxfp4"), _fc.Fp8CommError, "e4m3/e5m2")
+    expect_error(
+        lambda: fc.all_to_all(x.view(W * 2, 32), fmt="mxfp4", fp8_out=True), _fc.Fp8CommError, "no such output"
+    )
     # ranks that disagree on the wire format or on the transform: refused on every rank before bytes move
     expect_error(
         lambda: fc.reduce_scatter(x, fmt="mxfp4" if r == 0 else "nvfp4", check=True),
@@ -189,7 +191,47 @@ def check_fp4_pipelined_pieces(ctx: Ctx) -> None:
             assert torch.equal(fc.all_gather(w, fmt="mxfp4", pipeline=p), one), f"all_gather {dt} pipeline={p}"
 
 
+def q4_rows(rows: torch.Tensor, fmt: str, h: int) -> torch.Tensor:
+    """One destination chunk's rows, padded to whole blocks, quantized alone by the 4-bit reference, decoded in the
+    transform domain (padded width)."""
+    block = 32 if fmt == "mxfp4" else 16
+    n, k = rows.shape
+    kp = -(-k // block) * block
+    y = torch.zeros(n, kp)
+    y[:, :k] = rows.float()
+    y = hadamard_forward(y, h, 0) if h else y
+    q = quantize_fp4(y, fmt)
+    return decode_2d(q.codes, q.scales, q.tensor_scale, q.fmt)
+
+
+def _qdq4_rows(rows: torch.Tensor, fmt: str, h: int) -> torch.Tensor:
+    v = q4_rows(rows, fmt, h)
+    return (hadamard_inverse(v, h, 0) if h else v)[:, : rows.shape[1]]
+
+
+def check_fp4_all_to_all(ctx: Ctx) -> None:
+    """The MoE token all-to-all on the 4-bit wire: uneven splits, tokens of a width that is no whole number of
+    blocks; every received chunk is exactly the sender's chunk through the 4-bit reference (MXFP4: per-row blocks;
+    NVFP4: the chunk's own tensor scale)."""
+    r, W = ctx.rank, ctx.world
+    ins = [(r + j) % 3 + 1 for j in range(W)]  # rows I send to rank j
+    outs = [(j + r) % 3 + 1 for j in range(W)]  # rows rank j sends me
+    for i, (fmt, h) in enumerate(CASES):
+        x = randn((sum(ins), 72), 500 * i + r, torch.bfloat16)
+        got = fc.all_to_all(x, outs, ins, fmt=fmt, hadamard=h)
+        assert got.shape == (sum(outs), 72) and got.dtype == torch.bfloat16
+        xs = gather(torch.nn.functional.pad(x, (0, 0, 0, 3 * W - x.shape[0])))
+        o = 0
+        for j in range(W):
+            js = [(j + t) % 3 + 1 for t in range(W)]  # rank j's send splits
+            a = sum(js[:r])
+            exp = _qdq4_rows(xs[j][a : a + js[r]], fmt, h).to(torch.bfloat16)
+            assert torch.equal(got[o : o + js[r]], exp), (fmt, h, j)
+            o += js[r]
+
+
 CHECKS_FP4 = [
+    check_fp4_all_to_all,
     check_fp4_reduce_scatter,
     check_fp4_pipelined_pieces,
     check_fp4_all_gather,

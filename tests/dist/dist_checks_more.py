@@ -147,7 +147,33 @@ def check_hierarchical(ctx: Ctx) -> None:
         assert torch.equal(o, ar), "hierarchical all_reduce replicas differ"
     h = fc.reduce_scatter(x, hierarchical=hg, async_op=True)
     assert torch.equal(h.wait(), out)
+    check_hierarchical_fp4(ctx, hg, x, pads)
     ctx.info["stats"] = {k: (v["wire_bytes"], v["dtype_bytes"]) for k, v in fc.comm_stats().items()}
+
+
+def check_hierarchical_fp4(ctx: Ctx, hg, x, pads) -> None:
+    """Two levels on the 4-bit wire: the node's exact partial sums (2 terms: order-free) quantized once per rail
+    by the 4-bit reference, summed in fp32 across the 2 nodes (order-free); all_gather bit-identical to flat."""
+    from dist_checks_fp4 import CASES, q4_rows
+
+    from fp8comm.quant.fp4 import hadamard_inverse
+
+    r = ctx.rank
+    for fmt, h in CASES:
+        out = fc.reduce_scatter(x, hierarchical=hg, fmt=fmt, hadamard=h)
+        acc = None
+        for n in range(2):
+            part = (pads[2 * n] + pads[2 * n + 1]).float()
+            v = q4_rows(part[r].reshape(1, -1), fmt, h)
+            acc = v if acc is None else acc + v
+        acc = hadamard_inverse(acc, h, 0) if h else acc
+        assert torch.equal(out.reshape(-1), acc.reshape(-1)[: out.numel()]), (fmt, h)
+        w = randn((3, 77), 1420 + r, torch.bfloat16)
+        flat = fc.all_gather(w, fmt=fmt, hadamard=h)
+        assert torch.equal(fc.all_gather(w, hierarchical=hg, fmt=fmt, hadamard=h), flat), (fmt, h)
+        ar = fc.all_reduce(x, hierarchical=hg, fmt=fmt, hadamard=h)
+        for o in gather(ar):
+            assert torch.equal(o, ar), (fmt, h, "all_reduce replicas differ")
 
 
 def bits16(t: torch.Tensor) -> torch.Tensor:

@@ -98,11 +98,13 @@ def test_counters_ordered_across_streams_by_events(monkeypatch):
     monkeypatch.setattr(gm, "_current_stream", lambda device: current["s"])
     monkeypatch.setattr(gm, "_new_event", lambda: _FakeEvent(log))
     packs: list = []
-    monkeypatch.setattr("fp8comm.comm.core.pack_chunks", lambda *a, **k: packs.append(k["counters"]))
+    monkeypatch.setattr("fp8comm.quant.codec.pack_chunks", lambda *a, **k: packs.append(k["counters"]))
     g = Guard(GuardPolicy())
     b = g.bucket("w", torch.device("cpu"))
     call = Call.__new__(Call)  # only what Call.pack reads
-    call.guard, call.spec, call.seed = b, type("S", (), {"fmt": None, "rounding": "nearest"})(), 0
+    from fp8comm.comm.config import WireConfig
+
+    call.guard, call.spec, call.seed = b, WireConfig().spec, 0
 
     def pack(stream: str) -> None:
         current["s"] = streams[stream]
