@@ -174,6 +174,21 @@ def check_hierarchical_fp4(ctx: Ctx, hg, x, pads) -> None:
         ar = fc.all_reduce(x, hierarchical=hg, fmt=fmt, hadamard=h)
         for o in gather(ar):
             assert torch.equal(o, ar), (fmt, h, "all_reduce replicas differ")
+    # Pipelined two-level calls (the levels overlapping piece by piece) are bit-identical to one piece, error
+    # feedback included (each piece's residual covers its own columns).
+    big = randn((4 * 3 * 128 + 40,), 1430 + r, torch.bfloat16)
+    for fmt in ("e4m3", "mxfp4"):
+        outs, res = [], []
+        for pipeline in (1, 3):
+            ef = fc.ErrorFeedback()
+            cfg = fc.WireConfig(fmt=fmt, pipeline=pipeline, error_feedback=True)
+            o = [fc.reduce_scatter(big, hierarchical=hg, config=cfg, error_feedback=ef) for _ in range(2)]
+            outs.append(torch.cat(o))
+            res.append(ef.residual.clone())
+            g = fc.all_gather(big, hierarchical=hg, fmt=fmt, pipeline=pipeline)
+            outs[-1] = torch.cat([outs[-1], g])
+        assert torch.equal(outs[0], outs[1]) and torch.equal(res[0], res[1]), (fmt, "pipelined two-level")
+        assert res[0].numel() == 2 * (-(-big.numel() // 4)), "the residual covers the node's partial sums"
 
 
 def bits16(t: torch.Tensor) -> torch.Tensor:
