@@ -1,16 +1,24 @@
 #!/usr/bin/env python3
 """The check to run before a change to the codec, comm or quant layers lands: `fp8comm bench comm` on the simulated
-cluster (2 nodes x 2 ranks, 1 Gbit/s links), compared with the committed results (docs/results/bench_comm.json).
+cluster (2 nodes x 2 ranks, 1 Gbit/s links; `--nproc-per-node 4`: 2 nodes x 4 ranks), compared with the committed
+results of the same layout (docs/results/bench_comm.json).
 
   launch/bench_check.py                       run, print the table against the results file, exit 1 on a drop
+  launch/bench_check.py --nproc-per-node 4    the 2x4 layout, against the file's 2x4 rows
   launch/bench_check.py --with /tmp/wt-old    also run another checkout's fp8comm (a `git worktree` of the base
                                               commit), interleaved with this one: an A/B in the same session
-  launch/bench_check.py --update              write this run as the new results file (after a reviewed change)
+  launch/bench_check.py --update              write this run as the layout's results (after a reviewed change)
 
-A row is flagged when its FP8 / bf16 speed ratio (bf16 median time / FP8 median time, both from the same run) fell
-by more than --tolerance (default 15%, about three times the run-to-run spread of medians on a quiet machine) below
-the committed one. Ratios, not times: both sides of a ratio share the run's machine load. Not a timed test: it needs
-root, network namespaces and minutes of quiet CPU; it prints the reason and exits 2 where the cluster cannot run.
+A row is flagged when its FP8 / bf16 speed ratio (torch gloo bf16 median time / FP8 median time, both from the same
+run) fell by more than --tolerance (default 15%, about three times the run-to-run spread of medians on a quiet
+machine) below the committed one. Ratios, not times: both sides of a ratio share the run's machine load. Beside it
+the table prints the ratio against the bf16 ring (NCCL's ring algorithm on gloo point-to-point, the `bf16-ring`
+rows of bench comm) where the run has one: torch's gloo reduce_scatter is a ring all-reduce, twice the bytes.
+
+Results file: format 1 held one layout (2x2) as {"meta", "runs"}; format 2 keeps that layout there (so a format-1
+reader still finds it) and every other layout under "layouts": {"2x4": {"meta", "runs"}, ...}. Not a timed test: it
+needs root, network namespaces and minutes of quiet CPU; it prints the reason and exits 2 where the cluster cannot
+run.
 Every launch runs the same benchmark driver (this checkout's fp8comm/tools/bench/comm.py, run as a file) with
 PYTHONPATH selecting the fp8comm under test.
 """
@@ -31,7 +39,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results" / "bench_comm.json"
 DRIVER = REPO / "fp8comm" / "tools" / "bench" / "comm.py"
-FORMAT = 1
+FORMAT = 2  # 1: one layout (2x2) at the top level; 2: plus "layouts" {"NxG": {"meta", "runs"}}; both are read
+PRIMARY = "2x2"  # the layout stored at the top level (format 1's only one)
+BASELINES = ("bf16", "fp32", "bf16-ring")  # torch's rows and the ring: every other variant is fp8comm's
 
 
 def _cluster_tool():
@@ -120,7 +130,45 @@ def summarize(jsonl: Path) -> list[dict]:
                 "sqnr_db": None if r["sqnr"] == float("inf") else round(r["sqnr"], 2),
             }
         )
+        for k_in, k_out in (("xnode", "xnode_bytes"), ("link", "link_bytes"), ("link_flag", "link_flag")):
+            if r.get(k_in) not in (None, ""):
+                rows[-1][k_out] = r[k_in]
     return rows
+
+
+def layout_key(nodes: int, nproc: int) -> str:
+    return f"{nodes}x{nproc}"
+
+
+def layout_of(res: dict) -> str:
+    """The layout of a results file's top level: format 1 files (and format 2's top level) are 2x2 unless
+    meta says otherwise."""
+    return res.get("meta", {}).get("layout", PRIMARY)
+
+
+def layout_result(res: dict | None, layout: str) -> dict | None:
+    """{"meta", "runs"} of `layout` in a results file of format 1 or 2, or None."""
+    if not res:
+        return None
+    if layout_of(res) == layout and "runs" in res:
+        return {"meta": res["meta"], "runs": res["runs"]}
+    return res.get("layouts", {}).get(layout)
+
+
+def with_layout(res: dict | None, layout: str, result: dict) -> dict:
+    """The results file with `layout`'s {"meta", "runs"} replaced by `result` (the other layouts kept)."""
+    res = dict(res or {})
+    layouts = dict(res.get("layouts", {}))
+    if layout == PRIMARY or not res.get("runs"):
+        if res.get("runs") and layout_of(res) != layout:
+            layouts[layout_of(res)] = {"meta": res["meta"], "runs": res["runs"]}
+        res["meta"], res["runs"] = result["meta"], result["runs"]
+    else:
+        layouts[layout] = result
+    res["meta"] = dict(res["meta"], format=FORMAT)
+    if layouts:
+        res["layouts"] = layouts
+    return res
 
 
 def merge(rounds: list[list[dict]]) -> list[dict]:
@@ -138,23 +186,26 @@ def merge(rounds: list[list[dict]]) -> list[dict]:
     return list(out.values())
 
 
-def ratios(rows: list[dict]) -> dict[tuple, float]:
-    """(op, size, variant) -> bf16 median / this FP8 row's median (> 1: FP8 faster)."""
-    base = {(r["op"], r["size"]): r["median_ms"] for r in rows if r["variant"] == "bf16"}
+def ratios(rows: list[dict], baseline: str = "bf16") -> dict[tuple, float]:
+    """(op, size, variant) -> `baseline`'s median / this FP8 row's median (> 1: FP8 faster); baseline "bf16" is
+    torch's gloo call, "bf16-ring" the ring."""
+    base = {(r["op"], r["size"]): r["median_ms"] for r in rows if r["variant"] == baseline}
     return {
         (r["op"], r["size"], r["variant"]): base[(r["op"], r["size"])] / r["median_ms"]
         for r in rows
-        if r["variant"] not in ("bf16", "fp32") and (r["op"], r["size"]) in base and r["median_ms"] > 0
+        if r["variant"] not in BASELINES and (r["op"], r["size"]) in base and r["median_ms"] > 0
     }
 
 
 def compare(current: list[dict], committed: list[dict], tol: float) -> tuple[list[str], list[str]]:
     """(table lines, flagged rows): this run's FP8/bf16 ratios against the committed run's."""
     now, then = ratios(current), ratios(committed)
+    ring_now = ratios(current, "bf16-ring")
     med = {(r["op"], r["size"], r["variant"]): r["median_ms"] for r in current}
     lines = [
-        f"{'op':<16}{'size':>10}  {'variant':<10}{'FP8 ms':>9}{'bf16 ms':>9}{'ratio':>8}{'committed':>11}"
-        f"{'change':>9}  verdict"
+        "# ratio = torch gloo bf16 ms / FP8 ms (the committed comparison); vs ring = bf16 ring ms / FP8 ms",
+        f"{'op':<16}{'size':>10}  {'variant':<10}{'FP8 ms':>9}{'bf16 ms':>9}{'vs torch gloo':>14}{'committed':>11}"
+        f"{'change':>9}{'vs bf16 ring':>13}  verdict",
     ]
     flagged = []
     for k in sorted(now):
@@ -163,10 +214,11 @@ def compare(current: list[dict], committed: list[dict], tol: float) -> tuple[lis
         change = (now[k] / old - 1) if old else None
         bad = change is not None and change < -tol
         verdict = "DROP" if bad else ("ok" if old else "new row")
+        ring = f"{ring_now[k]:.2f}x" if k in ring_now else "-"
         lines.append(
-            f"{op:<16}{size:>10}  {var:<10}{med[k]:>9.1f}{med[(op, size, 'bf16')]:>9.1f}{now[k]:>7.2f}x"
+            f"{op:<16}{size:>10}  {var:<10}{med[k]:>9.1f}{med[(op, size, 'bf16')]:>9.1f}{now[k]:>13.2f}x"
             + (f"{old:>10.2f}x{change * 100:>+8.1f}%" if old else f"{'-':>11}{'-':>9}")
-            + f"  {verdict}"
+            + f"{ring:>13}  {verdict}"
         )
         if bad:
             flagged.append(f"{op} {size} {var}: FP8/bf16 {now[k]:.2f}x vs committed {old:.2f}x ({change * 100:+.1f}%)")
@@ -196,6 +248,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="launches per fp8comm (interleaved with --with)")
     p.add_argument("--with", dest="other", default="", help="another checkout (its root) to run interleaved")
     p.add_argument("--rate", default="1gbit")
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (layouts: 2x2, 2x4)")
     p.add_argument("--tolerance", type=float, default=0.15, help="flag FP8/bf16 ratio drops larger than this")
     p.add_argument("--results", default=str(RESULTS), help="the committed results file")
     p.add_argument("--update", action="store_true", help="write this run as the results file")
@@ -218,12 +272,15 @@ def main(argv=None) -> int:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc)
+    layout = layout_key(a.nodes, a.nproc_per_node)
     meta = {
         "format": FORMAT,
         "date": stamp.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "load_at_start": load(),
-        "cluster": f"2 nodes x 2 ranks, {a.rate} links (launch/cluster.py, tc tbf), gloo, 1 thread per rank",
+        "layout": layout,
+        "cluster": f"{a.nodes} nodes x {a.nproc_per_node} ranks, {a.rate} links (launch/cluster.py, tc tbf), gloo, "
+        "1 thread per rank",
         "command": "launch/bench_check.py " + " ".join(_without_note(argv if argv is not None else sys.argv[1:])),
         "bench_args": bench_args(a),
         "note": a.note,
@@ -235,16 +292,16 @@ def main(argv=None) -> int:
     c.down(quiet=True)
     rc = 0
     try:
-        c.up(2, a.rate)
+        c.up(a.nodes, a.rate)
         for rnd in range(a.rounds):
             order = impls if rnd % 2 == 0 else impls[::-1]  # alternate who goes first
             for label, path in order:
-                jl = out / f"{stamp:%Y%m%d-%H%M%S}-{label}-{rnd}.jsonl"
+                jl = out / f"{stamp:%Y%m%d-%H%M%S}-{layout}-{label}-{rnd}.jsonl"
                 print(f"# bench_check: round {rnd + 1}/{a.rounds}, {label} = {runs[label]['commit']} ({path})")
                 before = load()
                 r = c.run(
                     [str(DRIVER), *bench_args(a), "--json", str(jl)],
-                    nproc=2,
+                    nproc=a.nproc_per_node,
                     timeout=a.timeout,
                     env={"PYTHONPATH": str(path)},
                     echo=True,
@@ -260,33 +317,47 @@ def main(argv=None) -> int:
         run["rows"] = merge([x["rows"] for x in run["launches"]])
     meta["load_at_end"] = load()
     result = {"meta": meta, "runs": runs}
-    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"# bench_check: {out / 'result.json'}")
+    (out / f"result-{layout}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"# bench_check: {out / f'result-{layout}.json'}")
 
     committed_path = Path(a.results)
-    committed = json.loads(committed_path.read_text()) if committed_path.exists() else None
+    whole = json.loads(committed_path.read_text()) if committed_path.exists() else None
+    committed = layout_result(whole, layout)
     if committed is None:
-        print(f"# no results file at {committed_path}: nothing to compare with")
+        print(f"# no {layout} results in {committed_path}: nothing to compare with")
     cur = runs["this"]["rows"]
     ref_rows = committed["runs"]["this"]["rows"] if committed else []
     ref_what = (
-        f"{committed_path.name} ({committed['runs']['this']['commit']}, {committed['meta']['date']})"
+        f"{committed_path.name} {layout} ({committed['runs']['this']['commit']}, {committed['meta']['date']})"
         if committed
         else "-"
     )
-    print(f"# this checkout {runs['this']['commit']} vs {ref_what}; tolerance {a.tolerance:.0%} on FP8/bf16 ratios")
+    print(
+        f"# {layout}: this checkout {runs['this']['commit']} vs {ref_what}; tolerance {a.tolerance:.0%} on "
+        "FP8 / torch gloo bf16 ratios"
+    )
     lines, flagged = compare(cur, ref_rows, a.tolerance)
     print("\n".join(lines))
     if a.other:
         o = runs["with"]
         print(f"# A/B in this session: {o['commit']} ({o['path']}) as the reference")
         print("\n".join(compare(cur, o["rows"], a.tolerance)[0]))
+    links = [
+        f"{r['op']} {r['variant']}: model {r['xnode_bytes']} / link {r['link_bytes']}{r.get('link_flag', '')}"
+        for r in cur
+        if "xnode_bytes" in r and "link_bytes" in r
+    ]
+    if links:
+        print(
+            "# bytes node 0 sent to the other node(s) per call, model (stats / algorithm) / link counter "
+            "(! = more than 10% apart):\n#   " + "\n#   ".join(links)
+        )
     if a.update:
         committed_path.parent.mkdir(parents=True, exist_ok=True)
         for run in runs.values():
             run.pop("path", None)
-        committed_path.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"# wrote {committed_path}")
+        committed_path.write_text(json.dumps(with_layout(whole, layout, result), indent=1) + "\n")
+        print(f"# wrote {layout} into {committed_path}")
     if flagged:
         print("bench_check: FP8/bf16 ratio dropped by more than the tolerance:\n  " + "\n  ".join(flagged))
         return 1

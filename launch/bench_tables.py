@@ -31,24 +31,46 @@ def _label(run: dict, key: str) -> str:
     return f"{run['commit']}" + (" (this change)" if key == "this" else " (base)")
 
 
+BASELINES = ("bf16", "fp32", "bf16-ring")  # torch's rows and the ring (NCCL's algorithm on gloo point-to-point)
+
+
 def _ours(rows) -> list[str]:
-    """fp8comm's variants in a row set (every variant but torch's bf16 and fp32), FP8 first."""
-    return sorted((v for v in rows if v not in ("bf16", "fp32")), key=lambda v: (not v.startswith("fp8"), v))
+    """fp8comm's variants in a row set (every variant but torch's bf16 and fp32 and the bf16 ring), FP8 first."""
+    return sorted((v for v in rows if v not in BASELINES), key=lambda v: (not v.startswith("fp8"), v))
 
 
 def render_bench_comm(res: dict) -> str:
-    """`fp8comm bench comm` on the simulated cluster: per op, every run in the file (this change, the A/B base)."""
+    """`fp8comm bench comm` on the simulated cluster: per op, every run in the file (this change, the A/B base); a
+    format-2 file's other layouts (2x4, ...) follow, each with its own table."""
+    text = _render_layout(res)
+    for layout, sub in sorted(res.get("layouts", {}).items()):
+        text += f"\n\nLayout {layout}:\n\n" + _render_layout(sub)
+    return text
+
+
+def _render_layout(res: dict) -> str:
     m = res["meta"]
     runs = res["runs"]
+    # Runs with bf16 ring rows name both baselines; older files render exactly as they always did.
+    has_ring = any(r["variant"] == "bf16-ring" for run in runs.values() for r in run["rows"])
     lines = [
         f"Measured {m['date']} on {m['machine']}; {m['cluster']}; load average {m['load_at_start']} at start, "
         f"{m.get('load_at_end', '?')} at the end. Command: `{m['command']}` (bench comm arguments: "
         f"`{' '.join(m['bench_args'])}`)." + (f" Note: {m['note']}." if m.get("note") else ""),
         "",
-        "| op | MiB (bf16 buffer) | fp8comm | wire | ms (median) | ms min-max | bf16 ms | fp32 ms "
-        "| speed vs bf16 | calls | wire B/rank / bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if has_ring:
+        lines += [
+            "| op | MiB (bf16 buffer) | fp8comm | wire | ms (median) | ms min-max | torch gloo bf16 ms | bf16 ring ms "
+            "| fp32 ms | speed vs torch gloo bf16 | speed vs bf16 ring | calls | wire B/rank / bf16 ring |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            "| op | MiB (bf16 buffer) | fp8comm | wire | ms (median) | ms min-max | bf16 ms | fp32 ms "
+            "| speed vs bf16 | calls | wire B/rank / bf16 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
     keys = list(runs)
     ops = sorted({(r["op"], r["size"]) for run in runs.values() for r in run["rows"]}, key=lambda k: (k[0], k[1]))
     for op, size in ops:
@@ -57,10 +79,22 @@ def render_bench_comm(res: dict) -> str:
             b16, f32 = rows.get("bf16"), rows.get("fp32")
             if not b16:
                 continue
+            ring = rows.get("bf16-ring")
             for var in _ours(rows):
                 v = rows[var]
                 ratio = b16["median_ms"] / v["median_ms"]
                 fp32 = f"{f32['median_ms']:.0f}" if f32 else "-"
+                if has_ring:
+                    rms = f"{ring['median_ms']:.0f}" if ring else "-"
+                    rr = f"**{ring['median_ms'] / v['median_ms']:.2f}x**" if ring else "-"
+                    # the bytes a ring/direct bf16 call sends (torch's gloo reduce_scatter sends twice that)
+                    wb = ring["wire_bytes"] if ring else b16["wire_bytes"]
+                    lines.append(
+                        f"| {op} | {_mib(size)} | {_label(runs[key], key)} | {var} | {v['median_ms']:.0f} | "
+                        f"{min(v['times_ms']):.0f}-{max(v['times_ms']):.0f} | {b16['median_ms']:.0f} | {rms} | "
+                        f"{fp32} | **{ratio:.2f}x** | {rr} | {len(v['times_ms'])} | {v['wire_bytes']} / {wb} |"
+                    )
+                    continue
                 lines.append(
                     f"| {op} | {_mib(size)} | {_label(runs[key], key)} | {var} | {v['median_ms']:.0f} | "
                     f"{min(v['times_ms']):.0f}-{max(v['times_ms']):.0f} | {b16['median_ms']:.0f} | {fp32} | "
@@ -70,8 +104,16 @@ def render_bench_comm(res: dict) -> str:
     for key in keys:
         for i, launch in enumerate(runs[key].get("launches", [])):
             rows = {(r["op"], r["variant"]): r["median_ms"] for r in launch["rows"]}
+
+            def part(op: str, var: str, rows=rows) -> str:
+                txt = f"{op} {var} {rows[(op, 'bf16')] / rows[(op, var)]:.2f}x"
+                if not has_ring:
+                    return txt
+                ring = rows.get((op, "bf16-ring"))
+                return txt + " vs torch gloo" + (f", {ring / rows[(op, var)]:.2f}x vs bf16 ring" if ring else "")
+
             parts = [
-                f"{op} {var} {rows[(op, 'bf16')] / rows[(op, var)]:.2f}x"
+                part(op, var)
                 for op, _ in ops
                 for var in _ours({v: 1 for o, v in rows if o == op})
                 if (op, "bf16") in rows
@@ -80,7 +122,8 @@ def render_bench_comm(res: dict) -> str:
             load = f"{when}{launch['load_after']} after"
             per_launch.append(f"{runs[key]['commit']} launch {i + 1} ({load}): {', '.join(parts)}")
     if per_launch:
-        lines += ["", "FP8/bf16 speed per launch (launches interleaved): " + "; ".join(per_launch) + "."]
+        what = "FP8 speed vs torch gloo bf16 and vs bf16 ring" if has_ring else "FP8/bf16 speed"
+        lines += ["", f"{what} per launch (launches interleaved): " + "; ".join(per_launch) + "."]
     return "\n".join(lines)
 
 

@@ -6,7 +6,8 @@
                                             ends are rate-limited with tc tbf (a full-duplex NIC of that rate)
   cluster.py run [--nodes K] -- PROG ARGS   one torchrun per node (c10d rendezvous on node 0), waits, prefixed output
   cluster.py slurm SCRIPT [ARGS]            starts munged + slurmctld + one slurmd per node (once), sbatch --wait
-  cluster.py bench [...]                    the scaling benchmark (fp8comm.tools.bench.scaling) over 1..N nodes
+  cluster.py bench [...]                    the scaling benchmark (fp8comm.tools.bench.scaling) over 1..N nodes,
+                                            --nproc-per-node G ranks on each (default 2)
   cluster.py down                           kills everything started in the namespaces, removes them and the state
 
 State (namespaces, daemon and job process groups) lives in $FP8COMM_CLUSTER_DIR/<name>/state.json (default
@@ -671,7 +672,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--timeout", type=float, default=600)
     s.add_argument("script")
     s.add_argument("args", nargs=argparse.REMAINDER)
-    b = sub.add_parser("bench", help="scaling benchmark across 1..N nodes (fp8comm.tools.bench.scaling)")
+    b = sub.add_parser(
+        "bench",
+        help="scaling benchmark across 1..N nodes (fp8comm.tools.bench.scaling; --nodes 1,2 --nproc-per-node 4 ...)",
+    )
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for fp8comm.tools.bench.scaling drive")
     e = sub.add_parser("elastic", help="train, kill one rank, show torchrun's restart resuming from the checkpoint")
     e.add_argument("--steps", type=int, default=24)

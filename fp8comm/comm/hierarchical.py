@@ -12,13 +12,9 @@ import os
 import weakref
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from ..errors import Fp8CommError
-from ..quant.wire import layout_of, unpack_chunks
-from .core import Call, all_gather_bytes, quantize_input, rs_phase
-from .feedback import ErrorFeedback
 
 
 @dataclass(frozen=True)
@@ -52,10 +48,21 @@ _RELEASED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def node_groups(
-    group=None, local_size: int | None = None, ranks: list[int] | None = None, *, holder: str = CALLER
+    group=None,
+    local_size: int | None = None,
+    ranks: list[int] | None = None,
+    *,
+    holder: str = CALLER,
+    nodes: list[int] | None = None,
 ) -> HierarchicalGroups | None:
     """Node-local and cross-node subgroups of `group` (local size from LOCAL_WORLD_SIZE); cached per group and
     held by `holder` until release_node_groups(holder) (or fp8comm.shutdown()) on every rank.
+
+    Without `nodes`, members ranks[n*local + i] form node n. `nodes` names each member's node explicitly (one id
+    per member, in group rank order; fp8comm.comm.topology derives it): a strided group (Megatron's DP inside TP,
+    ranks 0, 2, 4, 6 on nodes 0, 0, 1, 1) gets intra = the members on my node, inter = the members with my local
+    index on every node. Every node must hold the same number of members, consecutive in group rank order (the
+    two-level phases address chunk node*local + i); topology.split() says "flat" for groups that do not.
 
     Collective over the WHOLE world, like dist.new_group: every process creates every node group in the same order
     (gloo groups built by members only deadlock once earlier groups differ in membership). For the world group the
@@ -64,9 +71,31 @@ def node_groups(
     """
     if not isinstance(holder, str) or not holder:
         raise Fp8CommError(f"node_groups: holder must be a non-empty string, got {holder!r}")
+    if nodes is not None:
+        if ranks is None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        local_size = _local_from_nodes(list(ranks), nodes, local_size)
     entry = _entry(group, local_size, ranks)
     entry.holders.add(holder)
     return entry.mine
+
+
+def _local_from_nodes(ranks: list[int], nodes, local_size: int | None) -> int:
+    """Members per node from an explicit node per member; refuses layouts the two-level phases cannot address."""
+    nodes = [int(n) for n in nodes]
+    if len(nodes) != len(ranks):
+        raise Fp8CommError(f"node_groups: nodes has {len(nodes)} entries for a group of {len(ranks)} ranks")
+    runs = [n for i, n in enumerate(nodes) if i == 0 or nodes[i - 1] != n]
+    count = {n: nodes.count(n) for n in runs}
+    if len(runs) != len(count) or len(set(count.values())) != 1:
+        raise Fp8CommError(
+            f"node_groups: every node must hold the same number of the group's members, consecutive in group rank "
+            f"order; ranks {ranks} on nodes {nodes}"
+        )
+    local = next(iter(count.values()))
+    if local_size is not None and local_size != local:
+        raise Fp8CommError(f"node_groups: local_size={local_size} but nodes gives {local} members per node")
+    return local
 
 
 def _entry(group, local_size: int | None, ranks: list[int] | None) -> _Entry:
@@ -185,57 +214,3 @@ def resolve_groups(hierarchical, group) -> HierarchicalGroups | None:
     if not entry.holders:  # created just now: every rank is in this world-wide call (precheck refused subgroups)
         entry.holders.add(LIBRARY)
     return entry.mine
-
-
-def hier_rs_phase(
-    call: Call,
-    hg: HierarchicalGroups,
-    x: torch.Tensor,
-    L: int,
-    ef: ErrorFeedback | None,
-    stats_dtype: torch.dtype,
-    calls: int = 1,
-):
-    """Intra-node fp32 reduce-scatter now, then start the FP8 cross-node phase: (work, finish -> fp32 [L])."""
-    dev, nn, lc = x.device, hg.nodes, hg.local
-    total = call.world * L
-    xin = quantize_input(call, x, total, None, dtype=torch.float32)
-    # Chunk g = node*local + lr goes to global rank g; group the chunks by local index for the node-local step.
-    perm = call.lease.take(total, torch.float32, dev)
-    perm.view(lc, nn, L).copy_(xin.view(nn, lc, L).transpose(0, 1))
-    part = call.lease.take(nn * L, torch.float32, dev)
-    if lc > 1:
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        fn(part, perm, op=dist.ReduceOp.SUM, group=hg.intra)
-        call.record(call.op + ".intra", (lc - 1) * nn * L * 4, (lc - 1) * nn * L * 4, 0, calls=calls)
-    else:
-        part.copy_(perm)
-    return rs_phase(call, part, L, hg.inter, nn, ef, call.op, stats_dtype, calls)
-
-
-def hier_ag_phase(
-    call: Call, hg: HierarchicalGroups, src: torch.Tensor, dest: torch.Tensor, stats_dtype: torch.dtype, calls: int = 1
-):
-    """FP8 cross-node all-gather now, start the node-local gather of the same bytes: (work, finish -> dest)."""
-    spec, dev, n, nn, lc = call.spec, src.device, src.numel(), hg.nodes, hg.local
-    one = layout_of((1,), n, spec.scaling)
-    cb = one.total_bytes
-    send = call.lease.take(cb, torch.uint8, dev)
-    call.pack(src.reshape(1, n), one, send, call.kernel(dev, n))
-    node_bytes = call.lease.take(nn * cb, torch.uint8, dev)
-    all_gather_bytes(node_bytes, send, hg.inter, async_op=False)
-    itemsize = stats_dtype.itemsize
-    call.record(call.op, (nn - 1) * cb, (nn - 1) * n * itemsize, n, calls=calls)
-    allb = call.lease.take(lc * nn * cb, torch.uint8, dev)
-    work = all_gather_bytes(allb, node_bytes, hg.intra, async_op=True)
-    call.record(call.op + ".intra", (lc - 1) * nn * cb, (lc - 1) * nn * n * itemsize, 0, calls=calls)
-
-    def finish() -> torch.Tensor:
-        # Bytes arrive as [local, node, chunk]; global rank order is node-major.
-        ordered = call.lease.take(lc * nn * cb, torch.uint8, dev)
-        ordered.view(nn, lc, cb).copy_(allb.view(lc, nn, cb).transpose(0, 1))
-        layout = one.with_rows((1,) * call.world)
-        unpack_chunks(ordered, layout, spec.fmt, dest.dtype, out=dest, backend=call.kernel(dev, call.world * n))
-        return dest
-
-    return work, finish

@@ -7,6 +7,7 @@ and bad value is an error that names the key path and lists what is valid (with 
         "enabled": true,                      # the section's presence alone also means enabled
         "mode": "fp8",                        # "measure": hooks only count DeepSpeed's own bytes, change nothing
         "log": true,                          # the one-line summary on rank 0
+        "hierarchical": true,                 # two levels where a group spans nodes with > 1 member on each
         "weights":   {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
                       "update_fmt": null},
         "gradients": {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
@@ -164,6 +165,9 @@ class Fp8CommDeepSpeedConfig:
     enabled: bool = False
     mode: str = "fp8"
     log: bool = True
+    # Weight all-gather and gradient reduce-scatter in two levels (same bytes / fp32 inside a node, FP8 or 4-bit
+    # across nodes) for every group that spans nodes with more than one member on each (levels.py); false: flat.
+    hierarchical: bool = True
     check: bool | None = None
     weights: WeightConfig = field(default_factory=WeightConfig)
     gradients: GradientConfig = field(default_factory=GradientConfig)
@@ -232,6 +236,7 @@ _TOP = {
     "enabled": (bool, None, None),
     "mode": (str, MODES, None),
     "log": (bool, None, None),
+    "hierarchical": (bool, None, None),
     "check": ((bool, type(None)), None, None),
 }
 _SECTIONS: dict[str, tuple[dict, type]] = {

@@ -27,7 +27,7 @@ from fp8comm.comm import Guard, GuardBucket, WireConfig, config_for, default_che
 from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError, Fp8CommUnsupportedError
 from fp8comm.gemm import Fp8Linear, convert_to_fp8
 
-from . import compat, moe, zero3, zero12
+from . import compat, levels, moe, zero3, zero12
 from .config import SECTION, Fp8CommDeepSpeedConfig, parse
 from .patching import PASSTHROUGH, TAG, Accounting, Patcher, log, tag, wrap_method
 from .residuals import CHECKPOINT_FORMAT, Residuals, checkpoint_file
@@ -59,10 +59,16 @@ class EngineState:
         self.moe_keys: dict[int, str] = {}  # id(MOELayer) -> its guard key "moe.<i>"
         self.attached = False
         self._engine: weakref.ref | None = None
+        self.splits: dict = {}  # global ranks of a group -> its fp8comm.comm.topology.Split (levels.py)
+        self._flat_warned: set = set()
 
     @property
     def engine(self):
         return None if self._engine is None else self._engine()
+
+    def hier(self, group):
+        """The HierarchicalGroups of `group` for a collective (None: flat), decided at build (levels.py)."""
+        return levels.groups_for(self.splits, group, self._flat_warned)
 
     def name_of(self, p) -> str:
         n = self.names.get(id(p))
@@ -292,6 +298,9 @@ def _after_build(es: EngineState, engine) -> None:
             zero12.attach(es, engine)
     if cfg.moe.enabled:
         moe.attach(es, engine.module)
+    if (cfg.weights.enabled or cfg.gradients.enabled) and not cfg.measure_only:
+        # Collective over the world, every rank at build: one gather, then the node groups in one order.
+        es.splits = levels.prepare(engine, cfg.hierarchical)
     if es.guard is not None:
         _guard_buckets(es, engine)
     if es.residuals is not None or es.guard is not None:
@@ -416,7 +425,8 @@ def _wrap_checkpoints(es: EngineState, engine) -> None:
 def _checkpoint_state(es: EngineState) -> dict:
     state: dict[str, Any] = {}
     if es.residuals is not None:
-        state["error_feedback"] = es.residuals.state_dict()
+        # the two-level groups the residuals were kept for: a resume across the switch resets them (_load_state)
+        state["error_feedback"] = {**es.residuals.state_dict(), "levels": levels.signature(es.splits)}
     if es.guard is not None:
         state["guard"] = es.guard.state_dict()
     if es.updates is not None:
@@ -444,7 +454,20 @@ def _load_state(es: EngineState, path: str) -> None:
                 f"fp8comm: {path} holds no error-feedback residuals, but this engine has "
                 "fp8_comm.gradients.error_feedback on"
             )
-        es.residuals.load_state_dict(state["error_feedback"])
+        saved = state["error_feedback"].get("levels", [])
+        if saved != levels.signature(es.splits):
+            # A residual is the quantization error of what this rank sent: its own chunks (flat) or its node's
+            # sum on its rail (two-level). Across the switch it belongs to other data: start from zero.
+            es.acct.hit("checkpoint.residuals_reset_levels")
+            es.residuals.store.clear()
+            if dist.get_rank() == 0:
+                log.warning(
+                    f"fp8comm: {path}: error-feedback residuals were saved with "
+                    f"{_levels_text(saved)} collectives, this run uses {_levels_text(levels.signature(es.splits))} "
+                    "(fp8_comm.hierarchical or the node layout changed): residuals restart from zero"
+                )
+        else:
+            es.residuals.load_state_dict({k: v for k, v in state["error_feedback"].items() if k != "levels"})
     if es.guard is not None and "guard" in state:
         es.guard.load_state_dict(state["guard"])
     if es.updates is not None:
@@ -454,6 +477,12 @@ def _load_state(es: EngineState, path: str) -> None:
             es.acct.hit("checkpoint.no_replica_state")
             log.warning(f"fp8comm: {path} holds no weight-replica state; replicas restart from the fp32 master")
     es.acct.hit("checkpoint.fp8comm_state_loaded")
+
+
+def _levels_text(sig: list) -> str:
+    if not sig:
+        return "flat"
+    return "two-level (" + ", ".join(f"{len(r) // n} nodes x {n} over ranks {r}" for r, n in sig) + ")"
 
 
 def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, conversion) -> str:
@@ -498,6 +527,13 @@ def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, con
         }[default_check_policy()]
     else:
         check = "on every call" if cfg.check else "off"
+    if cfg.weights.enabled or cfg.gradients.enabled:
+        hier = (
+            "hierarchical on (two levels per group where it spans nodes, see the lines below; " + levels.FLAT_NOTE + ")"
+            if cfg.hierarchical
+            else "hierarchical off (flat)"
+        )
+        parts.append(hier)
     return head + ": " + "; ".join(parts) + f"; metadata check {check}"
 
 
@@ -538,6 +574,8 @@ def initialize(*args, **kwargs):
         _BUILDING.reset(token)
     if cfg.log:
         _log_rank0(f"{es.summary} [engine {es.number}]")
+        for line in levels.describe(es.splits) if dist.get_rank() == 0 else []:  # one line per group, rank 0
+            _log_rank0(f"{line} [engine {es.number}]")
     return result
 
 

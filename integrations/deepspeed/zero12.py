@@ -42,6 +42,7 @@ from fp8comm.comm import WireConfig
 from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError
 from fp8comm.quant import Fp8Tensor
 
+from . import levels
 from .compat import S12
 from .patching import PASSTHROUGH, owner, tag, wrap_method
 
@@ -242,8 +243,13 @@ def _grad_reduce(es, opt, orig, layout: dict):
             if rs:
                 acc = scratch.take("acc", part, torch.float32, dev)
                 # fp32 output: every sender's contribution decoded straight into fp32, summed in fp32 in rank order
-                fc.reduce_scatter_into(acc, flat, pg, "sum", config=call_cfg, error_feedback=ef, guard=gb)
-            else:
+                hg = es.hier(pg)  # two levels where the DP group spans nodes (fp32 inside a node)
+                rail = levels.rail_feedback(ef, hg)
+                fc.reduce_scatter_into(
+                    acc, flat, pg, "sum", config=call_cfg, error_feedback=rail, guard=gb, hierarchical=hg
+                )
+                levels.rail_back(ef, rail, hg)
+            else:  # flat on purpose: the all-to-all has no two-level mode (the summary line says so)
                 q = fc.all_to_all(
                     flat.view(-1, H),
                     [rows[me]] * world,
@@ -355,7 +361,7 @@ def _param_gather(
             )
         es.check_not_master(flat, "ZeRO-1/2 weight all-gather")
         with es.acct.fp8("weights"):
-            fc.all_gather_into(flat, src, pg, config=wcfg, guard=gb)
+            fc.all_gather_into(flat, src, pg, config=wcfg, guard=gb, hierarchical=es.hier(pg))
 
 
 # ------------------------------------------------------------------------------------ 4-bit weight updates

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import fp8comm.comm as fc
 from fp8comm.errors import Fp8CommStateError, Fp8CommTypeError
 
+from . import levels
 from .compat import PP, S3
 from .patching import PASSTHROUGH, wrap_method
 
@@ -183,14 +184,17 @@ def _param_gather(orig):
         spans, total = _spans(sizes, wire.block_size)
         baseline = (world - 1) * n  # DeepSpeed's all-gather of the unpadded shards
         wcfg = wire.wire(es.cfg.check)
+        hg = es.hier(group)  # two levels where the group spans nodes (the same bytes gathered inside a node)
         with es.acct.fp8("weights", baseline=baseline):
             if total == input_tensor.numel():
-                return fc.all_gather_into(output_tensor, input_tensor, group, async_op=True, config=wcfg, guard=gb)
+                return fc.all_gather_into(
+                    output_tensor, input_tensor, group, async_op=True, config=wcfg, guard=gb, hierarchical=hg
+                )
             pin = torch.zeros(total, dtype=input_tensor.dtype, device=input_tensor.device)
             for off, poff, k in spans:
                 pin[poff : poff + k].copy_(input_tensor[off : off + k])
             pout = torch.empty(world * total, dtype=input_tensor.dtype, device=input_tensor.device)
-            h = fc.all_gather_into(pout, pin, group, async_op=True, config=wcfg, guard=gb)
+            h = fc.all_gather_into(pout, pin, group, async_op=True, config=wcfg, guard=gb, hierarchical=hg)
         return _UnpadHandle(h, pout, output_tensor, spans, world)
 
     return _dist_allgather_fn
@@ -245,6 +249,8 @@ def _grad_reduce(orig, path: str):
                 pieces += [(name, n, r * c, r * L + poff, min(c, n - r * c)) for r in range(world) if n > r * c]
         out = torch.empty(L, dtype=dtype, device=flat.device)
         ef = None if es.residuals is None else es.residuals.assemble(pieces, flat.numel(), flat.device)
+        hg = es.hier(pg)  # two levels where the group spans nodes (fp32 sums inside a node)
+        rail = levels.rail_feedback(ef, hg)
         with es.acct.fp8("gradients", baseline=baseline):
             fc.reduce_scatter_into(
                 out,
@@ -252,9 +258,11 @@ def _grad_reduce(orig, path: str):
                 pg,
                 op="avg",
                 config=es.wire_config(wire.wire(es.cfg.check), how),  # 4 bits, or FP8 while the guard demotes
-                error_feedback=ef,
+                error_feedback=rail,
                 guard=gb,
+                hierarchical=hg,
             )
+        levels.rail_back(ef, rail, hg)
         if ef is not None:
             es.residuals.scatter(ef, pieces, flat.numel())
         result = []

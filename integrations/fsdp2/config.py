@@ -4,6 +4,7 @@
     enable(model, weights=False)                               # gradients only
     enable(model, gradients={"fmt": "e5m2", "rounding": "stochastic", "error_feedback": True}, check=False)
     enable(model, gradients={"fmt": "mxfp4", "hadamard": 32})   # 4-bit gradients (weights stay FP8)
+    enable(model, hierarchical=False)                          # flat collectives (default: two levels per group)
 
 A direction is True/False or a dict of the keys below; an unknown key or bad value is an Fp8CommFsdp2Error that names
 the key and lists what is valid (with a "did you mean" for typos).
@@ -95,6 +96,9 @@ class Fp8CommFsdp2Config:
     gradients: GradientWire = field(default_factory=GradientWire)
     check: bool | None = None
     align_blocks: bool = True
+    # two levels (same bytes / fp32 inside a node, FP8 or 4-bit across nodes) for every shard group that spans
+    # nodes with more than one member on each (fp8comm.comm.topology decides; others run flat); False: flat
+    hierarchical: bool = True
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -172,11 +176,15 @@ def parse(**options) -> Fp8CommFsdp2Config:
     align = options.get("align_blocks", True)
     if not isinstance(align, bool):
         raise Fp8CommFsdp2Error(f"align_blocks must be True or False, got {align!r}")
+    hierarchical = options.get("hierarchical", True)
+    if not isinstance(hierarchical, bool):
+        raise Fp8CommFsdp2Error(f"hierarchical must be True or False, got {hierarchical!r}")
     cfg = Fp8CommFsdp2Config(
         weights=_direction("weights", options.get("weights", True), _WEIGHT_KEYS, WeightWire),
         gradients=_direction("gradients", options.get("gradients", True), _GRAD_KEYS, GradientWire),
         check=check,
         align_blocks=align,
+        hierarchical=hierarchical,
     )
     try:  # the combination (a 4-bit format's block and scales, hadamard only with 4 bits) is WireConfig's to judge
         cfg.gradients.wire(check)

@@ -52,6 +52,7 @@ class Fsdp2Report:
     fp8_linears: int = 0
     weight_cache: str = ""
     unmanaged: list = field(default_factory=list)  # parameters no FSDP2 module manages (no hook can see them)
+    levels: list = field(default_factory=list)  # one line per shard group: two-level or flat, and why
 
     @property
     def installed(self) -> list[str]:
@@ -75,6 +76,7 @@ class Fsdp2Report:
             f"weights {c.weights.describe()}; gradients {c.gradients.describe()}; metadata check "
             f"{ {None: 'library default', True: 'every call', False: 'off'}[c.check] }; parameters "
             f"{'start whole blocks' if c.align_blocks else 'packed (blocks may straddle parameters)'}; "
+            f"hierarchical {'on (two levels per shard group that spans nodes)' if c.hierarchical else 'off (flat)'}; "
             f"{self.gemms()}"
         ]
         if self.residual_bytes:
@@ -239,19 +241,48 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
     report = Fsdp2Report(cfg, [e for *_, e in plan])
     _check_residual_memory(cfg, report.modules)
     report.unmanaged = _unmanaged(model, [pg for _, _, pg, _ in plan if pg is not None])
+    splits = _levels(cfg, plan, report)  # collective over the world when on: every rank calls enable()
     installed = []
     for _name, m, pg, _ in plan:  # one entry per param group: its originals are saved before our hook goes on
         if pg is None:
             continue
         installed.append((m, pg._all_gather_comm, pg._reduce_scatter_comm))
         if cfg.weights.enabled:
-            m.set_custom_all_gather(hooks.Fp8AllGather(pg, cfg.weights, cfg.check, cfg.align_blocks))
+            m.set_custom_all_gather(hooks.Fp8AllGather(pg, cfg.weights, cfg.check, cfg.align_blocks, splits))
         if cfg.gradients.enabled:
-            m.set_custom_reduce_scatter(hooks.Fp8ReduceScatter(pg, cfg.gradients, cfg.check, cfg.align_blocks))
+            m.set_custom_reduce_scatter(hooks.Fp8ReduceScatter(pg, cfg.gradients, cfg.check, cfg.align_blocks, splits))
     report.fp8_linears, report.weight_cache = _gathered_weight_cache(model)
     object.__setattr__(model, _ATTR, (cfg, installed, report))
     logger.info("%s", report)
+    if _rank() == 0:
+        for line in report.levels:
+            logger.info("fp8comm FSDP2: %s", line)
     return report
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _levels(cfg: Fp8CommFsdp2Config, plan: list, report: Fsdp2Report) -> dict:
+    """Decide two-level or flat for every shard group (fp8comm.comm.topology; collective over the world when on)
+    and note it in the report: one line per group, and each module's mode next to its entry."""
+    from fp8comm.comm import topology
+
+    groups = {}
+    for _, _, pg, entry in plan:
+        if pg is not None and pg.mesh_info.shard_mesh_size > 1:
+            groups[id(pg)] = (topology.group_ranks(pg.mesh_info.shard_process_group), entry)
+    _, splits = topology.prepare([r for r, _ in groups.values()], holder="fsdp2", enabled=cfg.hierarchical)
+    report.levels = [s.describe() for s in splits.values()]
+    for ranks, entry in groups.values():
+        s = splits[ranks]
+        entry.notes.append(("two-level: " if s.two_level else "flat: ") + s.reason)
+        if s.two_level and entry.residual_bytes:
+            entry.residual_bytes //= s.local  # the cross-node phase's residual: node count x wire row
+    return splits
 
 
 def disable(model: nn.Module) -> bool:

@@ -157,14 +157,32 @@ class _Alloc:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
+class _Levels:
+    """The node groups of the group FSDP2 passes (None: flat), from the splits enable() prepared on every rank;
+    looked up once per process group object, never created here (only the group's members get here)."""
+
+    splits: dict = {}
+
+    def hier(self, group):
+        if not self.splits:
+            return None
+        cache = self.__dict__.setdefault("_hier", {})
+        key = id(group)
+        if key not in cache:
+            s = self.splits.get(tuple(dist.get_process_group_ranks(group)))
+            cache[key] = None if s is None else s.groups
+        return cache[key]
+
+
 # ---------------------------------------------------------------------------------------------- all-gather
-class Fp8AllGather(_Alloc, AllGather):
+class Fp8AllGather(_Levels, _Alloc, AllGather):
     """FP8 all-gather of one FSDP param group's flat shard: every rank decodes the same bytes (bit-identical
     replicas); raw-byte (uint8) and other non-float gathers pass through unchanged and are counted."""
 
-    def __init__(self, param_group, wire: WeightWire, check, align: bool) -> None:
+    def __init__(self, param_group, wire: WeightWire, check, align: bool, splits: dict | None = None) -> None:
         self.param_group, self.wire, self.align = param_group, wire, align
         self.config = wire.wire(check)
+        self.splits = splits or {}
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -185,21 +203,24 @@ class Fp8AllGather(_Alloc, AllGather):
         if layout.is_identity(sp, n, wn):
             # The input is FSDP2's view of this rank's slot in the output: quantized before any slot is written.
             with counted:
-                h = fc.all_gather_into(output_tensor, input_tensor, group, async_op=True, config=self.config)
+                h = fc.all_gather_into(
+                    output_tensor, input_tensor, group, async_op=True, config=self.config, hierarchical=self.hier(group)
+                )
             return _finish(h, None, async_op)
         win = layout.pack_rows(input_tensor.view(1, n), sp, wn).view(-1)
         wout = torch.empty(world * wn, dtype=dt, device=input_tensor.device)
         with counted:
-            h = fc.all_gather_into(wout, win, group, async_op=True, config=self.config)
+            h = fc.all_gather_into(wout, win, group, async_op=True, config=self.config, hierarchical=self.hier(group))
         return _finish(h, _unpad_after(output_tensor.view(world, n), wout.view(world, wn), sp), async_op)
 
 
 # ------------------------------------------------------------------------------------------ reduce-scatter
-class Fp8ReduceScatter(_Alloc, ReduceScatter):
+class Fp8ReduceScatter(_Levels, _Alloc, ReduceScatter):
     """FP8 reduce-scatter of one FSDP param group's flat gradients: each rank quantizes with its own block scales,
     the receiver sums in fp32; SUM, AVG and PREMUL_SUM are honoured exactly as FSDP2 passes them."""
 
-    def __init__(self, param_group, wire: GradientWire, check, align: bool) -> None:
+    def __init__(self, param_group, wire: GradientWire, check, align: bool, splits: dict | None = None) -> None:
+        self.splits = splits or {}
         if wire.error_feedback and not wire.allow_unpartitioned_residuals:
             # enable() refuses first, with the model's byte count; this guards hooks built by hand.
             raise Fp8CommFsdp2Error(
@@ -248,6 +269,7 @@ class Fp8ReduceScatter(_Alloc, ReduceScatter):
                     async_op=True,
                     config=self.config,
                     error_feedback=self.error_feedback,
+                    hierarchical=self.hier(group),
                 )
             return _finish(h, None, async_op)
         win = layout.pack_rows(input_tensor.view(world, L), sp, wl, factor)
@@ -261,6 +283,7 @@ class Fp8ReduceScatter(_Alloc, ReduceScatter):
                 async_op=True,
                 config=self.config,
                 error_feedback=self.error_feedback,
+                hierarchical=self.hier(group),
             )
         return _finish(h, _unpad_after(output_tensor.view(1, L), wout.view(1, wl), sp), async_op)
 

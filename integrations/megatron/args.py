@@ -159,9 +159,11 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--fp8comm-hierarchical",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=_D.hierarchical,
-        help="gradients and params: fp32/same-bytes inside a node, FP8 across nodes (node size from LOCAL_WORLD_SIZE)",
+        help="gradients and params: two levels, fp32/same bytes inside a node, FP8/4-bit across nodes, for each "
+        "data-parallel group that spans nodes with more than one member on each (others run flat; nodes from "
+        "GROUP_RANK / LOCAL_WORLD_SIZE, else host names); --no-fp8comm-hierarchical: flat (default %(default)s)",
     )
     g.add_argument(
         "--fp8comm-check",

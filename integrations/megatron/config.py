@@ -39,7 +39,9 @@ class Fp8CommMegatronConfig:
     block_size: int = 128  # FP8 wires: elements per scale (1 x block_size blocks of the flat buffer / of each token)
     scaling: str = "fp32"  # FP8 wires: scale encoding, fp32 (exact amax scale), pow2 or e8m0 (power-of-two byte)
     rounding: str = "nearest"  # gradient rounding: nearest or stochastic (params/tokens always nearest)
-    hierarchical: bool = False  # gradients/params: high precision inside a node, FP8 across nodes
+    # gradients/params: two levels, high precision inside a node, FP8/4-bit across nodes, for every data-parallel
+    # group that spans nodes with > 1 member on each (fp8comm.comm.topology decides; others run flat)
+    hierarchical: bool = True
     check: str = "first"  # cross-rank metadata check: first call per buffer, every call, or never
     moe_grad_wire: str = "bf16"  # MoE dispatch/combine backward (token gradients): bf16, fp8 or the tensor's dtype
     error_feedback: bool = False  # gradient hook: carry each bucket's FP8 quantization error into the next step

@@ -14,15 +14,15 @@ and then every FP8 handle, whose wait() is where fp8comm dequantizes / accumulat
 Synchronous blocks (overlap off) wait before the block returns, exactly like the original.
 
 Plain DDP (no distributed optimizer) all-reduces each bucket with a direct `torch.distributed.all_reduce` inside
-the same block; the wrapped `start_grad_sync` takes exactly those calls (make_start_grad_sync). Hierarchical mode's
-node groups are created at install for every data-parallel group of the job (prepare_node_groups) and held
-under HOLDER: uninstall() releases that hold only, so node groups the caller prepared for the same ranks stay.
+the same block; the wrapped `start_grad_sync` takes exactly those calls (make_start_grad_sync). Two-level
+(hierarchical) mode, the default: node groups are created at install for every data-parallel group of the job that
+can be split (prepare_node_groups; fp8comm.comm.topology decides) and held under HOLDER: uninstall() releases that
+hold only, so node groups the caller prepared for the same ranks stay.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
@@ -133,27 +133,6 @@ def _check(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group) -> boo
     return True
 
 
-def node_group_plan(rank_lists, local_world_size: int) -> list[tuple[tuple[int, ...], int | str]]:
-    """Every distinct group (sorted: the same order on every rank) with its members per node, or why it cannot be
-    split: node n holds global ranks n*L .. n*L+L-1 (torchrun); a strided group (DP with TP) has fewer per node."""
-    plan: list[tuple[tuple[int, ...], int | str]] = []
-    for ranks in sorted({tuple(int(r) for r in rl) for rl in rank_lists}):
-        nodes = [r // local_world_size for r in ranks]
-        per_node = {n: nodes.count(n) for n in nodes}
-        if len(set(per_node.values())) != 1 or nodes != sorted(nodes):
-            plan.append(
-                (
-                    ranks,
-                    f"fp8comm: hierarchical mode needs every node to hold the same number of consecutive members "
-                    f"of the group; group ranks {list(ranks)} with LOCAL_WORLD_SIZE={local_world_size} give "
-                    f"per-node counts {per_node}",
-                )
-            )
-        else:
-            plan.append((ranks, per_node[nodes[0]]))
-    return plan
-
-
 def _my_data_parallel_ranks() -> list[tuple[int, ...]]:
     """Rank lists of the groups Megatron's DDP reduces and gathers buckets over, as this rank sees them (dense:
     data x context parallel, full and partial; experts: expert data parallel, full and partial)."""
@@ -186,46 +165,57 @@ def _my_data_parallel_ranks() -> list[tuple[int, ...]]:
     return out
 
 
-def prepare_node_groups() -> dict:
-    """{global ranks of a data-parallel group: fp8comm node groups, or why that group cannot be split}.
+def prepare_node_groups(enabled: bool = True) -> dict:
+    """{global ranks of a data-parallel group: its fp8comm.comm.topology.Split} (two-level with this rank's node
+    groups, or flat with the reason), one line per group logged by install().
 
-    Collective over the whole world (install() runs on every rank): every rank learns every rank's DP groups,
-    then creates the node groups of all of them in one sorted order. dist.new_group must see the same members at
-    the same index on every rank; building only one's own DP group's groups, lazily, breaks that whenever there
-    are several DP groups (TP, PP, CP or EP > 1)."""
-    lws = os.environ.get("LOCAL_WORLD_SIZE")
-    if not lws:
-        raise Fp8CommMegatronError("fp8comm: --fp8comm-hierarchical needs LOCAL_WORLD_SIZE (set by torchrun)")
-    mine = _my_data_parallel_ranks()
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out: dict = {}
-    for ranks, local in node_group_plan([r for lists in everyone for r in lists], int(lws)):
-        out[ranks] = (
-            local if isinstance(local, str) else fcomm.node_groups(ranks=list(ranks), local_size=local, holder=HOLDER)
-        )
-    return out
+    Collective over the whole world (install() runs on every rank): one all_gather_object carries every rank's DP
+    groups (and, the first time, its node facts: GROUP_RANK / LOCAL_WORLD_SIZE / host name), then the node groups
+    of every splittable group are created in one sorted order. dist.new_group must see the same members at the
+    same index on every rank; building only one's own DP group's groups, lazily, breaks that whenever there are
+    several DP groups (TP, PP, CP or EP > 1)."""
+    from megatron.core import parallel_state as ps
+
+    from fp8comm.comm import topology
+
+    if enabled and not (dist.is_available() and dist.is_initialized() and ps.model_parallel_is_initialized()):
+        return {}  # install() logs that every group runs flat (why_flat)
+    _, plan = topology.prepare(_my_data_parallel_ranks(), holder=HOLDER, enabled=enabled)
+    return plan
+
+
+def why_flat() -> str:
+    """Why install() prepared no node groups although two levels are on (every data-parallel group runs flat)."""
+    from megatron.core import parallel_state as ps
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return "torch.distributed is not initialized at install()"
+    if not ps.model_parallel_is_initialized():
+        return "install() ran before parallel_state.initialize_model_parallel() (it needs the data-parallel groups)"
+    return "no data-parallel group"
 
 
 def hierarchical_groups(group):
-    """fp8comm node groups of a Megatron group, prepared at install (prepare_node_groups); never created here,
-    where only the group's own members are."""
+    """fp8comm node groups of a Megatron group (None: this group runs flat), prepared at install
+    (prepare_node_groups); never created here, where only the group's own members are."""
+    plan = installed().node_groups
+    if not plan:  # install() could not prepare any (logged): flat everywhere, the same on every rank
+        return None
     ranks = tuple(dist.get_process_group_ranks(group))
-    hg = installed().node_groups.get(ranks)
-    if hg is None:
+    split = plan.get(ranks)
+    if split is None:
         raise Fp8CommMegatronError(
-            f"fp8comm: --fp8comm-hierarchical: a bucket collective runs over ranks {list(ranks)}, which is not one of "
-            "the data-parallel groups whose node groups install() created (a process group passed to DDP "
-            "through pg_collection?); creating them now would deadlock: only this group's members get here"
+            f"fp8comm: hierarchical (two-level) collectives: a bucket collective runs over ranks {list(ranks)}, "
+            "which is not one of the data-parallel groups whose node groups install() prepared (a process group "
+            "passed to DDP through pg_collection?); creating them now would deadlock: only this group's members "
+            "get here. Pass hierarchical=False (--no-fp8comm-hierarchical) to run it flat"
         )
-    if isinstance(hg, str):
-        raise Fp8CommMegatronError(hg)
-    return hg
+    return split.groups
 
 
 def _options(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group) -> dict:
     kw = {"config": cfg.wire(kind, _check(cfg, kind, t, group))}
-    if cfg.hierarchical:
+    if cfg.hierarchical:  # this group's node groups, or None where install() decided it runs flat
         kw["hierarchical"] = hierarchical_groups(group)
     return kw
 

@@ -8,6 +8,7 @@ load_state_dict(model, sd) save and restore the residuals with a checkpoint (per
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -101,10 +102,25 @@ def state_dict(model) -> dict:
         entry = residuals.get(id(grad_data))
         if entry is not None and entry[0]() is grad_data and entry[1].residual is not None:
             sd[name] = {**entry[1].state_dict(), "bucket_numel": grad_data.numel(), "dp_size": dp}
-    return {"format": FORMAT, "residuals": sd}
+    return {"format": FORMAT, "residuals": sd, "levels": levels_signature()}
+
+
+def levels_signature() -> list:
+    """The two-level data-parallel groups and their node size (empty: every group flat): a residual is the
+    quantization error of this rank's own chunks (flat) or of its node's sum on its rail (two-level), so it only
+    means something under the layout it was kept for."""
+    inst = current()
+    splits = {} if inst is None else inst.node_groups
+    return sorted([list(s.ranks), s.local] for s in splits.values() if getattr(s, "two_level", False))
 
 
 FORMAT = "fp8comm.megatron.error_feedback/1"
+
+
+def _levels_text(sig: list) -> str:
+    if not sig:
+        return "flat"
+    return "two-level (" + ", ".join(f"{len(r) // n} nodes x {n} over ranks {r}" for r, n in sig) + ")"
 
 
 def load_state_dict(model, sd: dict, strict: bool = True) -> None:
@@ -124,6 +140,19 @@ def load_state_dict(model, sd: dict, strict: bool = True) -> None:
             "fp8comm: load_error_feedback_state_dict needs an installation with error feedback on: "
             "install(..., error_feedback=True) (or --fp8comm-error-feedback) first, then load"
         )
+    saved, now = sd.get("levels", []), levels_signature()
+    if saved != now:
+        # Across the two-level switch a residual belongs to other data (and has another size): start from zero.
+        reset_residuals()
+        count("error_feedback", "levels_resets")
+        warnings.warn(
+            f"fp8comm: error-feedback residuals were saved with {_levels_text(saved)} gradient collectives, this run "
+            f"uses {_levels_text(now)} (--fp8comm-hierarchical or the node layout changed): residuals restart from "
+            "zero",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
     buckets = {name: (grad_data, dp) for name, grad_data, dp in _bucket_buffers(model)}
     dtype = str(inst.residual_dtype).removeprefix("torch.")
     problems, ok = [], []

@@ -347,11 +347,6 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
         )
     if cfg.grad_fp4 and not cfg.grad_reduce:
         errs.append(f"--fp8comm-grad-format {cfg.grad_fmt} without --fp8comm-grad-reduce: it would do nothing")
-    if cfg.grad_fp4 and cfg.grad_reduce and cfg.hierarchical:
-        errs.append(
-            f"--fp8comm-hierarchical with --fp8comm-grad-format {cfg.grad_fmt}: the 4-bit wire has no "
-            "hierarchical mode; use an FP8 gradient format or drop --fp8comm-hierarchical"
-        )
     defaults = Fp8CommMegatronConfig()
     fp8_only = [
         f"--fp8comm-{name.replace('_', '-')} {getattr(cfg, name)}"
@@ -409,10 +404,6 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
                 f"{flags} with the allgather dispatcher and tensor x expert parallel size 1: tokens never "
                 "leave the rank"
             )
-    if cfg.hierarchical and fp8_ddp and not os.environ.get("LOCAL_WORLD_SIZE"):
-        errs.append("--fp8comm-hierarchical needs LOCAL_WORLD_SIZE (ranks per node; torchrun sets it)")
-    if cfg.hierarchical and not fp8_ddp:
-        errs.append("--fp8comm-hierarchical applies to the gradient/parameter hooks, and neither is on")
     return errs
 
 
@@ -482,16 +473,27 @@ def install(
     if errs:
         raise Fp8CommMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
     patches = _patches(cfg, features)
-    # Hierarchical node groups: created now, on every rank in one order (collective over the world), never
-    # lazily by a hook that only the members of one data-parallel group reach.
-    node_groups = ddp_hooks.prepare_node_groups() if cfg.hierarchical and "ddp" in features else {}
+    # Two-level node groups (the default): decided and created now, on every rank in one order (collective over
+    # the world), never lazily by a hook that only the members of one data-parallel group reach.
+    node_groups = ddp_hooks.prepare_node_groups() if cfg.hierarchical and fp8_hooks(cfg) else {}
     inst = begin(cfg)
     inst.node_groups.update(node_groups)
+    for split in node_groups.values():
+        _log("fp8comm: data-parallel " + split.describe())
+    flat = ""
+    if cfg.hierarchical and fp8_hooks(cfg) and not node_groups:
+        flat = f"; two levels: every data-parallel group runs flat: {ddp_hooks.why_flat()}"
     for obj, name, new in patches:
         inst.saved.append((obj, name, getattr(obj, name) if not isinstance(obj, type) else obj.__dict__[name]))
         setattr(obj, name, new)
-    _log(cfg.describe(facts.dist_opt) + f" [megatron-core {version}]")
+    _log(cfg.describe(facts.dist_opt) + f" [megatron-core {version}]{flat}")
     return cfg
+
+
+def fp8_hooks(cfg: Fp8CommMegatronConfig) -> bool:
+    """The DDP hooks that issue two-level collectives are on (gradient reduction or the FP8 parameter gather; the
+    4-bit weight-update gather and the MoE all-to-all run flat)."""
+    return cfg.grad_reduce or cfg.param_gather
 
 
 def _changed(cfg: Fp8CommMegatronConfig) -> str:

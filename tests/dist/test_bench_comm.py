@@ -1,4 +1,5 @@
-"""`fp8comm bench comm` end to end on 2 gloo ranks at the smallest size: the table and the wire-bytes ratios."""
+"""`fp8comm bench comm` end to end on 2 gloo ranks at the smallest size: the table, the bf16 ring rows, the
+wire-bytes ratios and the speed ratios naming their baseline."""
 
 from __future__ import annotations
 
@@ -40,13 +41,24 @@ def test_bench_comm_prints_ratios():
     out = p.stdout
     print(out)
     for op in ("all_gather", "reduce_scatter"):
-        for variant in ("bf16", "fp32", "fp8", "fp8-e8m0"):
+        for variant in ("bf16", "fp32", "bf16-ring", "fp8", "fp8-e8m0"):
             assert re.search(rf"^{op}\s+65536\s+32768\s+{variant}\s", out, re.M), (op, variant)
+    # The ring sends the minimal bf16 count; torch's gloo reduce_scatter (a ring all-reduce) twice that. Both
+    # reduce-scatters sum in bf16: the same error against the fp32 sum.
+    wire = {
+        m[0]: int(m[1])
+        for m in re.findall(r"^reduce_scatter\s+65536\s+32768\s+(\S+)\s+\S+\s+\S+\s+\S+\s+(\d+)", out, re.M)
+    }
+    assert wire["bf16"] == 2 * wire["bf16-ring"] == 65536, wire
+    sq = {m[0]: m[1] for m in re.findall(r"^reduce_scatter\s+65536\s+32768\s+(bf16\S*)\s.*\s([\d.]+)$", out, re.M)}
+    assert sq["bf16"] == sq["bf16-ring"], sq
+    # Every speed ratio names its baseline.
+    assert re.search(r"^# speed reduce_scatter 65536: fp8 [\d.]+x vs torch gloo bf16, [\d.]+x vs bf16 ring", out, re.M)
     # 2 / (1 + 4/128) = 1.9394 and 4 / (1 + 4/128) = 3.8788 with fp32 scales; 1.9845 / 3.9690 with byte scales.
     ratios = {
         m[0]: tuple(map(float, m[1:]))
         for m in re.findall(
-            r"^# (fp8(?:-e8m0)?): wire bytes vs bf16 ([\d.]+)x\.\.[\d.]+x, vs fp32 ([\d.]+)x", out, re.M
+            r"^# (fp8(?:-e8m0)?): wire bytes vs bf16 ring ([\d.]+)x\.\.[\d.]+x, vs fp32 ring ([\d.]+)x", out, re.M
         )
     }
     assert ratios["fp8"][0] >= 1.939 and ratios["fp8"][1] >= 3.878, ratios
@@ -97,3 +109,23 @@ def test_benchmarks_md_collective_tables_are_generated():
     """docs/benchmarks.md's bench comm table is what launch/bench_tables.py renders from docs/results/*.json."""
     bt = _load("bench_tables")
     assert bt.stale(bt.DOC.read_text()) == [], "run launch/bench_tables.py --write"
+
+
+def test_bench_check_layouts_and_ring_baseline():
+    """Results per layout: format 1 files are the 2x2 layout; a 2x4 run is stored beside it (format 2) and the 2x2
+    rows stay readable where they were. The bf16 ring row is a baseline, never compared as an FP8 row."""
+    bc = _load("bench_check")
+    old = {"meta": {"format": 1, "date": "d"}, "runs": {"this": {"commit": "a", "rows": _rows(334, 620)}}}
+    assert bc.layout_result(old, "2x2")["runs"] == old["runs"] and bc.layout_result(old, "2x4") is None
+    r24 = {"meta": {"layout": "2x4", "date": "e"}, "runs": {"this": {"commit": "b", "rows": _rows(300, 600)}}}
+    both = bc.with_layout(old, "2x4", r24)
+    assert both["meta"]["format"] == 2 and both["runs"] == old["runs"]  # 2x2 still at the top level
+    assert bc.layout_result(both, "2x4") == r24 and bc.layout_result(both, "2x2")["runs"] == old["runs"]
+    r22 = {"meta": {"layout": "2x2", "date": "f"}, "runs": {"this": {"commit": "c", "rows": _rows(310, 620)}}}
+    again = bc.with_layout(both, "2x2", r22)
+    assert again["runs"] == r22["runs"] and bc.layout_result(again, "2x4") == r24
+    rows = _rows(300, 600) + [{"op": "all_to_all", "size": 1 << 26, "variant": "bf16-ring", "median_ms": 450.0}]
+    assert set(bc.ratios(rows)) == {("all_to_all", 1 << 26, "fp8")}
+    assert bc.ratios(rows, "bf16-ring")[("all_to_all", 1 << 26, "fp8")] == 1.5
+    lines, _ = bc.compare(rows, _rows(334, 620), 0.15)
+    assert "vs torch gloo" in lines[1] and "vs bf16 ring" in lines[1] and lines[2].split()[-2] == "1.50x", lines

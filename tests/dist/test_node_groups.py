@@ -112,11 +112,14 @@ def test_megatron_uninstall_releases_only_its_hold_on_shared_node_groups(world, 
     monkeypatch.setattr(ps, "get_data_parallel_group", lambda *a, **k: dp)
     monkeypatch.setattr(ps, "get_expert_data_parallel_group", lambda *a, **k: dp)
 
-    def all_gather_object(out, obj):  # the fake backend moves no bytes: every rank's DP groups, as they would be
+    def all_gather_object(out, obj):  # the fake backend moves no bytes: every rank's node facts and DP groups
         for r in range(WORLD):
-            out[r] = [tuple(SUB) if r < 4 else (4, 5, 6, 7)] * len(obj)
+            out[r] = ((str(r // LOCAL), str(LOCAL), "h"), [tuple(SUB) if r < 4 else (4, 5, 6, 7)])
+
+    from fp8comm.comm import topology
 
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(topology, "_TABLE", None)
     base = registered()
     hg = fc.node_groups(dp, ranks=SUB)
     mine = registered() - base  # rank 0's intra-node group and cross-node group
@@ -230,3 +233,68 @@ def test_clear_dtensor_caches_warns_once_for_a_missing_torch_name(monkeypatch):
     assert len(got) == 1, [str(w.message) for w in got]
     assert issubclass(got[0].category, RuntimeWarning)
     assert "torch.distributed.tensor._redistribute._planner_cache" in str(got[0].message)
+
+
+# ------------------------------------------------------------------------ topology: the engines' default split
+def test_split_decides_two_level_or_flat_with_the_reason():
+    """fp8comm.comm.topology.split: pure, from the gathered table (so every rank decides alike)."""
+    from fp8comm.comm import topology as topo
+
+    t = topo.table_from([(str(r // 4), "4", "same-host") for r in range(8)])  # torchrun: 2 nodes x 4
+    assert t.source == topo.TORCHRUN and t.nodes == (0, 0, 0, 0, 1, 1, 1, 1)
+    s = topo.split(range(8), t)
+    assert (s.two_level, s.local) == (True, 4), s
+    s = topo.split([0, 2, 4, 6], t)  # strided (DP inside TP=2): 2 per node, still node-major
+    assert (s.two_level, s.local, s.nodes) == (True, 2, (0, 0, 1, 1)), s
+    assert "one member per node" in topo.split([0, 4], t).reason
+    assert "all members on one node" in topo.split([0, 1, 2, 3], t).reason
+    assert "uneven members per node {0: 2, 1: 1}" in topo.split([0, 1, 4], t).reason
+    hosts = topo.table_from([(None, None, h) for h in ["a", "b", "a", "b"]])  # cyclic placement, no torchrun
+    assert hosts.source == topo.HOSTS and hosts.nodes == (0, 1, 0, 1)
+    assert "not consecutive" in topo.split(range(4), hosts).reason
+    layout = topo.table_from([(None, "2", "h")] * 4)  # LOCAL_WORLD_SIZE alone: node-major ranks
+    assert layout.source == topo.LAYOUT and layout.nodes == (0, 0, 1, 1)
+    assert (
+        topo.split(range(4), layout)
+        .describe()
+        .endswith("two-level (2 nodes x 2 ranks; 2 node(s) from LOCAL_WORLD_SIZE (node-major ranks))")
+    )
+
+
+def test_node_groups_with_an_explicit_node_per_member(world):
+    """Strided members: intra = my node's members, inter = my local index across nodes; one set per ranks."""
+    ranks, nodes = [0, 2, 4, 6], [0, 0, 1, 1]
+    with pytest.raises(Fp8CommError, match="consecutive in group rank order"):
+        fc.node_groups(ranks=ranks, nodes=[0, 1, 0, 1])
+    with pytest.raises(Fp8CommError, match="local_size=4 but nodes gives 2"):
+        fc.node_groups(ranks=ranks, nodes=nodes, local_size=4)
+    base = registered()
+    hg = fc.node_groups(ranks=ranks, nodes=nodes, holder="t")
+    assert (hg.nodes, hg.local, hg.node, hg.local_rank) == (2, 2, 0, 0)
+    assert registered() == base + 2  # rank 0's intra [0, 2] and inter [0, 4]
+    assert fc.node_groups(ranks=ranks, local_size=2, holder="t") is hg  # the same set as the node-major form
+    assert fc.release_node_groups("t") == 1
+
+
+def test_prepare_gathers_once_and_turned_off_moves_nothing(world, monkeypatch):
+    from fp8comm.comm import topology as topo
+
+    calls = []
+
+    def all_gather_object(out, obj):  # the fake backend moves no bytes: every rank's facts and groups
+        calls.append(obj)
+        for r in range(WORLD):
+            out[r] = ((str(r // LOCAL), str(LOCAL), "h"), [tuple(SUB) if r < 4 else (4, 5, 6, 7)])
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    topo.forget()
+    _, off = topo.prepare([SUB], holder="t", enabled=False)
+    assert not calls and off[tuple(SUB)].reason == "two levels turned off"
+    table, plan = topo.prepare([SUB], holder="t")
+    assert len(calls) == 1 and calls[0][0] is not None and table.source == topo.TORCHRUN
+    assert sorted(plan) == [(0, 1, 2, 3), (4, 5, 6, 7)] and all(s.two_level for s in plan.values())
+    assert plan[(0, 1, 2, 3)].groups is not None and plan[(4, 5, 6, 7)].groups is None  # not a member
+    topo.prepare([SUB], holder="t")
+    assert calls[1][0] is None, "the node facts were gathered twice"
+    fc.release_node_groups("t")
+    topo.forget()

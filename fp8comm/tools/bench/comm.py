@@ -3,8 +3,14 @@
 Starts --nproc ranks itself (gloo on 127.0.0.1), or runs as one rank under torchrun (launch/bench_check.py runs it
 so on the simulated cluster). Sizes are bytes of the full buffer in bf16 (all_gather: the output; reduce_scatter,
 all_reduce, all_to_all: the input); fp32 rows move the same elements. "wire" = bytes one rank sends to other ranks
-(FP8 rows: payload + scales + alignment). Every row, FP8 or torch, writes into an output allocated once (engines
-keep their buffers); time = median over --iters calls, each started after a barrier, the slowest rank's.
+in the row's own algorithm (FP8 rows: payload + scales + alignment; torch's gloo reduce_scatter is a ring all-reduce,
+twice a reduce-scatter's bytes). `bf16-ring` rows: NCCL's ring reduce-scatter / all-gather / all-reduce on gloo
+point-to-point (ring.py), the bf16 baseline a user would otherwise run; the wire ratios are against the ring's
+(all_to_all: direct sends') bytes. "xnode B/node": bytes one node sends to other nodes per call (LOCAL_WORLD_SIZE
+ranks per node; FP8 rows from fp8comm's own statistics, torch/ring rows from their algorithm); "link B/node": node
+0's link counter (GLOO_SOCKET_IFNAME, under launch/cluster.py), with `!` where the two differ by more than 10%.
+Every row, FP8 or torch, writes into an output allocated once (engines keep their buffers); time = median over
+--iters calls, each started after a barrier, the slowest rank's.
 `python PATH/TO/comm.py ARGS` (the file itself) benchmarks whichever fp8comm the path resolves first, e.g. an older
 checkout on PYTHONPATH: the A/B runs of docs/benchmarks.md use that.
 """
@@ -13,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
 import platform
 import time
+from pathlib import Path
 
 import fp8comm
 
@@ -34,6 +42,51 @@ def _shutdown() -> None:
     """fp8comm.shutdown() before destroy_process_group(); launch/bench_check.py --with runs this file against older
     checkouts, which predate it (0.2 and earlier)."""
     getattr(fp8comm, "shutdown", lambda: None)()
+
+
+def _ring_module():
+    """ring.py next to this file (not through the fp8comm package: the A/B runs put an older fp8comm, which has no
+    ring.py, first on the path)."""
+    import sys
+
+    name = "_fp8comm_bench_ring"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("ring.py"))
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+BASELINES = ("bf16", "fp32", "bf16-ring")  # torch's rows and the ring: everything else is fp8comm's
+RING_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+LINK_TOLERANCE = 0.10  # stats / algorithm count vs link counter: flag beyond this (TCP/IP adds ~2-4%) ...
+LINK_SLACK = 32 << 10  # ... plus this (the barriers around the call, ACKs for received bytes)
+
+
+def _ifname() -> str | None:
+    name = os.environ.get("FP8COMM_LINK_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    name = name.split(",")[0].strip()
+    return name if name and _tx(name) is not None else None
+
+
+def _tx(ifname: str) -> int | None:
+    """Bytes `ifname` has sent, from /proc/net/dev (per network namespace)."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name.strip() == ifname:
+                return int(rest.split()[8])
+    except OSError:
+        pass
+    return None
+
+
+def _link_flag(model, measured) -> str:
+    if model is None or measured is None:
+        return ""
+    return "!" if abs(measured - model) > LINK_TOLERANCE * model + LINK_SLACK else ""
 
 
 def _has_fp4() -> bool:
@@ -270,6 +323,48 @@ def _problem(op: str, count: int, world: int, hidden: int, rank: int):
     )
 
 
+def _ring_call(op: str, x, world: int):
+    """The bf16 ring row's call on input x (preallocated output and receive buffers), or None for all_to_all."""
+    import torch
+
+    ring = _ring_module()
+    if op == "all_gather":
+        r = ring.Ring(x.numel() * world, x.dtype)
+        out = torch.empty(x.numel() * world, dtype=x.dtype)
+        return lambda: r.all_gather(out, x)
+    if op == "reduce_scatter":
+        r = ring.Ring(x.numel(), x.dtype)
+        out = torch.empty(x.numel() // world, dtype=x.dtype)
+        return lambda: r.reduce_scatter(out, x)
+    if op == "all_reduce":
+        r = ring.Ring(x.numel(), x.dtype)
+        out = torch.empty_like(x)
+        return lambda: r.all_reduce(out, x)
+    return None
+
+
+def _measured(fn, ifname):
+    """(fn()'s result, bytes node 0's link sent meanwhile or None): barriers on both sides."""
+    import torch.distributed as dist
+
+    if ifname is None:
+        return fn(), None
+    # Read before the barrier: the node's other ranks leave it first and may send before this rank reads.
+    tx0 = _tx(ifname)
+    dist.barrier()
+    out = fn()
+    dist.barrier()
+    tx1 = _tx(ifname)
+    return out, (tx1 - tx0 if tx0 is not None and tx1 is not None else None)
+
+
+def _full_count(op: str, count: int, world: int, hidden: int) -> int:
+    """Elements of the buffer the link models count (reduce_scatter/all_reduce input, all_gather output)."""
+    if op == "all_to_all":
+        return max(1, count // hidden // world) * world * hidden
+    return count // world * world
+
+
 # -------------------------------------------------------------------------------------------- main table
 def _table(args) -> None:
     import torch
@@ -278,6 +373,9 @@ def _table(args) -> None:
     import fp8comm.comm as fc
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per node; spawned: one node
+    ring = _ring_module()
+    ifname = _ifname()
     ops = [o for o in args.ops.split(",") if o]
     encs = [e for e in args.scales.split(",") if e]
     fp4s = [f for f in getattr(args, "fp4", "").split(",") if f and _has_fp4()]
@@ -300,43 +398,83 @@ def _table(args) -> None:
         "# time = median per call (barrier before each, slowest rank); algbw = buffer bytes in the row's input "
         "dtype / time; busbw = algbw * nccl-tests factor; SQNR vs the fp32 result"
     )
+    _say(
+        f"# {world // local if world % local == 0 else '?'} node(s) x {local} ranks (LOCAL_WORLD_SIZE); wire ratios "
+        "vs the bf16/fp32 ring's bytes (all_to_all: direct sends); torch's gloo reduce_scatter is a ring "
+        f"all-reduce (2x a reduce-scatter's bytes); link counter: {ifname or 'none (not under launch/cluster.py)'}"
+    )
     hdr = (
         f"{'op':<15}{'size':>11}{'count':>11}  {'variant':<10}{'time(us)':>12}{'algbw':>8}{'busbw':>8}"
-        f"{'wire B/rank':>13}{'vs bf16':>9}{'vs fp32':>9}{'SQNR dB':>9}"
+        f"{'wire B/rank':>13}{'vs bf16 ring':>13}{'vs fp32 ring':>13}{'xnode B/node':>14}{'link B/node':>14}"
+        f"{'SQNR dB':>9}"
     )
     _say(hdr)
     rows: list = []
     ratios: dict = {}
+    speed: list = []
     jf = open(args.json, "a") if (args.json and rank == 0) else None
     for op in ops:
         for size in sizes:
             count = size // 2
             x, fp8, plain, wire_of = _problem(op, count, world, args.hidden, rank)
             nbytes_bf16 = count * 2
+            full = _full_count(op, count, world, args.hidden)
             ref = plain(x.float())()  # fp32 result: the reference for SQNR
             ref = ref.clone()
             res = {}
+            # torch's gloo reduce_scatter all-reduces a clone: a ring all-reduce's bytes (ProcessGroupGloo)
+            torch_factor = 2 if op == "reduce_scatter" else 1
             for dt, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
                 fn = plain(x.to(dt))
-                first = fn().clone()
+                first, link = _measured(fn, ifname)
+                first = first.clone()
                 t, it, ts = _timeit(fn, args)
+                isz = 2 if dt == torch.bfloat16 else 4
                 res[name] = dict(
                     time=t,
                     iters=it,
                     times=ts,
-                    wire=wire_of(2 if dt == torch.bfloat16 else 4),
+                    wire=wire_of(isz) * torch_factor,
                     sqnr=_sqnr(first.float(), ref),
                     nbytes=nbytes_bf16 * (1 if name == "bf16" else 2),
+                    xnode=ring.torch_gloo_link_bytes_per_node(op, full, isz, world, local),
+                    link=link,
+                    algo="torch gloo" + (" (ring all-reduce)" if op == "reduce_scatter" else ""),
+                )
+            rfn = _ring_call(op, x, world) if op in RING_OPS else None
+            if rfn is not None:
+                first, link = _measured(rfn, ifname)
+                first = first.clone()
+                t, it, ts = _timeit(rfn, args)
+                res["bf16-ring"] = dict(
+                    time=t,
+                    iters=it,
+                    times=ts,
+                    wire=wire_of(2),  # the ring sends exactly the minimal count
+                    sqnr=_sqnr(first.float(), ref),
+                    nbytes=nbytes_bf16,
+                    xnode=ring.ring_link_bytes_per_node(op, full, 2, world, local),
+                    link=link,
+                    algo="bf16 ring (NCCL's algorithm on gloo p2p)",
                 )
             variants = [("fp8" if e == "fp32" else f"fp8-{e}", dict(fmt=args.fmt, scaling=e)) for e in encs]
-            if op != "all_to_all" and hg is None:  # the 4-bit wire has no all_to_all and no hierarchical form
+            if op != "all_to_all":  # the 4-bit wire has no all_to_all
                 variants += [(f, dict(fmt=f)) for f in fp4s]
             for name, kw in variants:
                 kw["backend"] = args.backend
                 if hg is not None and op != "all_to_all":
                     kw["hierarchical"] = hg
                 fc.reset_comm_stats()
-                first = fp8(x, **kw).clone()  # the output buffer is reused by the timed calls
+                try:
+                    first, link = _measured(lambda fp8=fp8, x=x, kw=kw: fp8(x, **kw), ifname)
+                except ValueError as e:  # Fp8CommError (a ValueError; older fp8comm may lack the module)
+                    # 4-bit two-level collectives arrive in a later fp8comm: skip (on every rank alike) until then
+                    if "hierarch" not in str(e).lower() or name.startswith("fp8"):
+                        raise
+                    _say(f"# skipped {op} {size} {name} hierarchical: {str(e).splitlines()[0][:160]}")
+                    fc.reset_comm_stats()
+                    continue
+                first = first.clone()  # the output buffer is reused by the timed calls
                 st = fc.comm_stats(reset=True)
                 wire = sum(v["wire_bytes"] for k, v in st.items() if k.startswith(op))
                 base = sum(v["dtype_bytes"] for k, v in st.items() if k.startswith(op))
@@ -349,31 +487,50 @@ def _table(args) -> None:
                     sqnr=_sqnr(first.float(), ref),
                     nbytes=nbytes_bf16,
                     stats_dtype_bytes=base,
+                    xnode=ring.stats_link_bytes_per_node(st, op, world, local, invocations=1),
+                    link=link,
+                    algo="fp8comm " + ("two-level" if kw.get("hierarchical") is not None else "flat"),
                 )
             for name, v in res.items():
                 algbw = v["nbytes"] / v["time"] / 1e9
-                ours = name not in ("bf16", "fp32")
-                vb = res["bf16"]["wire"] / v["wire"] if ours else float("nan")
-                vf = res["fp32"]["wire"] / v["wire"] if ours else float("nan")
+                ours = name not in BASELINES
+                vb = wire_of(2) / v["wire"] if ours else float("nan")
+                vf = wire_of(4) / v["wire"] if ours else float("nan")
                 if ours:
                     ratios.setdefault(name, []).append((vb, vf))
+                v["link_flag"] = _link_flag(v["xnode"], v["link"]) if world > local else ""
+                link = "-" if v["link"] is None else f"{v['link']}{v['link_flag']}"
                 line = (
                     f"{op:<15}{size:>11}{count:>11}  {name:<10}{v['time'] * 1e6:>12.1f}{algbw:>8.3f}"
                     f"{algbw * BUSBW[op](world):>8.3f}{v['wire']:>13}"
-                    + (f"{vb:>8.3f}x{vf:>8.3f}x" if ours else f"{'-':>9}{'-':>9}")
+                    + (f"{vb:>12.3f}x{vf:>12.3f}x" if ours else f"{'-':>13}{'-':>13}")
+                    + f"{v['xnode']:>14}{link:>14}"
                     + f"{v['sqnr']:>9.1f}"
                 )
                 _say(line)
-                row = dict(op=op, size=size, count=count, variant=name, world=world, **v)
+                row = dict(op=op, size=size, count=count, variant=name, world=world, local=local, **v)
                 rows.append(row)
                 if jf:
                     jf.write(json.dumps(row) + "\n")
+            speed.append((op, size, {k: v["time"] for k, v in res.items()}))
             del x, ref, res
     for name, rs in ratios.items():
         _say(
-            f"# {name}: wire bytes vs bf16 {min(r[0] for r in rs):.3f}x..{max(r[0] for r in rs):.3f}x, "
-            f"vs fp32 {min(r[1] for r in rs):.3f}x..{max(r[1] for r in rs):.3f}x (min..max over sizes)"
+            f"# {name}: wire bytes vs bf16 ring {min(r[0] for r in rs):.3f}x..{max(r[0] for r in rs):.3f}x, "
+            f"vs fp32 ring {min(r[1] for r in rs):.3f}x..{max(r[1] for r in rs):.3f}x (min..max over sizes; "
+            "all_to_all: vs direct sends)"
         )
+    for op, size, ts in speed:
+        parts = []
+        for name, t in ts.items():
+            if name in BASELINES:
+                continue
+            vs = [f"{ts['bf16'] / t:.2f}x vs torch gloo bf16"]
+            if "bf16-ring" in ts:
+                vs.append(f"{ts['bf16-ring'] / t:.2f}x vs bf16 ring")
+            parts.append(f"{name} {', '.join(vs)}")
+        if parts:
+            _say(f"# speed {op} {size}: " + "; ".join(parts))
     if args.check_cost_size != 0:
         _check_cost(args, ops)
     if args.ef_steps:

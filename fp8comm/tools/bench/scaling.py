@@ -9,7 +9,12 @@ Every repetition runs every variant once, in rotating order, so slow drifts of t
 alike; each time is the slowest rank's (barrier before, max over ranks after); medians over repetitions. Sizes
 are the per-rank input in bf16 (all-gather: the shard; reduce-scatter: the gradient bucket; all-to-all: the
 tokens); fp32 rows move the same elements. "link MB" are bytes node 0 actually sent on its eth0 (kernel counters,
-TCP/IP overhead included), per call. Every row, FP8 or not, writes into preallocated outputs.
+TCP/IP overhead included), per call; "model MB" the bytes the row's algorithm puts on a node's link per call: FP8
+rows from fp8comm's own statistics (ring.stats_link_bytes_per_node), torch rows from gloo's algorithm, ring rows
+from the ring's; `!` where a counter and its model differ by more than 10%. `*_ring` rows: NCCL's ring
+reduce-scatter / all-gather / all-reduce in bf16 on gloo point-to-point (ring.py), the baseline a user would
+otherwise run (torch's gloo reduce_scatter is a ring all-reduce: twice the bytes). Every row, FP8 or not, writes
+into preallocated outputs. Ranks per node: torchrun's LOCAL_WORLD_SIZE (`cluster.py bench --nproc-per-node`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 import fp8comm
 
 from ...distributed import link_bytes
+from . import ring as ringmod
 
 HIDDEN = 4096  # MoE token width for the all-to-all rows
 
@@ -41,14 +47,25 @@ VARIANTS = [
     ("ag.fp8_1p", "all_gather", "fp8comm.all_gather, pipeline=False (one piece: codec and wire in sequence)"),
     ("ag.bf16", "all_gather", "torch all_gather_into_tensor, bf16"),
     ("ag.bf16_b4", "all_gather", "the same in 4 async buckets"),
+    ("ag.bf16_ring", "all_gather", "NCCL's ring all-gather, bf16, on gloo isend/irecv (ring.py)"),
     ("rs.fp8", "reduce_scatter", "fp8comm.reduce_scatter_into, bf16 in/out, pipelined"),
     ("rs.fp8_f32", "reduce_scatter", "fp8comm.reduce_scatter, fp32 in/out"),
     ("rs.fp8_f32_1p", "reduce_scatter", "fp8comm.reduce_scatter, fp32, pipeline=False (one piece)"),
     ("rs.fp8_f32_b4", "reduce_scatter", "the same in 4 async buckets (DDP/ZeRO gradient buckets)"),
     ("rs.fp8_hier", "reduce_scatter", "fp8comm.reduce_scatter hierarchical, fp32 in/out (fp32 inside a node)"),
+    ("rs.mxfp4", "reduce_scatter", "fp8comm.reduce_scatter_into fmt=mxfp4, bf16 in/out, flat"),
+    (
+        "rs.mxfp4_hier",
+        "reduce_scatter",
+        "fp8comm.reduce_scatter_into fmt=mxfp4 hierarchical, bf16 in/out (skipped where fp8comm refuses it)",
+    ),
     ("rs.bf16", "reduce_scatter", "torch reduce_scatter_tensor, bf16"),
     ("rs.fp32", "reduce_scatter", "torch reduce_scatter_tensor, fp32"),
     ("rs.fp32_b4", "reduce_scatter", "the same in 4 async buckets"),
+    ("rs.bf16_ring", "reduce_scatter", "NCCL's ring reduce-scatter, bf16, summed in bf16, on gloo p2p (ring.py)"),
+    ("ar.fp8", "all_reduce", "fp8comm.all_reduce_into, bf16 in/out"),
+    ("ar.bf16", "all_reduce", "torch all_reduce, bf16 (gloo ring)"),
+    ("ar.bf16_ring", "all_reduce", "ring reduce-scatter + ring all-gather, bf16 (ring.py)"),
     ("a2a.fp8", "all_to_all", "fp8comm.all_to_all wire=fp8 out=..., bf16 tokens [T, 4096], pipelined"),
     (
         "a2a.fp8_out",
@@ -70,12 +87,20 @@ RATIOS = [
     ("ag.fp8_1p", "ag.bf16"),
     ("ag.fp8_b4", "ag.bf16_b4"),
     ("ag.fp8_out", "ag.bf16"),
+    ("ag.fp8", "ag.bf16_ring"),
     ("rs.fp8", "rs.bf16"),
+    ("rs.fp8", "rs.bf16_ring"),
+    ("rs.mxfp4", "rs.bf16"),
+    ("rs.mxfp4", "rs.bf16_ring"),
+    ("rs.mxfp4_hier", "rs.bf16_ring"),
+    ("rs.mxfp4_hier", "rs.mxfp4"),
     ("rs.fp8_f32", "rs.fp32"),
     ("rs.fp8_f32_1p", "rs.fp32"),
     ("rs.fp8_f32_b4", "rs.fp32_b4"),
     ("rs.fp8_hier", "rs.fp32"),
     ("rs.fp8_hier", "rs.fp8_f32"),
+    ("ar.fp8", "ar.bf16"),
+    ("ar.fp8", "ar.bf16_ring"),
     ("a2a.fp8", "a2a.bf16"),
     ("a2a.fp8_1p", "a2a.bf16"),
     ("a2a.fp8_out", "a2a.bf16"),
@@ -83,6 +108,60 @@ RATIOS = [
 # Rows whose output is FP8 (no dequantization): labelled in every table, never mixed up with the others.
 FP8_OUT = {"ag.fp8_out", "a2a.fp8_out"}
 BUCKETS = 4
+# What each baseline is: every speedup the report prints names it (a torch gloo reduce-scatter is a ring all-reduce).
+BASELINE_NAMES = {
+    "ag.bf16": "torch gloo bf16 (ring)",
+    "ag.bf16_b4": "torch gloo bf16 (ring), 4 buckets",
+    "ag.bf16_ring": "bf16 ring",
+    "rs.bf16": "torch gloo bf16 (ring all-reduce)",
+    "rs.fp32": "torch gloo fp32 (ring all-reduce)",
+    "rs.fp32_b4": "torch gloo fp32 (ring all-reduce), 4 buckets",
+    "rs.bf16_ring": "bf16 ring",
+    "rs.fp8_f32": "fp8comm flat",
+    "rs.mxfp4": "fp8comm flat",
+    "ar.bf16": "torch gloo bf16 (ring)",
+    "ar.bf16_ring": "bf16 ring",
+    "a2a.bf16": "torch gloo bf16 (direct)",
+}
+# Rows whose link bytes follow from their algorithm (not from fp8comm's statistics): key -> (algorithm, op, dtype)
+_ALGO = {
+    "ag.bf16": ("torch", "all_gather", 2),
+    "ag.bf16_b4": ("torch", "all_gather", 2),
+    "ag.bf16_ring": ("ring", "all_gather", 2),
+    "rs.bf16": ("torch", "reduce_scatter", 2),
+    "rs.fp32": ("torch", "reduce_scatter", 4),
+    "rs.fp32_b4": ("torch", "reduce_scatter", 4),
+    "rs.bf16_ring": ("ring", "reduce_scatter", 2),
+    "ar.bf16": ("torch", "all_reduce", 2),
+    "ar.bf16_ring": ("ring", "all_reduce", 2),
+    "a2a.bf16": ("torch", "all_to_all", 2),
+}
+LINK_TOLERANCE = 0.10
+# Absolute slack on top: the barrier after each call and the ACKs for the bytes node 0 receives cross too (~10% of
+# a 140 KB rail phase at 1 MiB per rank, noise at >= 16 MiB).
+LINK_SLACK = 32 << 10
+
+
+def model_link_bytes(key: str, n: int, world: int, local: int, stats: dict | None, invocations: int) -> int | None:
+    """Bytes one node sends across its link per call of row `key` (n = bf16 elements per rank), from the row's
+    algorithm (torch, ring) or from fp8comm's statistics of the row's Buffer over `invocations` calls (FP8 rows);
+    None for rows without communication."""
+    op = _OPS.get(key)
+    if key in _ALGO:
+        algo, aop, isz = _ALGO[key]
+        count = n * world if aop == "all_gather" else n  # the full buffer: all-gather output, else the input
+        fn = ringmod.ring_link_bytes_per_node if algo == "ring" else ringmod.torch_gloo_link_bytes_per_node
+        return fn(aop, count, isz, world, local)
+    if op in (None, "codec") or stats is None:
+        return None
+    return ringmod.stats_link_bytes_per_node(stats, op, world, local, invocations=invocations)
+
+
+def link_flag(model, measured) -> str:
+    """'!' when the link counter and the model differ by more than LINK_TOLERANCE (of the model) + LINK_SLACK."""
+    if model is None or measured is None:
+        return ""
+    return "!" if abs(measured - model) > LINK_TOLERANCE * model + LINK_SLACK else ""
 
 
 def _tx(ifname: str = "eth0") -> int:
@@ -91,7 +170,8 @@ def _tx(ifname: str = "eth0") -> int:
 
 # ------------------------------------------------------------------------------------------------- worker
 def _variants(keys, mib: float, world: int, local: int):
-    """{key: fn} closures over preallocated inputs for one message size."""
+    """(elements per rank, {key: fn} closures over preallocated inputs for one message size, {key: why skipped},
+    {key: the row's fp8comm Buffer})."""
     import torch
     import torch.distributed as dist
 
@@ -112,6 +192,10 @@ def _variants(keys, mib: float, world: int, local: int):
     # One Buffer (scratch pool) per variant, reused across repetitions, as an engine would keep per bucket.
     bufs = {k: fc.Buffer() for k in keys}
     hier = fc.node_groups(local_size=local) if world > local else None
+    # Ring baselines: receive buffers allocated once here (NCCL's ring, bf16, on gloo p2p).
+    ring_ag = ringmod.Ring(world * n, torch.bfloat16) if "ag.bf16_ring" in keys else None
+    ring_rs = ringmod.Ring(n, torch.bfloat16) if {"rs.bf16_ring", "ar.bf16_ring"} & set(keys) else None
+    ar16 = torch.empty_like(x16) if any(k.startswith("ar.") for k in keys) else x16
 
     def buckets(fn, xs, outs=None):
         # Issue every bucket before waiting on any: bucket i+1 is quantized while bucket i is on the wire, and
@@ -149,6 +233,7 @@ def _variants(keys, mib: float, world: int, local: int):
         "ag.fp8_1p": lambda: bufs["ag.fp8_1p"].all_gather_into(ag_out, x16, pipeline=False),
         "ag.bf16": lambda: ag(ag_out, x16),
         "ag.bf16_b4": lambda: buckets(lambda x, o: ag(o, x, async_op=True), x16b, ag_outb),
+        "ag.bf16_ring": lambda: ring_ag.all_gather(ag_out, x16),  # type: ignore[union-attr]
         "rs.fp8": lambda: bufs["rs.fp8"].reduce_scatter_into(rs16, x16),
         "rs.fp8_f32": lambda: bufs["rs.fp8_f32"].reduce_scatter_into(rs32, x32),
         "rs.fp8_f32_1p": lambda: bufs["rs.fp8_f32_1p"].reduce_scatter_into(rs32, x32, pipeline=False),
@@ -156,9 +241,15 @@ def _variants(keys, mib: float, world: int, local: int):
             lambda x, o: bufs["rs.fp8_f32_b4"].reduce_scatter_into(o, x, async_op=True), x32b, rs32b
         ),
         "rs.fp8_hier": lambda: bufs["rs.fp8_hier"].reduce_scatter_into(rs32, x32, hierarchical=hier),
+        "rs.mxfp4": lambda: bufs["rs.mxfp4"].reduce_scatter_into(rs16, x16, fmt="mxfp4"),
+        "rs.mxfp4_hier": lambda: bufs["rs.mxfp4_hier"].reduce_scatter_into(rs16, x16, fmt="mxfp4", hierarchical=hier),
         "rs.bf16": lambda: rs(rs16, x16),
         "rs.fp32": lambda: rs(rs32, x32),
         "rs.fp32_b4": lambda: buckets(lambda x, o: rs(o, x, async_op=True), x32b, rs32b),
+        "rs.bf16_ring": lambda: ring_rs.reduce_scatter(rs16, x16),  # type: ignore[union-attr]
+        "ar.fp8": lambda: bufs["ar.fp8"].all_reduce_into(ar16, x16),
+        "ar.bf16": lambda: (ar16.copy_(x16), dist.all_reduce(ar16)),
+        "ar.bf16_ring": lambda: ring_rs.all_reduce(ar16, x16),  # type: ignore[union-attr]
         "a2a.fp8": lambda: bufs["a2a.fp8"].all_to_all(tok, wire="fp8", out=a2a_out),
         "a2a.fp8_out": lambda: bufs["a2a.fp8_out"].all_to_all(tok, wire="fp8", fp8_out=True, out=tok8),
         "a2a.fp8_1p": lambda: bufs["a2a.fp8_1p"].all_to_all(tok, wire="fp8", pipeline=False, out=a2a_out),
@@ -167,7 +258,32 @@ def _variants(keys, mib: float, world: int, local: int):
     fns.update(_codecs(x16, x32, tok, world))
     if hier is None:
         fns.pop("rs.fp8_hier")  # one node: nothing crosses a link, hierarchical == flat
-    return n, {k: fns[k] for k in keys if k in fns}
+        fns.pop("rs.mxfp4_hier")
+    skipped = {}
+    if "mxfp4" not in getattr(fc, "FORMATS", ()):
+        for k in ("rs.mxfp4", "rs.mxfp4_hier"):
+            skipped[k] = "this fp8comm has no 4-bit wire"
+    elif hier is not None and "rs.mxfp4_hier" in keys:
+        reason = _refused(lambda: fc.reduce_scatter(torch.zeros(world * 256), fmt="mxfp4", hierarchical=hier))
+        if reason:
+            skipped["rs.mxfp4_hier"] = reason
+    for k in skipped:
+        fns.pop(k, None)
+    return n, {k: fns[k] for k in keys if k in fns}, skipped, bufs
+
+
+def _refused(probe) -> str | None:
+    """Run a small call on every rank: the reason when fp8comm refuses it for hierarchical mode (the 4-bit two-level
+    collectives arrive in a later fp8comm), None when it runs. Other errors propagate."""
+    from fp8comm.errors import Fp8CommError
+
+    try:
+        probe()
+    except Fp8CommError as e:
+        if "hierarch" not in str(e).lower():
+            raise
+        return f"refused by this fp8comm: {str(e).splitlines()[0][:160]}"
+    return None
 
 
 def _codecs(x16, x32, tok, world: int) -> dict:
@@ -220,8 +336,11 @@ def worker(a) -> int:
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
     rows = []
     for mib in [float(s) for s in a.sizes_mib.split(",")]:
-        n, fns = _variants(keys, mib, world, local)
+        n, fns, skipped, bufs = _variants(keys, mib, world, local)
         names = list(fns)
+        if rank == 0:
+            for k, why in skipped.items():
+                print(f"[scaling] {mib:g} MiB: skipped {k}: {why}", flush=True)
         reps = a.reps if mib >= a.full_reps_from_mib else max(3, a.reps // 2)
         times: dict[str, list[float]] = {k: [] for k in names}
         link: dict[str, list[float]] = {k: [] for k in names}
@@ -230,8 +349,10 @@ def worker(a) -> int:
             dt = torch.zeros(len(names), dtype=torch.float64)
             lb = torch.zeros(len(names), dtype=torch.float64)
             for k in order:
-                dist.barrier()
+                # The counter is read before the barrier: the node's other ranks leave the barrier first and may
+                # already send while this rank is still being scheduled (8 ranks on 2 cores: milliseconds).
                 tx0 = _tx()
+                dist.barrier()
                 t0 = time.perf_counter()
                 fns[k]()
                 dt[names.index(k)] = time.perf_counter() - t0
@@ -242,7 +363,11 @@ def worker(a) -> int:
                 for i, k in enumerate(names):
                     times[k].append(float(dt[i]))
                     link[k].append(float(lb[i]))
+        calls = a.warmup + reps
         for k in names:
+            st = bufs[k].stats.snapshot(reset=True) if k in bufs else None  # this row's calls only
+            model = model_link_bytes(k, n, world, local, st, calls)
+            measured = statistics.median(link[k]) if rank == 0 else None
             rows.append(
                 {
                     "key": k,
@@ -250,7 +375,9 @@ def worker(a) -> int:
                     "elements": n,
                     "median_s": statistics.median(times[k]),
                     "times_s": times[k],
-                    "link_tx_bytes": statistics.median(link[k]) if rank == 0 else None,
+                    "link_tx_bytes": measured,
+                    "model_link_bytes": model,
+                    "link_flag": link_flag(model, measured) if world > local else "",
                 }
             )
         if rank == 0:
@@ -296,7 +423,8 @@ def drive(cluster, argv, train_script: str | Path | None = None) -> int:
     `train_script`: the training loop for the training rows (launch/train_demo.py of the checkout that holds
     cluster.py); without it, --train-steps is ignored."""
     p = argparse.ArgumentParser(prog="cluster.py bench", description="scaling benchmark on the simulated cluster")
-    p.add_argument("--nodes", default="1,2,3", help="node counts (2 ranks each)")
+    p.add_argument("--nodes", default="1,2,3", help="node counts (--nproc-per-node ranks each)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--rate", default="1gbit", help="link rate per direction (tc tbf)")
     p.add_argument("--sizes-mib", default="1,4,16,32,64")
     p.add_argument("--reps", type=int, default=7)
@@ -331,6 +459,7 @@ def drive(cluster, argv, train_script: str | Path | None = None) -> int:
                     a.rate,
                 ],
                 nnodes=k,
+                nproc=a.nproc_per_node,
                 timeout=a.timeout,
                 log_dir=out / f"logs_coll_n{k}",
             )
@@ -348,6 +477,7 @@ def drive(cluster, argv, train_script: str | Path | None = None) -> int:
                         str(out / f"train_n{k}.json"),
                     ],
                     nnodes=k,
+                    nproc=a.nproc_per_node,
                     timeout=a.timeout,
                     log_dir=out / f"logs_train_n{k}",
                 )
@@ -386,8 +516,9 @@ def report(out: Path, plots: str | None = None) -> str:
         "",
     ]
     lines += [
-        "| nodes | op | MiB/rank | FP8 variant | ms | baseline | ms | speedup | link MB FP8 / base | CV% FP8 / base |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| nodes | op | MiB/rank | FP8 variant | ms | baseline | ms | speedup vs baseline | link MB FP8 / base "
+        "| CV% FP8 / base | model MB FP8 / base | link vs model | baseline is |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k, d in sorted(coll.items()):
         rows = {(r["key"], r["mib"]): r for r in d["rows"]}
@@ -400,12 +531,17 @@ def report(out: Path, plots: str | None = None) -> str:
                     continue
                 la, lb = a.get("link_tx_bytes"), b.get("link_tx_bytes")
                 link = f"{la / 1e6:.1f} / {lb / 1e6:.1f}" if k > 1 and la is not None and lb else "-"
+                ma, mb = a.get("model_link_bytes"), b.get("model_link_bytes")
+                model = f"{ma / 1e6:.1f} / {mb / 1e6:.1f}" if k > 1 and ma is not None and mb is not None else "-"
+                flags = [f"{who} differs" for who, r in (("FP8", a), ("base", b)) if r.get("link_flag")]
                 size = a["elements"] * 2 / 2**20
                 label = f"{f8} (FP8 out, for an FP8 GEMM consumer)" if f8 in FP8_OUT else f8
                 lines.append(
                     f"| {k} | {_OPS[f8]} | {size:.1f} | {label} | {a['median_s'] * 1e3:.0f} | {base} | "
                     f"{b['median_s'] * 1e3:.0f} | **{b['median_s'] / a['median_s']:.2f}x** | {link} | "
-                    f"{_cv(a['times_s']):.0f} / {_cv(b['times_s']):.0f} |"
+                    f"{_cv(a['times_s']):.0f} / {_cv(b['times_s']):.0f} | {model} | "
+                    f"{'! ' + ', '.join(flags) if flags else ('ok' if model != '-' and link != '-' else '-')} | "
+                    f"{BASELINE_NAMES.get(base, base)} |"
                 )
     codec = [
         (k, r) for k, d in sorted(coll.items()) for r in d["rows"] if r["key"].startswith("codec.") and r["mib"] >= 16
@@ -469,12 +605,13 @@ def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
         return []
     folder.mkdir(parents=True, exist_ok=True)
     groups = [
-        ("all_gather", ["ag.fp8", "ag.fp8_out", "ag.fp8_b4", "ag.bf16"]),
-        ("reduce_scatter", ["rs.fp8_f32", "rs.fp8_hier", "rs.bf16", "rs.fp32"]),
+        ("all_gather", ["ag.fp8", "ag.fp8_out", "ag.fp8_b4", "ag.bf16", "ag.bf16_ring"]),
+        ("reduce_scatter", ["rs.fp8_f32", "rs.fp8_hier", "rs.bf16", "rs.bf16_ring", "rs.fp32"]),
         ("all_to_all", ["a2a.fp8", "a2a.fp8_out", "a2a.bf16"]),
     ]
     made = []
     rate = next(iter(coll.values()))["meta"]["rate"]
+    g = next(iter(coll.values()))["meta"].get("ranks_per_node", 2)
     big = max(r["mib"] for d in coll.values() for r in d["rows"] if r["mib"] <= 32)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, (op, keys) in zip(axes, groups):
@@ -487,7 +624,7 @@ def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
             ]
             if xs:
                 ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=_label(key))
-        ax.set(title=f"{op}, {big:g} MiB per rank", xlabel="nodes (2 ranks each)", ylabel="ms (median)")
+        ax.set(title=f"{op}, {big:g} MiB per rank", xlabel=f"nodes ({g} ranks each)", ylabel="ms (median)")
         ax.set_xticks(sorted(coll))
         ax.legend(fontsize=8)
     fig.suptitle(f"fp8comm on the simulated cluster: time vs nodes ({rate} links)")
@@ -503,7 +640,7 @@ def _plots(coll: dict, folder: Path) -> list[tuple[str, str]]:
                 ax.plot([x for x, _ in xs], [y * 1e3 for _, y in xs], marker="o", label=_label(key))
         ax.set(title=f"{op}, {k} nodes", xlabel="MiB per rank (bf16)", ylabel="ms (median)", xscale="log", yscale="log")
         ax.legend(fontsize=8)
-    fig.suptitle(f"fp8comm on the simulated cluster: time vs message size ({k} nodes x 2 ranks, {rate})")
+    fig.suptitle(f"fp8comm on the simulated cluster: time vs message size ({k} nodes x {g} ranks, {rate})")
     fig.tight_layout()
     fig.savefig(folder / "scaling_sizes.png", dpi=90)
     made.append(("time vs message size", str(folder / "scaling_sizes.png")))

@@ -30,8 +30,9 @@ def _find(name: str):
     import fsdp2_checks_ef
     import fsdp2_checks_groups
     import fsdp2_checks_hooks
+    import fsdp2_checks_levels
 
-    mods = [fsdp2_checks, fsdp2_checks_hooks, fsdp2_checks_groups, fsdp2_checks_ef]
+    mods = [fsdp2_checks, fsdp2_checks_hooks, fsdp2_checks_groups, fsdp2_checks_ef, fsdp2_checks_levels]
     if os.environ.get(EXTRA):
         folder, _, module = os.environ[EXTRA].rpartition(":")
         sys.path.insert(0, folder)

@@ -433,11 +433,13 @@ def gpt_dp2_plain_ddp(rank, world, info):
 
 
 def gpt_tp2_dp2_hierarchical(rank, world, info):
-    """TP=2 x DP=2 as 2 nodes x 2 ranks, hierarchical: two DP groups ([0, 2], [1, 3]), one member per node each.
+    """TP=2 x DP=2 as 2 nodes x 2 ranks, hierarchical on: two DP groups ([0, 2], [1, 3]), one member per node each,
+    so nothing can be summed inside a node: both run flat, with that reason, and install() creates no group.
     Mechanism: every dist.new_group call of the run (install + training) is exchanged across all ranks as it
-    happens and must have the same members on every rank (the lazy per-group creation gave rank 0 [0], [2],
-    [0, 2] and rank 1 [1], [3], [1, 3] at the same indices: a hang or cross-talk); none may happen after
-    install. Then parity, bytes and the probe, as for the flat runs."""
+    happens and must have the same members on every rank; none may happen during install or after it. Then
+    parity, bytes and the probe, as for the flat runs."""
+    from fp8comm.integrations.megatron.installation import installed
+
     T.init_parallel(tp=2)
     calls: list = []
     mark: dict = {}
@@ -450,26 +452,27 @@ def gpt_tp2_dp2_hierarchical(rank, world, info):
         assert all(s == seen[0] for s in seen), f"new_group call {len(calls)} differs across ranks: {seen}"
         return real(ranks, *a, **k)
 
+    def on_install(m):
+        mark.update(at_install=len(calls), why={str(list(r)): s.describe() for r, s in installed().node_groups.items()})
+
     kw = dict(overlap_grad_reduce=True, overlap_param_gather=True)
     tag = "tp2_dp2_overlap_on_hier"
     base = run(kw, None)
     dist.new_group = new_group
     try:
         f8, probe = probed_run(
-            kw,
-            dict(grad_reduce=True, param_gather=True, hierarchical=True),
-            tag,
-            on_install=lambda m: mark.update(at_install=len(calls)),
+            kw, dict(grad_reduce=True, param_gather=True, hierarchical=True), tag, on_install=on_install
         )
     finally:
         dist.new_group = real
     check_parity(base, f8, info, tag)
-    info[tag].update(probe=probe, new_group_calls=calls)
-    assert mark["at_install"] > 0, "install created no node group (cached by an earlier check?): nothing shown"
-    assert len(calls) == mark["at_install"], f"node groups created after install: {calls[mark['at_install'] :]}"
+    info[tag].update(probe=probe, new_group_calls=calls, decisions=mark["why"])
+    assert mark["at_install"] == 0 and not calls, f"node groups created for groups that run flat: {calls}"
+    assert sorted(mark["why"]) == ["[0, 2]", "[1, 3]"], mark["why"]
+    assert all("flat (one member per node" in v for v in mark["why"].values()), mark["why"]
     h = f8["hooks"]
     assert h["grad_reduce_scatter"]["fp8_calls"] > 0 and h["param_all_gather"]["fp8_calls"] > 0, h
-    assert f8["comm"].get("all_gather.intra", {}).get("calls", 0) > 0, f"{tag}: hierarchical path not taken"
+    assert not [k for k in f8["comm"] if k.endswith(".intra")], f"{tag}: a group that cannot be split ran two-level"
     check_bytes(f8, "reduce_scatter", 4, tag)  # one member per node: everything crosses nodes in FP8
     check_bytes(f8, "all_gather", 2, tag)
     check_replicas_identical(f8["params"], tag)

@@ -25,6 +25,7 @@ CHECK_MODULES = (
     "mcore_checks_guard",
     "mcore_checks_example",
     "mcore_checks_fp4",
+    "mcore_checks_levels",
 )
 
 

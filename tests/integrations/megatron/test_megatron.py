@@ -328,17 +328,18 @@ class _Group:
 
 
 def test_hierarchical_node_groups_are_created_alike_on_every_rank(monkeypatch):
-    """Issue 20 s2: TP=2 x DP=2 on 2 nodes x 2 ranks has two DP groups, [0, 2] and [1, 3]. Every rank must make
-    the same dist.new_group calls (members, order); the old lazy per-group creation made rank 0 create
-    [0], [2], [0, 2] and rank 1 [1], [3], [1, 3] at the same indices. Simulated rank by rank (mocked dist)."""
+    """Issue 20 s2 / issue 28: TP=2 x DP=4 on 2 nodes x 4 ranks has two strided DP groups, [0, 2, 4, 6] and
+    [1, 3, 5, 7], two members on each node. Every rank must make the same dist.new_group calls (members, order);
+    the old lazy per-group creation made each rank create only its own group's. Simulated rank by rank (mocked
+    dist; the one all_gather_object carries every rank's node facts and DP groups)."""
     from megatron.core import parallel_state as ps
 
     from fp8comm.comm import hierarchical as hier
+    from fp8comm.comm import topology
     from fp8comm.integrations.megatron import ddp_hooks
 
-    world, tp = 4, 2
+    world, tp = 8, 2
     dp_of = {r: _Group(range(r % tp, world, tp)) for r in range(world)}
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: list(g.ranks))
@@ -346,37 +347,52 @@ def test_hierarchical_node_groups_are_created_alike_on_every_rank(monkeypatch):
 
     def all_gather_object(out, obj):
         for r in range(world):  # what every rank contributes (this rank's own must be what it passed)
-            out[r] = [tuple(dp_of[r].ranks)] * 4
-        assert obj == out[me], (obj, out[me])
+            out[r] = ((str(r // 4), "4", "same-host"), [tuple(dp_of[r].ranks)])
+        assert obj[1] == out[me][1], (obj, out[me])
 
     monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
     seqs = {}
     for me in range(world):
         calls: list = []
         monkeypatch.setattr(hier, "_CACHE", {})  # a fresh process per simulated rank
+        monkeypatch.setattr(topology, "_TABLE", None)
         monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, me=me: me)
         monkeypatch.setattr(torch.distributed, "new_group", lambda ranks, *a, calls=calls, **k: calls.append(ranks))
         monkeypatch.setattr(ps, "get_data_parallel_group", lambda *a, me=me, **k: dp_of[me])
         monkeypatch.setattr(ps, "get_expert_data_parallel_group", lambda *a, me=me, **k: dp_of[me])
-        fm.install(ddp_config=_ddp(), grad_reduce=True, hierarchical=True)
+        fm.install(ddp_config=_ddp(), grad_reduce=True)  # two levels: the default
         at_install = len(calls)
         hg = ddp_hooks.hierarchical_groups(dp_of[me])  # what the reduce-scatter hook asks for
-        assert (hg.nodes, hg.local, hg.node) == (2, 1, me // 2), hg
+        assert (hg.nodes, hg.local, hg.node, hg.local_rank) == (2, 2, me // 4, (me % 4) // 2), hg
         assert len(calls) == at_install, f"rank {me}: the hook created groups lazily: {calls[at_install:]}"
         with pytest.raises(fm.Fp8CommMegatronError, match="not one of the data-parallel groups"):
             ddp_hooks.hierarchical_groups(_Group([0, 1]))
         fm.uninstall()
         seqs[me] = [list(c) for c in calls]
     assert all(seqs[r] == seqs[0] for r in seqs), f"new_group calls differ across ranks: {seqs}"
-    assert seqs[0] == [[0], [2], [0, 2], [1], [3], [1, 3]], seqs[0]
+    assert seqs[0] == [[0, 2], [4, 6], [0, 4], [2, 6], [1, 3], [5, 7], [1, 5], [3, 7]], seqs[0]
 
 
-def test_node_group_plan_is_sorted_and_explains_uneven_groups():
+def test_install_without_parallel_state_runs_flat_and_says_why(capsys):
+    """Two levels are the default; an install() before initialize_model_parallel (or without torch.distributed)
+    cannot see the data-parallel groups: every group runs flat, with one line saying why (never an error)."""
     from fp8comm.integrations.megatron import ddp_hooks
 
-    plan = ddp_hooks.node_group_plan([[1, 3], [0, 2], [1, 3], [0, 1, 2, 3], [0, 1, 2]], 2)
-    assert [r for r, _ in plan] == [(0, 1, 2), (0, 1, 2, 3), (0, 2), (1, 3)]
-    assert [x for _, x in plan][1:] == [2, 1, 1] and "per-node counts {0: 2, 1: 1}" in plan[0][1]
+    fm.install(ddp_config=_ddp(), grad_reduce=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "every data-parallel group runs flat: torch.distributed is not initialized" in err[0]
+    assert "hierarchical on" in err[0], err
+    assert ddp_hooks.hierarchical_groups(_Group([0, 1])) is None
+
+
+def test_hierarchical_flag_defaults_on_and_no_flag_turns_it_off():
+    p = fm.add_args(argparse.ArgumentParser())
+    assert p.parse_args([]).fp8comm_hierarchical is True
+    assert p.parse_args(["--fp8comm-hierarchical"]).fp8comm_hierarchical is True
+    assert p.parse_args(["--no-fp8comm-hierarchical"]).fp8comm_hierarchical is False
+    assert fm.Fp8CommMegatronConfig().hierarchical is True
+    with pytest.raises(fm.Fp8CommMegatronError, match="hierarchical must be True or False, got 'yes'"):
+        fm.Fp8CommMegatronConfig(hierarchical="yes")
 
 
 # ------------------------------------------------------------------------------------- invalid combinations
@@ -412,7 +428,6 @@ def test_node_group_plan_is_sorted_and_explains_uneven_groups():
         (dict(param_gather=True, error_feedback=True), {}, "--fp8comm-error-feedback needs --fp8comm-grad-reduce"),
         (dict(grad_reduce=True, error_feedback_dtype="bf16"), {}, "would do nothing"),
         (dict(error_feedback=True), {}, "--fp8comm-error-feedback needs --fp8comm-grad-reduce"),  # nothing else on
-        (dict(hierarchical=True), {}, "neither is on"),
         (dict(param_update_fmt="mxfp4"), dict(use_distributed_optimizer=False), "needs --use-distributed-optimizer"),
         (dict(param_update_fmt="mxfp4", param_gather=True), {}, "both replace .*choose one"),
         (dict(param_update_fmt="nvfp4", params_dtype=torch.float32), {}, "no separate master"),
@@ -421,7 +436,6 @@ def test_node_group_plan_is_sorted_and_explains_uneven_groups():
         (dict(param_update_fmt="mxfp4"), dict(num_distributed_optimizer_instances=2), "several distributed"),
         (dict(grad_fmt="mxfp4"), {}, "--fp8comm-grad-format mxfp4 without --fp8comm-grad-reduce"),
         (dict(grad_fmt="nvfp4", param_update_fmt="nvfp4"), {}, "without --fp8comm-grad-reduce"),
-        (dict(grad_reduce=True, grad_fmt="nvfp4", hierarchical=True), {}, "4-bit wire has no hierarchical mode"),
         (
             dict(grad_reduce=True, grad_fmt="mxfp4", block_size=32),
             {},
@@ -435,7 +449,6 @@ def test_node_group_plan_is_sorted_and_explains_uneven_groups():
         (dict(param_update_fmt="mxfp4", guard=True), {}, "--fp8comm-guard watches"),
         (dict(grad_reduce=True, hadamard=16), {}, "--fp8comm-hadamard 16 applies to 4-bit gradients.*here: e4m3"),
         (dict(param_update_fmt="mxfp4", hadamard=32), {}, "applies to 4-bit gradients.*here: not hooked"),
-        (dict(moe_dispatch=True, transformer_config=_moe_tc(), hierarchical=True), {}, "neither is on"),
     ],
 )
 def test_invalid_combination_is_refused_with_the_reason(kwargs, ddp_kw, match):
@@ -443,12 +456,6 @@ def test_invalid_combination_is_refused_with_the_reason(kwargs, ddp_kw, match):
     with pytest.raises(fm.Fp8CommMegatronError, match=match):
         fm.install(ddp_config=_ddp(**ddp_kw), **kwargs)
     assert _snapshot() == before and fm.active_config() is None
-
-
-def test_hierarchical_needs_local_world_size(monkeypatch):
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with pytest.raises(fm.Fp8CommMegatronError, match="LOCAL_WORLD_SIZE"):
-        fm.install(ddp_config=_ddp(), grad_reduce=True, hierarchical=True)
 
 
 def test_fp32_param_buffer_is_refused_at_runtime():

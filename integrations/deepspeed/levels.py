@@ -1,0 +1,103 @@
+"""Two-level (hierarchical) collectives for an fp8comm engine: which groups, decided and prepared at build.
+
+Every DeepSpeed group the hooks issue collectives on (ZeRO-1/2: the DP group of every param group; ZeRO-3: the DP
+group, each parameter's partition group, the hpZ secondary group, and the world for qgZ) is decided by
+fp8comm.comm.topology once, at engine build, on every rank in one order (creating groups is collective over the
+whole world): two-level when it spans nodes with more than one member on each, flat otherwise, one log line per
+group. The hooks look their group up here and never create one; the unbalanced ZeRO-1/2 bucket (one FP8
+all-to-all), the 4-bit weight-update gather and the MoE all-to-all stay flat.
+
+Error feedback: the engine keeps one residual per parameter laid out like the send buffer [group, L]; a two-level
+reduce-scatter keeps the residual of its cross-node phase only (the node-summed chunks of my rail, [nodes, L]),
+which rail_feedback()/rail_back() cut out of and put back into that layout (other ranks' chunks: zero).
+"""
+
+from __future__ import annotations
+
+from fp8comm.comm import ErrorFeedback, HierarchicalGroups
+from fp8comm.comm import topology as topo
+
+HOLDER = "deepspeed"  # the fp8comm.comm.node_groups holder (released by uninstall(): fp8comm.comm.teardown)
+FLAT_NOTE = "unbalanced ZeRO-1/2 buckets (one FP8 all-to-all), 4-bit weight updates and MoE all-to-all stay flat"
+
+
+def _ranks(group) -> tuple[int, ...] | None:
+    if group is None:
+        return topo.group_ranks(None)
+    try:
+        return topo.group_ranks(group)
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def comm_groups(engine) -> list[tuple[int, ...]]:
+    """Global ranks of every group this rank's engine may issue an fp8comm collective on."""
+    opt = engine.optimizer
+    found: list = [getattr(opt, "dp_process_group", None)]
+    found += list(getattr(opt, "real_dp_process_group", None) or [])
+    if engine.zero_optimization_stage() == 3:
+        found.append(None)  # qgZ reduces over the world
+        for p in engine.module.parameters():
+            found.append(getattr(p, "ds_process_group", None))
+            found.append(getattr(p, "ds_zero_param_process_group", None))
+    out = []
+    for g in found:
+        r = _ranks(g)
+        if r is not None and r not in out:
+            out.append(r)
+    return out
+
+
+def prepare(engine, enabled: bool) -> dict[tuple[int, ...], topo.Split]:
+    """{ranks: Split} for the union of every rank's groups (collective over the world, every rank at build)."""
+    _, plan = topo.prepare(comm_groups(engine), holder=HOLDER, enabled=enabled)
+    return plan
+
+
+def groups_for(splits: dict, group, warned: set) -> HierarchicalGroups | None:
+    """The node groups of `group` (None: it runs flat). A group not seen at build runs flat, with one warning."""
+    if not splits:
+        return None
+    ranks = _ranks(group)
+    s = splits.get(ranks) if ranks is not None else None
+    if s is None:
+        if ranks not in warned:
+            warned.add(ranks)
+            from .patching import log
+
+            log.warning(
+                f"fp8comm: a collective over ranks {list(ranks) if ranks else ranks} runs flat: that group was not "
+                "among the engine's groups at build, and node groups cannot be created by its members alone"
+            )
+        return None
+    return s.groups
+
+
+def signature(splits: dict) -> list:
+    """What the residual layout depends on: the two-level groups and their node size (empty: all flat)."""
+    return sorted([list(s.ranks), s.local] for s in splits.values() if s.two_level)
+
+
+def rail_feedback(ef: ErrorFeedback | None, hg: HierarchicalGroups | None) -> ErrorFeedback | None:
+    """The residual a two-level reduce-scatter keeps ([nodes, L]: my local index's chunk of every node), cut out of
+    the engine's send-buffer layout [group, L]."""
+    if ef is None or hg is None or ef.residual is None:
+        return ef
+    rail = ef.residual.view(hg.nodes, hg.local, -1)[:, hg.local_rank].reshape(-1).clone()
+    return ErrorFeedback(dtype=ef.dtype, residual=rail)
+
+
+def rail_back(ef: ErrorFeedback | None, rail: ErrorFeedback | None, hg: HierarchicalGroups | None) -> None:
+    """Put the updated rail residual back into the send-buffer layout; the chunks of the other local ranks are
+    theirs to keep in two-level mode, so they are zero here (no stale flat-mode residual survives a switch)."""
+    if ef is None or rail is None or rail is ef or hg is None or ef.residual is None:
+        return
+    v = ef.residual.view(hg.nodes, hg.local, -1)
+    v.zero_()
+    got = rail.residual
+    if got is not None:
+        v[:, hg.local_rank].copy_(got.view(hg.nodes, -1))
+
+
+def describe(splits: dict) -> list[str]:
+    return [f"fp8comm: {s.describe()}" for s in splits.values()]

@@ -1,0 +1,164 @@
+"""Two levels by default (issue 28 item 3) on 4 ranks laid out as 2 simulated nodes x 2 (what torchrun sets on
+two nodes: LOCAL_WORLD_SIZE=2, GROUP_RANK=rank // 2; torchrun --standalone here says one node of 4, so each check
+sets them before the engine is built). The "levels" scenario of ds_worker.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ds_train as T
+import torch.distributed as dist
+
+import fp8comm.comm as fc
+import fp8comm.integrations.deepspeed as fd
+from fp8comm.comm import topology
+
+STEPS = 3
+
+
+def _nodes() -> None:
+    r = dist.get_rank()
+    os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(r // 2), LOCAL_RANK=str(r % 2))
+    topology.forget()  # the table gathered under torchrun's one-node view is not this layout
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _build(cfg):
+    log = logging.getLogger("fp8comm.deepspeed")
+    h, level = _Lines(), log.level
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    try:
+        eng, _ = T.build(cfg)
+    finally:
+        log.removeHandler(h)
+        log.setLevel(level)
+    return eng, h.lines
+
+
+def _intra() -> dict:
+    return {k: v["calls"] for k, v in fc.comm_stats().items() if k.endswith(".intra")}
+
+
+def _same_everywhere(x) -> None:
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, x)
+    assert all(s == seen[0] for s in seen), f"ranks decided differently: {seen}"
+
+
+def _run(info, stage: int, fp8: dict, **zero):
+    _nodes()
+    fc.reset_comm_stats()
+    eng, lines = _build(T.ds_config(stage, "bf16", fp8, **zero))
+    run = T.train(eng, range(STEPS))
+    es = fd.engine_state(eng)
+    decisions = {str(list(r)): s.describe() for r, s in es.splits.items()}
+    info.update(losses=run.losses, intra=_intra(), decisions=decisions, summary=es.summary)
+    _same_everywhere(decisions)
+    group_lines = [ln for ln in lines if ln.startswith("fp8comm: group")]
+    if dist.get_rank() == 0:  # one line per group, rank 0 only
+        assert len(group_lines) == len(es.splits), lines
+    else:
+        assert not group_lines, group_lines
+    T.destroy(eng)
+    fd.uninstall()
+    return es, decisions
+
+
+def levels_zero2_default(info):
+    es, d = _run(info, 2, {})
+    assert d == {
+        "[0, 1, 2, 3]": "group of 4 ranks [0, 1, 2, 3]: two-level (2 nodes x 2 ranks; 2 node(s) from "
+        "torchrun's GROUP_RANK)"
+    }, d
+    assert "hierarchical on" in es.summary and "all-to-all" in es.summary, es.summary
+    i = info["intra"]
+    assert i.get("reduce_scatter.intra", 0) >= STEPS and i.get("all_gather.intra", 0) >= STEPS, i
+
+
+def levels_zero3_hpz_default(info):
+    """ZeRO-3 with hpZ 2: the DP group (4 ranks, 2 per node) runs two-level, each secondary group ([0, 1], [2, 3]:
+    one node each) flat with its reason."""
+    es, d = _run(info, 3, {}, zero_hpz_partition_size=2)
+    assert "two-level (2 nodes x 2 ranks" in d["[0, 1, 2, 3]"], d
+    assert "flat (all members on one node" in d["[0, 1]"] and "flat (all members on one node" in d["[2, 3]"], d
+    i = info["intra"]
+    assert i.get("reduce_scatter.intra", 0) >= STEPS and i.get("all_gather.intra", 0) > 0, i
+
+
+def levels_off_is_flat(info):
+    es, d = _run(info, 2, {"hierarchical": False})
+    assert all("flat (two levels turned off)" in v for v in d.values()), d
+    assert "hierarchical off (flat)" in es.summary, es.summary
+    assert not info["intra"], info["intra"]
+
+
+def levels_zero2_4bit_default(info):
+    """4-bit gradients keep their node groups (the comm layer's 4-bit two-level mode; refused there until it lands)."""
+    es, d = _run(info, 2, {"gradients": {"fmt": "mxfp4"}})
+    assert "two-level" in d["[0, 1, 2, 3]"], d
+    assert info["intra"].get("reduce_scatter.intra", 0) >= STEPS, info["intra"]
+
+
+def _resume(info, save_hier: bool, load_hier: bool):
+    _nodes()
+    ef = {"gradients": {"error_feedback": True, "allow_unpartitioned_residuals": True}}
+    ck = Path(os.environ["FP8COMM_TEST_OUT"]) / f"ckpt_levels_{save_hier}_{load_hier}"
+    eng, _ = T.build(T.ds_config(2, "bf16", {**ef, "hierarchical": save_hier}))
+    T.train(eng, range(0, 3))
+    norm = fd.engine_state(eng).residuals.norm()
+    eng.save_checkpoint(str(ck), tag="step3")
+    T.destroy(eng)
+    fd.uninstall()
+    eng2, _ = T.build(T.ds_config(2, "bf16", {**ef, "hierarchical": load_hier}), seed=123)
+    eng2.load_checkpoint(str(ck), tag="step3")
+    es = fd.engine_state(eng2)
+    after_load = es.residuals.norm()
+    resumed = T.train(eng2, range(3, 6))
+    info.update(
+        residual_norm_at_save=norm,
+        residual_norm_after_load=after_load,
+        resumed=resumed.losses,
+        hooks=resumed.stats["hooks"],
+    )
+    assert norm > 0
+    if save_hier == load_hier:
+        assert after_load == norm and "checkpoint.residuals_reset_levels" not in resumed.stats["hooks"]
+    else:
+        assert after_load == 0.0 and resumed.stats["hooks"].get("checkpoint.residuals_reset_levels") == 1
+    assert all(x == x for x in resumed.losses), resumed.losses  # finite training after the switch
+    T.destroy(eng2)
+    fd.uninstall()
+
+
+def levels_resume_flat_to_two_level(info):
+    _resume(info, False, True)
+
+
+def levels_resume_two_level_to_flat(info):
+    _resume(info, True, False)
+
+
+def levels_resume_two_level_to_two_level(info):
+    _resume(info, True, True)
+
+
+CHECKS = [
+    levels_zero2_default,
+    levels_zero3_hpz_default,
+    levels_off_is_flat,
+    levels_resume_flat_to_two_level,
+    levels_resume_two_level_to_flat,
+    levels_resume_two_level_to_two_level,
+    levels_zero2_4bit_default,
+]

@@ -1,0 +1,56 @@
+"""Two levels by default (issue 28 item 3), 4 ranks as 2 simulated nodes x 2: each check sets what torchrun sets
+on two nodes (LOCAL_WORLD_SIZE=2, GROUP_RANK=rank // 2) before install(), which gathers the node facts once per
+world (fp8comm.comm.topology). Run by test_megatron_levels.py."""
+
+from __future__ import annotations
+
+import os
+
+import mcore_train as T
+import torch.distributed as dist
+from mcore_checks import check_bytes, check_parity, run
+
+from fp8comm.comm import topology
+
+ITERS = 4
+
+
+def _nodes(rank: int) -> None:
+    os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2))
+    topology.forget()
+
+
+def _decisions(on_install_seen: dict):
+    from fp8comm.integrations.megatron.installation import installed
+
+    def on_install(model):
+        on_install_seen.update({str(list(r)): s.describe() for r, s in installed().node_groups.items()})
+
+    return on_install
+
+
+def gpt_dp4_levels_default_and_off(rank, world, info):
+    """DP=4 over 2 nodes x 2: the default install() runs the gradient reduce-scatter and the parameter all-gather
+    in two levels (".intra" records), the same decision on every rank; hierarchical=False runs them flat."""
+    _nodes(rank)
+    T.init_parallel(tp=1)
+    kw = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+    base = run(kw, None, iters=ITERS)
+    seen: dict = {}
+    on = run(kw, dict(grad_reduce=True, param_gather=True), iters=ITERS, on_install=_decisions(seen))
+    off = run(kw, dict(grad_reduce=True, param_gather=True, hierarchical=False), iters=ITERS)
+    check_parity(base, on, info, "dp4_two_level")
+    check_parity(base, off, info, "dp4_flat")
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, seen)
+    info.update(decisions=seen, loss_two_level=on["loss"], loss_flat=off["loss"], loss_bf16=base["loss"])
+    assert all(e == everyone[0] for e in everyone), f"ranks decided differently: {everyone}"
+    assert seen == {
+        "[0, 1, 2, 3]": "group of 4 ranks [0, 1, 2, 3]: two-level (2 nodes x 2 ranks; 2 node(s) from torchrun's "
+        "GROUP_RANK)"
+    }, seen
+    ci, cf = on["comm"], off["comm"]
+    assert ci.get("reduce_scatter.intra", {}).get("calls", 0) > 0, ci
+    assert ci.get("all_gather.intra", {}).get("calls", 0) > 0, ci
+    assert not [k for k in cf if k.endswith(".intra")], cf
+    check_bytes(off, "reduce_scatter", 4, "dp4_flat")
