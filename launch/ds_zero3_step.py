@@ -3,6 +3,7 @@
     launch/cluster.py up --nodes 2 --rate 1gbit
     launch/cluster.py run -- launch/ds_zero3_step.py              # DeepSpeed's own collectives
     launch/cluster.py run -- launch/ds_zero3_step.py --fp8        # "fp8_comm": {"enabled": true, "gemm": false}
+    launch/cluster.py run -- launch/ds_zero3_step.py --fp8 --no-hierarchical    # flat collectives (one level)
     launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --fp8    # ZeRO-2 (also --stage 1)
     launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --fp8 --grad-fmt mxfp4 --update-fmt mxfp4  # 4 bits
 
@@ -32,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-fmt", default="e4m3", help="with --fp8: gradients.fmt (e4m3, e5m2, mxfp4, nvfp4)")
     p.add_argument("--hadamard", type=int, default=0, help="with --fp8 and a 4-bit --grad-fmt: 0, 16 or 32")
     p.add_argument("--update-fmt", default=None, help="with --fp8, ZeRO-1/2: weights.update_fmt (mxfp4, nvfp4)")
+    p.add_argument(
+        "--hierarchical",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --fp8: the fp8_comm section's \"hierarchical\" (default: the adapter's default, two levels)",
+    )
     p.add_argument("--profile", metavar="DIR", help="cProfile each rank's steps after warmup into DIR/rank<r>.prof")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=4096)
@@ -71,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if a.fp8:
         ds["fp8_comm"] = {"enabled": True, "gemm": False}
+        if a.hierarchical is not None:
+            ds["fp8_comm"]["hierarchical"] = a.hierarchical
         if a.grad_fmt != "e4m3" or a.hadamard:  # only keys that differ: the script also runs older checkouts
             ds["fp8_comm"]["gradients"] = {"fmt": a.grad_fmt, "hadamard": a.hadamard}
         if a.update_fmt:

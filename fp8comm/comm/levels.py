@@ -41,11 +41,13 @@ def hier_rs_phase(
     xin = quantize_input(call, x, call.world * L, None)
     wdt = _local_dtype(xin)
     k = codec.width(L)
-    pieces = call.pieces(k, nn * k, dev)
+    # Pieces planned from the whole input (the node-local phase moves all of it), not the rails' share.
+    pieces = call.pieces(k, call.world * k, dev)
     cols = [(a, max(a, min(b, L))) for a, b in pieces]  # real columns of each piece (the rest is padding)
     x3 = xin.view(nn, lc, L)  # chunk of group rank node*lc + lr at [node, lr]
     # The node's partial sums I quantize: [nodes, k], fp32, padding columns zero.
     part = call.lease.take(nn * k, torch.float32, dev).view(nn, k)
+    tmp = call.lease.take(nn * k, torch.float32, dev).view(nn, k) if lc > 1 else part
     if k > L:
         part[:, L:].zero_()
     # Node-local phase: every piece's all_to_all starts now (each waits only for its own copy-in).
@@ -72,8 +74,13 @@ def hier_rs_phase(
         p = part[:, c0:c1]
         if lc > 1:
             local_works[i].wait()
-            # fp32 sum over the node's ranks, in local-rank order (the same on every rank of a rail)
-            torch.sum(local_recvs[i].view(lc, nn, c1 - c0), dim=0, dtype=torch.float32, out=p)
+            # fp32 sum over the node's ranks, in local-rank order: each term widened to fp32 first (a mixed-dtype
+            # add or torch.sum(dtype=) costs 2-3x more on CPU)
+            got, t = local_recvs[i].view(lc, nn, c1 - c0), tmp[:, c0:c1]
+            p.copy_(got[0])
+            for j in range(1, lc):
+                t.copy_(got[j])
+                p.add_(t)
         else:
             p.copy_(x3[:, 0, c0:c1])
         if r_ef is not None:
@@ -106,7 +113,7 @@ def hier_ag_phase(
     codec, dev, n, nn, lc = call.codec, src.device, src.numel(), hg.nodes, hg.local
     x2 = padded_rows(call, src.reshape(-1), 1, n)
     k = x2.shape[1]
-    pieces = call.pieces(k, k, dev)
+    pieces = call.pieces(k, call.world * k, dev)  # planned from the whole output (the node-local phase's size)
     lays = [codec.layout((1,), b - a) for a, b in pieces]
     sizes = [lay.total_bytes for lay in lays]
     sends = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)

@@ -122,6 +122,9 @@ def defaults_are_communication_only(rank, world, info):
     assert kinds == ["Linear"] and not any(isinstance(m, Fp8Linear) for m in model.modules()), kinds
     assert "FP8 GEMMs off" in header and "weights e4m3 1x128 fp32 scales" in header, header
     assert "gradients e4m3 1x128 fp32 scales, fp32 accumulation;" in header, header  # no error feedback
-    assert len(rec.lines) == 2 and rec.lines[0] == str(rep), rec.lines
+    # one report per enable(), plus one line per shard group saying flat or two levels (and why)
+    reports = [line for line in rec.lines if not line.startswith("fp8comm FSDP2: group of ")]
+    assert len(reports) == 2 and reports[0] == str(rep), rec.lines
+    assert sum("flat (all members on one node" in line for line in rec.lines) == (2 if rank == 0 else 0), rec.lines
     assert d["gradients"]["error_feedback"] is False and d["gradients"]["allow_unpartitioned_residuals"] is False
     assert "FP8 GEMMs in 2 Fp8Linear layers converted by the caller" in info["header_opted_in"], info
