@@ -284,7 +284,7 @@ def decode_rows(call: Call, recv: torch.Tensor, lay: Chunks, dest, a: int, b: in
     if isinstance(dest, tuple):
         codes, scales = dest
         blk = call.codec.block
-        call.codec.unpack_codes(recv, lay, codes[:, a:b], scales[:, a // blk : a // blk + lay.kb])  # type: ignore[attr-defined]
+        call.codec.unpack_codes(recv, lay, codes[:, a:b], scales[:, a // blk : a // blk + lay.kb])
     else:
         call.codec.unpack(recv, lay, dest[:, a : a + c], kernel=kernel, scratch=call.scratch)
 

@@ -109,7 +109,8 @@ def hier_ag_phase(
     """Start a two-level all-gather of flat src into dest [world, N]: (work, finish -> dest).
 
     The shard is quantized once; each piece crosses the rails, then its bytes are gathered inside the node while
-    the next piece crosses. Returns once every rail phase has arrived (the node-local phases are on the wire)."""
+    the next piece crosses, and the piece before it is decoded. Returns once every rail phase has arrived (the
+    last node-local phase is on the wire; wait() decodes the last piece)."""
     codec, dev, n, nn, lc = call.codec, src.device, src.numel(), hg.nodes, hg.local
     x2 = padded_rows(call, src.reshape(-1), 1, n)
     k = x2.shape[1]
@@ -125,26 +126,37 @@ def hier_ag_phase(
         call.pack(x2[:, a:b], lay, send, kq)
         call.checked()
         rail_works.append(all_gather_bytes(rail, send, hg.inter, async_op=True))
-    works = []
-    for rail, node_bytes, w in zip(rails, nodes, rail_works):
-        w.wait()
-        works.append(all_gather_bytes(node_bytes, rail, hg.intra, async_op=True) if lc > 1 else None)
     itemsize = stats_dtype.itemsize
     call.record(call.op, (nn - 1) * sum(sizes), (nn - 1) * n * itemsize, n, calls=calls)
     if lc > 1:
         call.record(call.op + ".intra", (lc - 1) * nn * sum(sizes), (lc - 1) * nn * n * itemsize, 0, calls=calls)
     kd = call.kernel(dev, call.world * n)
+    works: list = []
+    decoded: list[bool] = []
 
-    def finish():
-        for (a, b), lay, rail, node_bytes, w, t in zip(pieces, lays, rails, nodes, works, sizes):
-            if w is None:
-                decode_rows(call, rail, lay.with_rows((1,) * nn), dest, a, b, n, kd)
-                continue
-            w.wait()
+    def decode(i: int) -> None:
+        (a, b), lay, t = pieces[i], lays[i], sizes[i]
+        if lc == 1:
+            decode_rows(call, rails[i], lay.with_rows((1,) * nn), dest, a, b, n, kd)
+        else:
+            works[i].wait()
             # Bytes arrive as [local, node, chunk]; group rank order is node-major.
             ordered = call.lease.take(lc * nn * t, torch.uint8, dev)
-            ordered.view(nn, lc, t).copy_(node_bytes.view(lc, nn, t).transpose(0, 1))
+            ordered.view(nn, lc, t).copy_(nodes[i].view(lc, nn, t).transpose(0, 1))
             decode_rows(call, ordered, lay.with_rows((1,) * call.world), dest, a, b, n, kd)
+        decoded[i] = True
+
+    for i, (rail, node_bytes, w) in enumerate(zip(rails, nodes, rail_works)):
+        w.wait()
+        works.append(all_gather_bytes(node_bytes, rail, hg.intra, async_op=True) if lc > 1 else None)
+        decoded.append(False)
+        if i:  # the previous piece decodes while this one crosses the node and later ones the rails
+            decode(i - 1)
+
+    def finish():
+        for i, done in enumerate(decoded):
+            if not done:
+                decode(i)
         return dest
 
     return Pieces([w for w in works if w is not None]), finish

@@ -71,10 +71,18 @@ class Chunks:
     4-bit layouts)."""
 
     rows: tuple[int, ...]
+    k: int
 
     @property
     def chunk_bytes(self) -> tuple[int, ...]:
         raise NotImplementedError  # each layout says what its chunks hold
+
+    @property
+    def kb(self) -> int:
+        raise NotImplementedError  # scale blocks per row
+
+    def with_rows(self, rows) -> Chunks:
+        raise NotImplementedError  # the same layout for other chunk rows
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:
