@@ -243,7 +243,7 @@ def _grad_reduce(es, opt, orig, layout: dict):
             if rs:
                 acc = scratch.take("acc", part, torch.float32, dev)
                 # fp32 output: every sender's contribution decoded straight into fp32, summed in fp32 in rank order
-                hg = es.hier(pg)  # two levels where the DP group spans nodes (fp32 inside a node)
+                hg = es.hier(pg)  # two levels where the DP group spans nodes (fp32 sums inside a node)
                 rail = levels.rail_feedback(ef, hg)
                 fc.reduce_scatter_into(
                     acc, flat, pg, "sum", config=call_cfg, error_feedback=rail, guard=gb, hierarchical=hg
