@@ -13,6 +13,10 @@ side from the same initial weights on the same batches, one seed after another (
   mxfp4-ef-sr-h32           4-bit gradients (fmt, error feedback on/off, stochastic/nearest rounding,
                             Hadamard 0/16/32) + 4-bit weight changes (fp8comm.comm.ReplicaUpdate, bf16 replica)
   mxfp4-ef-sr-h32-bf16w     the same 4-bit gradients, weights all-gathered in bf16
+  mxfp4-ef-rn-h0@fp8        "@residual": the error-feedback residual kept in another precision than fp32
+                            (bfloat16, fp8 = the compact option, or a compact candidate of
+                            fp8comm.quant.residual.RESIDUAL_FORMATS: e5m2, e4m3, e4m3-b128)
+  fp8-ef[@residual]         FP8 gradients (the engines' default wire) with error feedback, FP8 weights
 
 Per variant: final validation loss per seed, the paired relative difference vs bf16 (same seed), its mean and
 worst seed, and the target (|mean| <= 1%, no seed beyond 2%); at the end of every run the replicas are compared
@@ -51,10 +55,14 @@ if str(ROOT) not in sys.path:
 
 import fp8comm  # noqa: E402
 import fp8comm.comm as fc  # noqa: E402
+from fp8comm.quant.residual import RESIDUAL_FORMATS  # noqa: E402
 from fp8comm.tools.gpt import GPT, GPTConfig  # noqa: E402
 
 MEAN_TARGET = 0.01  # |mean of the paired relative differences| (issue 23, section 5)
 SEED_TARGET = 0.02  # |any seed's paired relative difference|
+# A compact error-feedback residual (issue 29, item 4): within 0.5% of bf16's mean final loss, every seed within 1%.
+COMPACT_MEAN_TARGET = 0.005
+COMPACT_SEED_TARGET = 0.01
 FP4_FORMATS = ("mxfp4", "nvfp4")
 HADAMARDS = (0, 16, 32)
 SHARD_ALIGN = 128  # shards of whole 128-element blocks: every wire's blocks (32, 16, 128) tile them exactly
@@ -72,6 +80,7 @@ class Variant:
     error_feedback: bool = False
     rounding: str = "nearest"
     hadamard: int = 0
+    residual: str = "float32"  # error-feedback residual: float32, bfloat16 or a compact format (quant/residual.py)
 
     @property
     def is_fp4(self) -> bool:
@@ -84,8 +93,23 @@ class Variant:
         return f"{ef}-{'sr' if self.rounding == 'stochastic' else 'rn'}-h{self.hadamard}"
 
 
+RESIDUALS = ("float32", "bfloat16", *RESIDUAL_FORMATS)
+
+
 def parse_variant(name: str) -> Variant:
-    """bf16 | fp32 | fp8 | {mxfp4|nvfp4}-{ef|noef}-{sr|rn}-h{0|16|32}[-bf16w]; anything else is a clear error."""
+    """bf16 | fp32 | fp8 | fp8-ef[@res] | {mxfp4|nvfp4}-{ef|noef}-{sr|rn}-h{0|16|32}[-bf16w][@res], res one of
+    RESIDUALS (error feedback's residual precision, default float32); anything else is a clear error."""
+    base, at, res = name.partition("@")
+    if at:
+        if res not in RESIDUALS or not (base == "fp8-ef" or "-ef-" in base):
+            raise SystemExit(
+                f"variant {name!r}: '@residual' follows a variant with error feedback (fp8-ef, *-ef-*) and is one "
+                f"of {', '.join(RESIDUALS)}"
+            )
+        v = parse_variant(base)
+        return Variant(name, v.grads, v.weights, v.error_feedback, v.rounding, v.hadamard, res)
+    if name == "fp8-ef":  # FP8 gradients with error feedback (fp32 residual), FP8 weights
+        return Variant(name, "fp8", "fp8", True)
     if name in ("bf16", "fp8"):
         return Variant(name, name, name)
     if name == "fp32":  # the noise-floor control: exact fp32 gradients, bf16 weights
@@ -105,8 +129,8 @@ def parse_variant(name: str) -> Variant:
     )
     if not ok:
         raise SystemExit(
-            f"unknown variant {name!r}: use bf16, fp32, fp8 or "
-            "{mxfp4|nvfp4}-{ef|noef}-{sr|rn}-h{0|16|32}[-bf16w]"
+            f"unknown variant {name!r}: use bf16, fp32, fp8, fp8-ef[@residual] or "
+            "{mxfp4|nvfp4}-{ef|noef}-{sr|rn}-h{0|16|32}[-bf16w][@residual]"
         )
     h = int(parts[3][1:])
     if parts[0] == "nvfp4" and h == 32:
@@ -187,13 +211,15 @@ class Run:
         self.diag_s = 0.0
         self.grad_cfg = self.ef = self.ru = None
         if v.grads == "fp8":
-            self.grad_cfg = fc.WireConfig()  # e4m3, 1x128 fp32 scales, nearest: the engines' gradient default
+            # e4m3, 1x128 fp32 scales, nearest: the engines' gradient default
+            self.grad_cfg = fc.WireConfig(error_feedback=v.error_feedback)
         elif v.is_fp4:
             self.grad_cfg = fc.WireConfig(
                 fmt=v.grads, rounding=v.rounding, hadamard=v.hadamard, error_feedback=v.error_feedback
             )
-            if v.error_feedback:
-                self.ef = fc.ErrorFeedback()
+        if v.error_feedback:
+            # The residual precision: a library option value, or a compact candidate the study compares.
+            self.ef = fc.ErrorFeedback(RESIDUAL_FORMATS.get(v.residual, v.residual))
         if v.weights == "delta4":
             # Weight changes with nearest rounding and no transform: the owner's rounding error stays in
             # (master - replica) and is sent with the next change, so no SR or EF is needed there.
@@ -363,6 +389,9 @@ def train_phase(names: list[str], seeds: list[int], a, rank: int, world: int, co
                 "train_loss_last10": sum(fin[-10:]) / min(10, len(fin)),
                 "step_ms": 1e3 * step_s[n] / a.steps,
                 "params": r.n_params,
+                # error feedback: bytes this rank keeps between steps, and the residual's elements
+                "residual_bytes": 0 if r.ef is None else r.ef.nbytes(),
+                "residual_elements": 0 if r.ef is None else r.ef.numel,
                 "wire_bytes_weights_last": _wire_bytes(r),
                 **rep,
             }
@@ -422,6 +451,7 @@ def summarize(runs: dict, seeds: list[int]) -> dict:
             "drift_max_rel": max(per[str(s)]["drift_max_rel"] for s in seeds),
             "drift_rms_rel": max(per[str(s)]["drift_rms_rel"] for s in seeds),
             "step_ms": sum(per[str(s)]["step_ms"] for s in seeds) / len(seeds),
+            "residual_bytes_per_element": _per_element(per[str(seeds[0])]),
             "grad_sqnr_db": _mean([per[str(s)]["grad_sqnr_db"] for s in seeds]),
             "grad_sum_sqnr_db": _mean([per[str(s)]["grad_sum_sqnr_db"] for s in seeds]),
         }
@@ -440,8 +470,20 @@ def summarize(runs: dict, seeds: list[int]) -> dict:
             row["meets_target"] = bool(
                 all(math.isfinite(x) for x in d) and abs(mean) <= MEAN_TARGET and abs(worst) <= SEED_TARGET
             )
+            if "@" in n:  # a residual in another precision: the compact residual's tighter bar
+                row["meets_compact_target"] = bool(
+                    all(math.isfinite(x) for x in d)
+                    and abs(mean) <= COMPACT_MEAN_TARGET
+                    and abs(worst) <= COMPACT_SEED_TARGET
+                )
         out[n] = row
     return out
+
+
+def _per_element(rec: dict) -> float | None:
+    """Error-feedback residual bytes per residual element (None without error feedback)."""
+    n = rec.get("residual_elements", 0)
+    return rec["residual_bytes"] / n if n else None
 
 
 def _mean(xs: list) -> float | None:
@@ -483,7 +525,7 @@ def choose(summary: dict, log=print) -> str | None:
 def table(summary: dict, seeds: list[int]) -> str:
     """A plain-text table (the same lines with or without rich)."""
     head = ["variant"] + [f"val s{s}" for s in seeds] + [f"d s{s}" for s in seeds]
-    head += ["mean d", "worst d", "target", "replicas", "drift max", "grad dB", "sum dB", "ms/step"]
+    head += ["mean d", "worst d", "target", "replicas", "drift max", "grad dB", "sum dB", "res B/el", "ms/step"]
     rows = []
     for n, r in summary.items():
         row = [n] + [f"{x:.4f}" for x in r["val_loss"]]
@@ -491,10 +533,14 @@ def table(summary: dict, seeds: list[int]) -> str:
             row += [f"{x * 100:+.2f}%" for x in r["paired_rel_diff"]]
             row += [f"{r['mean_rel_diff'] * 100:+.2f}%", f"{r['worst_rel_diff'] * 100:+.2f}% (s{r['worst_seed']})"]
             row += ["MEETS" if r["meets_target"] else "FAILS"]
+            if "meets_compact_target" in r:
+                row[-1] += " (0.5%/1%: " + ("meets" if r["meets_compact_target"] else "FAILS") + ")"
         else:
             row += ["-"] * len(seeds) + ["-", "-", "baseline" if n == "bf16" else "-"]
         row += ["identical" if r["replicas_identical"] else "DIFFER"]
         row += [f"{r['drift_max_rel']:.2e}", _db(r["grad_sqnr_db"]), _db(r["grad_sum_sqnr_db"])]
+        bpe = r.get("residual_bytes_per_element")
+        row += ["-" if bpe is None else f"{bpe:.4f}"]
         row += [f"{r['step_ms']:.1f}"]
         rows.append(row)
     w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
@@ -613,6 +659,7 @@ def main(argv=None) -> int:
                 "val_batches": a.val_batches,
                 "model": SIZES,
                 "targets": {"mean": MEAN_TARGET, "seed": SEED_TARGET},
+                "compact_residual_targets": {"mean": COMPACT_MEAN_TARGET, "seed": COMPACT_SEED_TARGET},
             },
             "bf16_val_curve_seed0": base,
             "pick": got["pick"],

@@ -12,11 +12,14 @@ from .config import (
     CHECK_POLICIES,
     FORMATS,
     KERNEL_BACKENDS,
+    RESIDUAL_ALIASES,
     RESIDUAL_DTYPES,
     ROUNDINGS,
     SCALE_ENCODINGS,
     WireConfig,
     default_check_policy,
+    residual_dtype_name,
+    residual_nbytes,
 )
 from .feedback import ErrorFeedback
 from .guard import Guard, GuardBucket, GuardPolicy, config_for
@@ -66,7 +69,10 @@ __all__ = [
     "ROUNDINGS",
     "KERNEL_BACKENDS",
     "CHECK_POLICIES",
+    "RESIDUAL_ALIASES",
     "RESIDUAL_DTYPES",
+    "residual_dtype_name",
+    "residual_nbytes",
     "WIRES",
     "default_check_policy",
     "Guard",

@@ -20,6 +20,7 @@ from ..quant.dispatch import BACKENDS
 from ..quant.formats import E4M3, Fp8Format, get_format
 from ..quant.formats import FORMATS as _FORMATS
 from ..quant.fp4 import FP4_FORMATS, HADAMARD_SIZES, Fp4Format
+from ..quant.residual import COMPACT
 from ..quant.scaling import ENCODINGS, PRESETS, Scaling
 
 FP8_FORMATS = tuple(_FORMATS)
@@ -29,7 +30,11 @@ HADAMARD = (0, *HADAMARD_SIZES)
 SCALE_ENCODINGS = ENCODINGS  # fp32 (amax / max), pow2 (power of two as fp32), e8m0 (power of two, one byte)
 KERNEL_BACKENDS = ("auto", *BACKENDS)
 CHECK_POLICIES = ("first", "always", "never")
-RESIDUAL_DTYPES = ("float32", "bfloat16")
+# Error-feedback residual precision: float32 (4 bytes per element), bfloat16 (2), fp8 (E5M2 codes with one
+# power-of-two fp32 scale per residual tensor: n + 4 bytes, quant/residual.py). One spelling in every adapter;
+# the older ones stay accepted (DeepSpeed's and Megatron's "fp32"/"bf16").
+RESIDUAL_DTYPES = ("float32", "bfloat16", "fp8")
+RESIDUAL_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 CHECK_ENV = "FP8COMM_CHECK"
 _CHECK_ALIASES = {
     "": "first",
@@ -119,8 +124,7 @@ class WireConfig:
         object.__setattr__(self, "pipeline", _pieces(self.pipeline))
         if not isinstance(self.error_feedback, bool):
             raise Fp8CommConfigError(f"error_feedback must be True or False, got {self.error_feedback!r}")
-        if self.residual_dtype not in RESIDUAL_DTYPES:
-            raise _bad("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        object.__setattr__(self, "residual_dtype", residual_dtype_name(self.residual_dtype))
 
     @property
     def is_fp4(self) -> bool:
@@ -138,7 +142,8 @@ class WireConfig:
 
     @property
     def residual_torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.residual_dtype)
+        """The residual's torch dtype (float32, bfloat16; uint8 for the compact "fp8" codes)."""
+        return torch.uint8 if self.residual_dtype == "fp8" else getattr(torch, self.residual_dtype)
 
     def replace(self, **options) -> WireConfig:
         """A copy with some fields replaced; an unknown field name is a clear error (a typo never goes unseen)."""
@@ -160,6 +165,26 @@ class WireConfig:
 
 
 FIELDS = tuple(f.name for f in fields(WireConfig))
+
+
+def residual_dtype_name(value) -> str:
+    """The canonical residual dtype name (RESIDUAL_DTYPES) of an accepted spelling (an alias, any case, or a
+    torch dtype); anything else is an error listing the accepted values."""
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    v = value.strip().lower() if isinstance(value, str) else value
+    v = RESIDUAL_ALIASES.get(v, v)
+    if v not in RESIDUAL_DTYPES:
+        raise _bad("residual_dtype", value, (*RESIDUAL_DTYPES, *(f"{a} (= {c})" for a, c in RESIDUAL_ALIASES.items())))
+    return v
+
+
+def residual_nbytes(residual_dtype: str, numel: int) -> int:
+    """Bytes of one residual of `numel` elements kept in `residual_dtype` (any accepted spelling)."""
+    name = residual_dtype_name(residual_dtype)
+    if name == "fp8":
+        return COMPACT.nbytes(numel)
+    return numel * getattr(torch, name).itemsize
 
 
 def _bad(name: str, value, valid) -> Fp8CommConfigError:

@@ -155,14 +155,17 @@ def update_residual(
     call: Call, ef: ErrorFeedback, x2: torch.Tensor, send: torch.Tensor, lay: Chunks, cols, kernel: str
 ) -> None:
     """residual = what we meant to send - what we sent (in the original domain: a transform is inverted), over
-    columns cols = (a, b) of x2 [rows, L] (a pipelined piece's; columns >= L are padding); non-finite -> 0."""
+    columns cols = (a, b) of x2 [rows, L] (a pipelined piece's; columns >= L are padding); non-finite -> 0.
+    Pieces come in column order: the one that reaches column L completes the residual, which a compact
+    ErrorFeedback then encodes (ef.commit(); every codec and path, one place)."""
     rows, L = x2.shape
     a, b = cols
     w = min(b, L) - a  # the piece's real columns
-    if w <= 0:
-        return
-    r = ef.take(rows * L, x2.device).view(rows, L)[:, a : a + w]
-    call.codec.residual(send, lay, x2[:, a : a + w], r, kernel=kernel, scratch=call.scratch)
+    if w > 0:
+        r = ef.take(rows * L, x2.device).view(rows, L)[:, a : a + w]
+        call.codec.residual(send, lay, x2[:, a : a + w], r, kernel=kernel, scratch=call.scratch)
+    if b >= L:
+        ef.commit()
 
 
 class Pieces:
