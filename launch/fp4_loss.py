@@ -507,7 +507,11 @@ def choose(summary: dict, log=print) -> str | None:
     ok = [
         (row["target_use"], n)
         for n, row in summary.items()
-        if n.startswith("mxfp4-") and not n.endswith("-bf16w") and row.get("meets_target") and row["replicas_identical"]
+        if n.startswith("mxfp4-")
+        and not n.endswith("-bf16w")
+        and "@" not in n  # the residual's precision is judged apart (its own bar), never picked here
+        and row.get("meets_target")
+        and row["replicas_identical"]
     ]
     if not ok:
         log("no mxfp4 candidate meets the target: nothing to pick")
