@@ -103,6 +103,11 @@ def hier_rs_phase(
     return Pieces(works), finish
 
 
+def _local_rows(dest: torch.Tensor, nn: int, lc: int, j: int) -> torch.Tensor:
+    """The rows of dest [world, N] (node-major group ranks) held by local index j on every node: a strided view."""
+    return dest.view(nn, lc, -1)[:, j]
+
+
 def hier_ag_phase(
     call: Call, hg: HierarchicalGroups, src: torch.Tensor, dest, stats_dtype: torch.dtype, calls: int = 1
 ):
@@ -140,10 +145,11 @@ def hier_ag_phase(
             decode_rows(call, rails[i], lay.with_rows((1,) * nn), dest, a, b, n, kd)
         else:
             works[i].wait()
-            # Bytes arrive as [local, node, chunk]; group rank order is node-major.
-            ordered = call.lease.take(lc * nn * t, torch.uint8, dev)
-            ordered.view(nn, lc, t).copy_(nodes[i].view(lc, nn, t).transpose(0, 1))
-            decode_rows(call, ordered, lay.with_rows((1,) * call.world), dest, a, b, n, kd)
+            # Bytes arrive as [local, node, chunk] and group rank order is node-major: each local index's rows
+            # decode straight into their strided rows of dest (no reordering copy).
+            got = nodes[i].view(lc, nn * t)
+            for j in range(lc):
+                decode_rows(call, got[j], lay.with_rows((1,) * nn), _local_rows(dest, nn, lc, j), a, b, n, kd)
         decoded[i] = True
 
     for i, (rail, node_bytes, w) in enumerate(zip(rails, nodes, rail_works)):
