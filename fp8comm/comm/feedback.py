@@ -60,7 +60,7 @@ class ErrorFeedback:
                 f"of shape {tuple(residual.shape)}"
             )
         # dtype: what take() hands out (a compact residual's working tensor is fp32).
-        self.dtype: torch.dtype = dtype  # type: ignore[assignment]
+        self.dtype: torch.dtype = dtype
         self.residual: torch.Tensor | None = residual
         self.codes: torch.Tensor | None = None  # compact: uint8 [n]
         self.scales: torch.Tensor | None = None  # compact: uint8 scale bytes

@@ -339,7 +339,8 @@ def _error_feedback_problems(cfg: Fp8CommDeepSpeedConfig, stage: int, mode: str,
     """Error feedback keeps this rank's residual of the WHOLE gradient: fine under ZeRO-1 (full gradients on every
     rank anyway), against ZeRO-2/3's gradient partitioning unless the user accepts the memory explicitly."""
     g, out = cfg.gradients, []
-    per = 4 if g.residual_dtype == "fp32" else 2
+    per = {"float32": 4, "bfloat16": 2, "fp8": 1}[g.residual_dtype]
+    per_txt = "1 byte per parameter plus 4 per parameter tensor" if per == 1 else f"{per} bytes per parameter"
     if mode == "fp16":
         out.append(
             "fp8_comm.gradients.error_feedback with fp16: residuals would be in loss-scaled units and DeepSpeed "
@@ -347,12 +348,13 @@ def _error_feedback_problems(cfg: Fp8CommDeepSpeedConfig, stage: int, mode: str,
         )
     if stage in (2, 3) and not g.allow_unpartitioned_residuals:
         n = _numel(model)
-        size = f"{per * n / 2**20:.1f} MiB for this model's {n:,} parameters" if n else f"{per} bytes per parameter"
+        size = f"{per * n / 2**20:.1f} MiB for this model's {n:,} parameters" if n else per_txt
         out.append(
             f"fp8_comm.gradients.error_feedback keeps each rank's quantization residual of the WHOLE gradient "
-            f"({per} bytes per parameter, {g.residual_dtype}: {size}) on every rank, while ZeRO-{stage} keeps "
+            f"({per_txt}, {g.residual_dtype}: {size}) on every rank, while ZeRO-{stage} keeps "
             "only 1/world of the gradients. Set fp8_comm.gradients.allow_unpartitioned_residuals true to "
-            'accept that memory (residual_dtype "bf16" halves it), or use ZeRO-1, which keeps full '
+            'accept that memory (residual_dtype "bfloat16" halves it, "fp8" quarters it), or use ZeRO-1, which '
+            "keeps full "
             "gradients anyway"
         )
     return out

@@ -11,7 +11,7 @@ and bad value is an error that names the key path and lists what is valid (with 
         "weights":   {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
                       "update_fmt": null},
         "gradients": {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
-                      "hadamard": 0, "error_feedback": false, "residual_dtype": "fp32",
+                      "hadamard": 0, "error_feedback": false, "residual_dtype": "float32",
                       "allow_unpartitioned_residuals": false},
         "moe":       {"enabled": true, "fmt": "e4m3", "scaling": "fp32", "block_size": 128, "rounding": "nearest",
                       "combine": "native", "grad": "native"},
@@ -39,7 +39,8 @@ import difflib
 from dataclasses import asdict, dataclass, field
 
 from fp8comm.comm import FORMATS, KERNEL_BACKENDS, ROUNDINGS, SCALE_ENCODINGS, WIRES, GuardPolicy, WireConfig
-from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS
+from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS, RESIDUAL_ALIASES, residual_dtype_name
+from fp8comm.comm.config import RESIDUAL_DTYPES as COMM_RESIDUAL_DTYPES
 from fp8comm.errors import Fp8CommConfigError
 from fp8comm.gemm import BACKENDS as GEMM_BACKENDS
 from fp8comm.gemm import RECIPES
@@ -88,7 +89,10 @@ class WeightConfig(TrafficConfig):
         return WireConfig(fmt=self.update_fmt, rounding=self.rounding, check=check)
 
 
-RESIDUAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # key value -> WireConfig.residual_dtype (4 or 2 bytes)
+# gradients.residual_dtype: float32 (4 bytes per parameter), bfloat16 (2) or fp8 (E5M2 codes + one scale per
+# parameter: 1 byte); the spelling every adapter shares (fp8comm.comm.RESIDUAL_DTYPES). "fp32" and "bf16", this
+# section's spellings before 0.6, stay accepted.
+RESIDUAL_DTYPES = (*COMM_RESIDUAL_DTYPES, *RESIDUAL_ALIASES)
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,11 @@ class GradientConfig(TrafficConfig):
 
     hadamard: int = 0
     error_feedback: bool = False
-    residual_dtype: str = "fp32"
+    residual_dtype: str = "float32"
     allow_unpartitioned_residuals: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "residual_dtype", residual_dtype_name(self.residual_dtype))  # aliases: one name
 
     @property
     def is_fp4(self) -> bool:
@@ -114,7 +121,7 @@ class GradientConfig(TrafficConfig):
             .replace(
                 hadamard=self.hadamard,
                 error_feedback=self.error_feedback,
-                residual_dtype=RESIDUAL_DTYPES[self.residual_dtype],
+                residual_dtype=self.residual_dtype,
             )
         )
 
@@ -213,7 +220,7 @@ _GRAD = {
     "fmt": (str, FORMATS, None),
     "hadamard": (int, HADAMARD_SIZES, None),
     "error_feedback": (bool, None, None),
-    "residual_dtype": (str, tuple(RESIDUAL_DTYPES), None),
+    "residual_dtype": (str, RESIDUAL_DTYPES, None),
     "allow_unpartitioned_residuals": (bool, None, None),
 }
 _GUARD = {

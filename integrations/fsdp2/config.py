@@ -15,7 +15,15 @@ from __future__ import annotations
 import difflib
 from dataclasses import asdict, dataclass, field, fields
 
-from fp8comm.comm import FORMATS, RESIDUAL_DTYPES, ROUNDINGS, SCALE_ENCODINGS, WireConfig
+from fp8comm.comm import (
+    FORMATS,
+    RESIDUAL_ALIASES,
+    RESIDUAL_DTYPES,
+    ROUNDINGS,
+    SCALE_ENCODINGS,
+    WireConfig,
+    residual_dtype_name,
+)
 from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS, HADAMARD
 from fp8comm.errors import Fp8CommConfigError
 
@@ -58,10 +66,15 @@ class GradientWire(WeightWire):
     rounding: str = "nearest"
     hadamard: int = 0  # 4-bit formats: block Hadamard transform of 16 or 32 elements before quantizing
     error_feedback: bool = False  # one fp8comm ErrorFeedback per FSDP module (its residual has the padded size)
-    residual_dtype: str = "float32"  # float32 or bfloat16 (half the residual memory)
+    # float32, bfloat16 (half the residual memory) or fp8 (a quarter: E5M2 codes + one scale per group); the
+    # aliases fp32 / bf16 are accepted (the spellings of DeepSpeed's and Megatron's options before 0.6)
+    residual_dtype: str = "float32"
     # Error feedback keeps a residual of each module's WHOLE (unsharded) gradient on every rank, against FSDP2's
     # promise of 1/world of the gradients per rank: enable() refuses it unless this says the memory is accepted.
     allow_unpartitioned_residuals: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "residual_dtype", residual_dtype_name(self.residual_dtype))  # aliases: one name
 
     def wire(self, check: bool | None) -> WireConfig:
         """The fp8comm.comm WireConfig of the gradient reduce-scatter (check: enable()'s metadata-check setting)."""
@@ -130,7 +143,7 @@ _GRAD_KEYS = {
     "hadamard": (int, HADAMARD, None),
     "rounding": (str, ROUNDINGS, None),
     "error_feedback": (bool, None, None),
-    "residual_dtype": (str, RESIDUAL_DTYPES, None),
+    "residual_dtype": (str, (*RESIDUAL_DTYPES, *RESIDUAL_ALIASES), None),
     "allow_unpartitioned_residuals": (bool, None, None),
 }
 

@@ -16,14 +16,14 @@ from typing import Any
 
 from torch import nn
 
-from fp8comm.comm import teardown
+from fp8comm.comm import residual_nbytes, teardown
 
 from . import hooks, layout
 from .config import Fp8CommFsdp2Config, Fp8CommFsdp2Error, parse
 
 _ATTR = "_fp8comm_fsdp2"  # where an enabled model keeps what disable() needs
 logger = logging.getLogger("fp8comm.integrations.fsdp2")
-_RESIDUAL_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+_PER_ELEMENT = {"float32": "4 bytes", "bfloat16": "2 bytes", "fp8": "1 byte (plus a 4-byte scale per group)"}
 
 
 @dataclass
@@ -41,6 +41,7 @@ class ModuleEntry:
     shard_numel: int = 0  # elements of this rank's flat shard (FSDP2's own padding included)
     notes: list = field(default_factory=list)
     residual_bytes: int = 0  # error feedback: this rank's residual of the group's whole padded gradient (0: off)
+    residual_elements: int = 0  # ... and its elements
 
 
 @dataclass
@@ -199,7 +200,8 @@ def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
         # The residual is laid out like the reduce-scatter's wire input: shard group x this rank's wire row.
         grads = [fp.padded_sharded_param_size.numel() for fp in fps if fp.sharded_param.requires_grad]
         _, wl = layout.spans(grads, g.wire_block, cfg.align_blocks)
-        entry.residual_bytes = _RESIDUAL_ITEMSIZE[g.residual_dtype] * pg.mesh_info.shard_mesh_size * wl
+        entry.residual_elements = pg.mesh_info.shard_mesh_size * wl
+        entry.residual_bytes = residual_nbytes(g.residual_dtype, entry.residual_elements)
     return entry
 
 
@@ -210,13 +212,13 @@ def _check_residual_memory(cfg: Fp8CommFsdp2Config, entries: list[ModuleEntry]) 
     if not (g.enabled and g.error_feedback) or g.allow_unpartitioned_residuals:
         return
     total = sum(e.residual_bytes for e in entries)
-    per = _RESIDUAL_ITEMSIZE[g.residual_dtype]
+    per = _PER_ELEMENT[g.residual_dtype]
     raise Fp8CommFsdp2Error(
         f"gradients['error_feedback'] keeps each rank's quantization residual of every FSDP2 module's WHOLE "
-        f"(unsharded) gradient on every rank: {per} bytes per element ({g.residual_dtype}), {total:,} bytes "
+        f"(unsharded) gradient on every rank: {per} per element ({g.residual_dtype}), {total:,} bytes "
         f"({total / 2**20:.1f} MiB) for this model, while FSDP2 keeps 1/world of the gradients per rank. Set "
         "gradients={'error_feedback': True, 'allow_unpartitioned_residuals': True} to accept that memory "
-        "(residual_dtype 'bfloat16' halves it), or turn error feedback off"
+        "(residual_dtype 'bfloat16' halves it, 'fp8' quarters it), or turn error feedback off"
     )
 
 
@@ -280,8 +282,9 @@ def _levels(cfg: Fp8CommFsdp2Config, plan: list, report: Fsdp2Report) -> dict:
     for ranks, entry in groups.values():
         s = splits[ranks]
         entry.notes.append(("two-level: " if s.two_level else "flat: ") + s.reason)
-        if s.two_level and entry.residual_bytes:
-            entry.residual_bytes //= s.local  # the cross-node phase's residual: node count x wire row
+        if s.two_level and entry.residual_elements:
+            entry.residual_elements //= s.local  # the cross-node phase's residual: node count x wire row
+            entry.residual_bytes = residual_nbytes(cfg.gradients.residual_dtype, entry.residual_elements)
     return splits
 
 

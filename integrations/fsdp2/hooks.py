@@ -229,7 +229,7 @@ class Fp8ReduceScatter(_Levels, _Alloc, ReduceScatter):
             )
         self.param_group, self.wire, self.align = param_group, wire, align
         self.config = wire.wire(check)
-        self.error_feedback = fc.ErrorFeedback(self.config.residual_torch_dtype) if wire.error_feedback else None
+        self.error_feedback = fc.ErrorFeedback(self.config.residual_dtype) if wire.error_feedback else None
 
     def __call__(
         self,

@@ -72,7 +72,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--fp8comm-error-feedback-dtype",
         choices=EF_DTYPES,
         default=_D.error_feedback_dtype,
-        help="dtype of the error-feedback residuals (default %(default)s)",
+        help="precision of the error-feedback residuals: float32 (4 bytes per gradient element), bfloat16 (2) or "
+        "fp8 (1: E5M2 codes with one power-of-two scale per bucket); fp32 and bf16 are accepted aliases "
+        "(default %(default)s)",
     )
     g.add_argument(
         "--fp8comm-guard",

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from fp8comm.comm import CHECK_POLICIES, ROUNDINGS, SCALE_ENCODINGS, WIRES, GuardPolicy, WireConfig
+from fp8comm.comm import (
+    CHECK_POLICIES,
+    RESIDUAL_ALIASES,
+    RESIDUAL_DTYPES,
+    ROUNDINGS,
+    SCALE_ENCODINGS,
+    WIRES,
+    GuardPolicy,
+    WireConfig,
+    residual_dtype_name,
+)
 from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS, HADAMARD
 from fp8comm.errors import Fp8CommConfigError
 
@@ -18,7 +28,10 @@ CHECKS = CHECK_POLICIES
 MOE_GRAD_WIRES = ("bf16", "fp8", "native")
 MOE_COMBINES = ("native", "bf16", "fp8")  # native: Megatron's own combine collective, untouched
 assert set(MOE_GRAD_WIRES) == set(MOE_COMBINES) == set(WIRES)
-EF_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # flag value -> residual dtype (4 or 2 bytes per element)
+# --fp8comm-error-feedback-dtype: float32 (4 bytes per gradient element), bfloat16 (2) or fp8 (E5M2 codes with one
+# scale per bucket: 1), the spelling every adapter shares; "fp32" and "bf16" (this flag's values before 0.6) stay
+# accepted and mean float32 and bfloat16.
+EF_DTYPES = (*RESIDUAL_DTYPES, *RESIDUAL_ALIASES)
 # MoE token dispatchers of megatron-core 0.19 (TransformerConfig.moe_token_dispatcher_type) fp8comm hooks.
 HOOKED_DISPATCHERS = ("alltoall", "allgather")
 
@@ -45,7 +58,7 @@ class Fp8CommMegatronConfig:
     check: str = "first"  # cross-rank metadata check: first call per buffer, every call, or never
     moe_grad_wire: str = "bf16"  # MoE dispatch/combine backward (token gradients): bf16, fp8 or the tensor's dtype
     error_feedback: bool = False  # gradient hook: carry each bucket's FP8 quantization error into the next step
-    error_feedback_dtype: str = "fp32"  # residual dtype: fp32 (+4 B per gradient element) or bf16 (+2 B)
+    error_feedback_dtype: str = "float32"  # residual: float32 (+4 B per gradient element), bfloat16 (+2), fp8 (+1)
     moe_combine: str = "native"  # MoE combine (expert outputs back): native (Megatron's), bf16 or fp8
     guard: bool = False  # numerics guard: a bucket whose data stops fitting FP8 falls back to Megatron's bf16
     guard_threshold: float = 1e-3  # fraction of a bucket's elements saturated or underflowed in one step
@@ -70,11 +83,13 @@ class Fp8CommMegatronConfig:
             ("rounding", ROUNDINGS),
             ("check", CHECKS),
             ("moe_grad_wire", MOE_GRAD_WIRES),
-            ("error_feedback_dtype", tuple(EF_DTYPES)),
+            ("error_feedback_dtype", EF_DTYPES),
             ("moe_combine", MOE_COMBINES),
         ):
             if getattr(self, name) not in allowed:
                 raise Fp8CommMegatronError(f"fp8comm: {name}={getattr(self, name)!r} is not one of {allowed}")
+        # one name per residual dtype (aliases fp32/bf16 -> float32/bfloat16)
+        object.__setattr__(self, "error_feedback_dtype", residual_dtype_name(self.error_feedback_dtype))
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
             raise Fp8CommMegatronError(f"fp8comm: block_size must be a positive int, got {self.block_size!r}")
         for name in ("grad_reduce", "param_gather", "moe_dispatch", "hierarchical", "error_feedback", "guard"):
@@ -177,7 +192,7 @@ class Fp8CommMegatronConfig:
                 rounding=self.rounding,
                 check=check,
                 error_feedback=self.error_feedback,
-                residual_dtype=EF_DTYPES[self.error_feedback_dtype],
+                residual_dtype=self.error_feedback_dtype,
             )
         return WireConfig(
             fmt=self.grad_fmt if grad else self.fmt,
@@ -186,7 +201,7 @@ class Fp8CommMegatronConfig:
             rounding=self.rounding if grad else "nearest",
             check=check,
             error_feedback=grad and self.error_feedback,
-            residual_dtype=EF_DTYPES[self.error_feedback_dtype],
+            residual_dtype=self.error_feedback_dtype,
         )
 
     @classmethod

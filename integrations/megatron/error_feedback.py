@@ -45,7 +45,8 @@ def reset_residuals() -> None:
 
 
 def nbytes() -> int:
-    """Bytes held by residuals in this process (fp32: 4 per element of each padded bucket, bf16: 2)."""
+    """Bytes held by residuals in this process (float32: 4 per element of each padded bucket, bfloat16: 2, fp8: 1
+    plus a 4-byte scale per bucket)."""
     return sum(ef.nbytes() for ef in _live())
 
 
@@ -100,7 +101,7 @@ def state_dict(model) -> dict:
     residuals = {} if inst is None else inst.residuals
     for name, grad_data, dp in _bucket_buffers(model):
         entry = residuals.get(id(grad_data))
-        if entry is not None and entry[0]() is grad_data and entry[1].residual is not None:
+        if entry is not None and entry[0]() is grad_data and entry[1].stored():
             sd[name] = {**entry[1].state_dict(), "bucket_numel": grad_data.numel(), "dp_size": dp}
     return {"format": FORMAT, "residuals": sd, "levels": levels_signature()}
 
@@ -154,7 +155,9 @@ def load_state_dict(model, sd: dict, strict: bool = True) -> None:
         )
         return
     buckets = {name: (grad_data, dp) for name, grad_data, dp in _bucket_buffers(model)}
-    dtype = str(inst.residual_dtype).removeprefix("torch.")
+    dtype = inst.residual_dtype
+    # float32/bfloat16 residuals (a checkpoint from before a switch to fp8) load into fp8 ones, converted
+    convertible = ("float32", "bfloat16") if dtype == "fp8" else ()
     problems, ok = [], []
     for name, st in sd["residuals"].items():
         if name not in buckets:
@@ -164,7 +167,7 @@ def load_state_dict(model, sd: dict, strict: bool = True) -> None:
                 f"{name}: saved for a bucket of {st['bucket_numel']} elements over {st['dp_size']} DP "
                 f"ranks, this one has {buckets[name][0].numel()} over {buckets[name][1]}"
             )
-        elif st.get("dtype") != dtype:
+        elif st.get("dtype") != dtype and st.get("dtype") not in convertible:
             problems.append(
                 f"{name}: residual saved as {st.get('dtype')}, this run keeps {dtype} (--fp8comm-error-feedback-dtype)"
             )

@@ -368,7 +368,7 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
         errs.append(
             "--fp8comm-guard watches the FP8 DDP buckets: it needs --fp8comm-grad-reduce or --fp8comm-param-gather"
         )
-    if cfg.error_feedback_dtype != "fp32" and not cfg.error_feedback:
+    if cfg.error_feedback_dtype != "float32" and not cfg.error_feedback:
         errs.append(
             f"--fp8comm-error-feedback-dtype {cfg.error_feedback_dtype} without --fp8comm-error-feedback: "
             "it would do nothing"

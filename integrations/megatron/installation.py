@@ -13,11 +13,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from fp8comm.comm import ErrorFeedback, Guard
 
-from .config import EF_DTYPES, Fp8CommMegatronConfig, Fp8CommMegatronError
+from .config import Fp8CommMegatronConfig, Fp8CommMegatronError
 
 
 @dataclass(eq=False)
@@ -40,8 +38,9 @@ class Installation:
             self.guard = Guard(self.cfg.guard_policy)
 
     @property
-    def residual_dtype(self) -> torch.dtype:
-        return getattr(torch, EF_DTYPES[self.cfg.error_feedback_dtype])
+    def residual_dtype(self) -> str:
+        """The residuals' precision: float32, bfloat16 or fp8 (compact codes, fp8comm.quant.residual)."""
+        return self.cfg.error_feedback_dtype
 
 
 _CURRENT: list[Installation] = []  # the patch points are process-wide: one slot

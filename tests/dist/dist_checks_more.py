@@ -175,16 +175,17 @@ def check_hierarchical_fp4(ctx: Ctx, hg, x, pads) -> None:
         for o in gather(ar):
             assert torch.equal(o, ar), (fmt, h, "all_reduce replicas differ")
     # Pipelined two-level calls (the levels overlapping piece by piece) are bit-identical to one piece, error
-    # feedback included (each piece's residual covers its own columns).
+    # feedback included (each piece's residual covers its own columns; a compact residual is encoded once, after
+    # the last piece).
     big = randn((4 * 3 * 128 + 40,), 1430 + r, torch.bfloat16)
-    for fmt in ("e4m3", "mxfp4"):
+    for fmt, rdt in (("e4m3", "float32"), ("mxfp4", "float32"), ("mxfp4", "fp8")):
         outs, res = [], []
         for pipeline in (1, 3):
-            ef = fc.ErrorFeedback()
-            cfg = fc.WireConfig(fmt=fmt, pipeline=pipeline, error_feedback=True)
+            ef = fc.ErrorFeedback(rdt)
+            cfg = fc.WireConfig(fmt=fmt, pipeline=pipeline, error_feedback=True, residual_dtype=rdt)
             o = [fc.reduce_scatter(big, hierarchical=hg, config=cfg, error_feedback=ef) for _ in range(2)]
             outs.append(torch.cat(o))
-            res.append(ef.residual.clone())
+            res.append(ef.value().clone())
             g = fc.all_gather(big, hierarchical=hg, fmt=fmt, pipeline=pipeline)
             outs[-1] = torch.cat([outs[-1], g])
         assert torch.equal(outs[0], outs[1]) and torch.equal(res[0], res[1]), (fmt, "pipelined two-level")

@@ -33,6 +33,7 @@ from ds_checks_grad import (  # noqa: E402
 from ds_checks_guard import guard_fallback, moe_guard_fallback  # noqa: E402
 from ds_checks_levels import CHECKS as LEVELS  # noqa: E402
 from ds_checks_moe import moe_ep2_one_step  # noqa: E402
+from ds_checks_residuals import checkpoint_fp32_residuals_into_fp8  # noqa: E402
 from ds_checks_scope import engines_per_scope  # noqa: E402
 from ds_common import SMALL_BUCKET, SQNR, SQNR_STEPS, STEPS, TOL_COMM, TOL_GEMM, GradSqnr, baseline, check_ratio, parity  # noqa: E402
 from ds_mutations import apply_from_env  # noqa: E402
@@ -188,7 +189,7 @@ def _checkpoint(stage, dtype, fp8, latest: bool = False):
 
     def check(info):
         cfg = T.ds_config(stage, dtype, fp8)
-        ck = Path(os.environ["FP8COMM_TEST_OUT"]) / f"ckpt_{stage}_{dtype}"
+        ck = Path(os.environ["FP8COMM_TEST_OUT"]) / f"ckpt_{check.__name__}"
         eng, _ = T.build(cfg)
         T.train(eng, range(0, 4))
         es = fd.engine_state(eng)
@@ -399,6 +400,8 @@ SCENARIOS = {
         _inf(3, "bf16"),
         _inf(1, "fp32", ef=True),
         _checkpoint(3, "bf16", {"gemm": False, "gradients": {**EF_OPT_IN, "residual_dtype": "bf16"}}),
+        _checkpoint(3, "bf16", {"gemm": False, "gradients": {**EF_OPT_IN, "residual_dtype": "fp8"}}),
+        checkpoint_fp32_residuals_into_fp8,
         _checkpoint(
             2,
             "bf16",

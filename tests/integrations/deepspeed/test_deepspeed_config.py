@@ -118,7 +118,7 @@ def test_unknown_key_is_named(section, key, fragment):
 @pytest.mark.parametrize(
     "section, fragment",
     [
-        ({"gradients": {"residual_dtype": "fp16"}}, "'fp32', 'bf16'"),
+        ({"gradients": {"residual_dtype": "fp16"}}, "'float32', 'bfloat16', 'fp8', 'fp32', 'bf16'"),
         ({"gradients": {"error_feedback": 1}}, "true/false"),
         ({"guard": {"threshold": 1.5}}, "fraction in (0, 1)"),
         ({"guard": {"threshold": "1e-3"}}, "a number"),
@@ -242,8 +242,9 @@ def test_unsupported_combination(over, fragment):
 @pytest.mark.parametrize(
     "stage, dtype, extra, fragment",
     [
-        (2, "bf16", {}, r"WHOLE gradient \(4 bytes per parameter, fp32: 0.1 MiB for this model's 16,512"),
-        (3, "bf16", {"residual_dtype": "bf16"}, r"\(2 bytes per parameter, bf16"),
+        (2, "bf16", {}, r"WHOLE gradient \(4 bytes per parameter, float32: 0.1 MiB for this model's 16,512"),
+        (3, "bf16", {"residual_dtype": "bf16"}, r"\(2 bytes per parameter, bfloat16"),
+        (2, "bf16", {"residual_dtype": "fp8"}, r"\(1 byte per parameter plus 4 per parameter tensor, fp8: 0.0 MiB"),
         (1, "fp16", {}, "loss-scaled units"),
         (None, "bf16", {"allow_unpartitioned_residuals": True}, None),  # opted in: ZeRO-2 accepted
         (1, "bf16", {}, None),  # ZeRO-1 keeps full gradients anyway
@@ -264,6 +265,16 @@ def test_error_feedback_memory_policy(stage, dtype, extra, fragment):
         return
     with pytest.raises(fd.Fp8CommUnsupportedError, match=fragment):
         fd.install(with_fp8(section, **over), model)
+
+
+@pytest.mark.parametrize(
+    "given, name",
+    [("fp32", "float32"), ("float32", "float32"), ("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp8", "fp8")],
+)
+def test_residual_dtype_spellings(given, name):
+    """One spelling for every adapter (fp8comm.comm.RESIDUAL_DTYPES); this section's older "fp32"/"bf16" stay."""
+    g = config.parse(with_fp8({"gradients": {"error_feedback": True, "residual_dtype": given}})).gradients
+    assert g.residual_dtype == name and g.wire(None).residual_dtype == name
 
 
 def test_stage0_without_comm_is_fine():

@@ -24,7 +24,7 @@ import fp8comm.integrations.fsdp2 as f2
 # Bounds from measurement (2 ranks, the test GPT; the check's info has the numbers, docs/fsdp2.md the table).
 # Per step, E4M3 1x128 fp32 scales: 32-34 dB without error feedback; 25.6-30 dB with it (a step's output also
 # carries the previous step's residual, by design, so it is further from that step's exact reduction).
-STEP_SQNR_MIN_DB = {"no_ef": 28.0, "ef_fp32": 20.0, "ef_bf16": 20.0}
+STEP_SQNR_MIN_DB = {"no_ef": 28.0, "ef_fp32": 20.0, "ef_bf16": 20.0, "ef_fp8": 20.0}
 EF_SUM_GAIN_DB = 10.0  # summed gradient, error feedback minus none: 16.4-16.5 dB measured over 12 steps
 EF_STEPS = 12
 EF_ON = {"error_feedback": True, "allow_unpartitioned_residuals": True}
@@ -56,8 +56,9 @@ def _expected_residual_bytes(model, world: int, itemsize: int, block: int = 128)
 def error_feedback_memory_gate(rank, world, info):
     """error_feedback=True alone is refused before anything is installed, naming allow_unpartitioned_residuals and
     the model's residual bytes; opted in, the report states the bytes (fp32 4 B, bf16 2 B per padded element of
-    every group's whole gradient) and the residuals allocated by a step are exactly that; a hook built by hand
-    with error feedback and no opt-in is refused too."""
+    every group's whole gradient, fp8 1 B plus a 4-byte scale per group; the old spellings "fp32"/"bf16" too) and
+    the residuals kept after a step are exactly that; a hook built by hand with error feedback and no opt-in is
+    refused too."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.Linear(256, 200))
@@ -73,13 +74,21 @@ def error_feedback_memory_gate(rank, world, info):
     assert refused, "error_feedback without allow_unpartitioned_residuals was accepted"
     assert "allow_unpartitioned_residuals" in refused and f"{expected:,} bytes" in refused, refused
     assert not f2.is_enabled(model) and not any(f2.hooks.is_ours(pg._reduce_scatter_comm) for _, pg in _groups(model))
-    for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
+    groups = len(_groups(model))
+    for dtype, want in (
+        ("float32", expected),
+        ("bf16", expected // 2),
+        ("fp8", expected // 4 + 4 * groups),
+    ):
         rep = f2.enable(model, gradients={**EF_ON, "residual_dtype": dtype})
         x = torch.randn(4, 256, generator=torch.Generator().manual_seed(rank))
         model(x).float().square().mean().backward()
-        allocated = sum(pg._reduce_scatter_comm.error_feedback.nbytes() for _, pg in _groups(model))
+        efs = [pg._reduce_scatter_comm.error_feedback for _, pg in _groups(model)]
+        allocated = sum(ef.nbytes() for ef in efs)
         info[dtype] = {"report_bytes": rep.residual_bytes, "allocated_bytes": allocated}
-        assert rep.residual_bytes == allocated == expected * itemsize // 4, (dtype, info[dtype], expected)
+        assert rep.residual_bytes == allocated == want, (dtype, info[dtype], want)
+        # between steps a compact residual keeps only its codes and scales (no fp32 working copy)
+        assert all(ef.residual is None for ef in efs) == (dtype == "fp8"), (dtype, [ef.kind for ef in efs])
         assert f"error-feedback residuals: {allocated} bytes" in str(rep), str(rep)
         f2.disable(model)
         model.zero_grad(set_to_none=True)
@@ -154,14 +163,19 @@ class SqnrProbe:
 
 
 def error_feedback_sqnr_gain(rank, world, info):
-    """The test GPT, EF_STEPS AdamW steps, FP8 gradients without error feedback, with fp32 and with bf16
+    """The test GPT, EF_STEPS AdamW steps, FP8 gradients without error feedback, with fp32, bf16 and fp8 (compact)
     residuals: per-step SQNR >= STEP_SQNR_MIN_DB[run]; the summed gradient's SQNR gains >= EF_SUM_GAIN_DB
     with error feedback (each step re-sends the previous step's quantization error, so the sum's error stays one
     step's residual instead of growing with the steps)."""
     data, vocab = C.corpus()
     args = C.gpt_args("--steps", str(EF_STEPS))
     res = {}
-    for tag, grads in (("no_ef", {}), ("ef_fp32", EF_ON), ("ef_bf16", {**EF_ON, "residual_dtype": "bfloat16"})):
+    for tag, grads in (
+        ("no_ef", {}),
+        ("ef_fp32", EF_ON),
+        ("ef_bf16", {**EF_ON, "residual_dtype": "bfloat16"}),
+        ("ef_fp8", {**EF_ON, "residual_dtype": "fp8"}),
+    ):
         probe = SqnrProbe()
         out = C.ex.train(
             args,
@@ -178,4 +192,4 @@ def error_feedback_sqnr_gain(rank, world, info):
     info.update(runs=res, summed_grad_sqnr_gain_db=gain, steps=EF_STEPS)
     for tag, r in res.items():
         assert r["step_sqnr_db_min"] >= STEP_SQNR_MIN_DB[tag], f"{tag}: per-step gradient SQNR {r}"
-    assert gain["ef_fp32"] >= EF_SUM_GAIN_DB and gain["ef_bf16"] >= EF_SUM_GAIN_DB, gain
+    assert all(gain[t] >= EF_SUM_GAIN_DB for t in ("ef_fp32", "ef_bf16", "ef_fp8")), gain

@@ -64,6 +64,10 @@ def test_defaults_and_parse():
     assert cfg.gradients.wire(cfg.check) == WireConfig(
         fmt="e5m2", rounding="nearest", check="never", error_feedback=True
     )
+    # residual_dtype: the names every adapter shares, and DeepSpeed's / Megatron's older spellings as aliases
+    for given, name in (("float32", "float32"), ("fp32", "float32"), ("bf16", "bfloat16"), ("fp8", "fp8")):
+        g = f2.parse(gradients={"error_feedback": True, "residual_dtype": given}).gradients
+        assert g.residual_dtype == name and g.wire(None).residual_dtype == name, given
 
 
 @pytest.mark.parametrize(
@@ -73,6 +77,7 @@ def test_defaults_and_parse():
         ({"gradients": {"rouding": "stochastic"}}, "did you mean 'rounding'"),
         ({"weights": {"rounding": "stochastic"}}, "unknown key weights"),
         ({"gradients": {"fmt": "e3m4"}}, "not valid"),
+        ({"gradients": {"residual_dtype": "fp16"}}, "'float32', 'bfloat16', 'fp8', 'fp32', 'bf16'"),
         ({"weights": {"block_size": 100}}, "power of two"),
         ({"weights": {"block_size": True}}, "must be int"),
         ({"check": "always"}, "check must be None, True or False"),

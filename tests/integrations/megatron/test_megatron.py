@@ -499,7 +499,10 @@ def test_bad_option_values_are_refused():
         (dict(moe_grad_wire="fp4"), "moe_grad_wire"),
         (dict(scaling="int8"), "scaling"),
         (dict(moe_combine="fp4"), r"moe_combine='fp4' is not one of \('native', 'bf16', 'fp8'\)"),
-        (dict(error_feedback_dtype="fp16"), r"error_feedback_dtype='fp16' is not one of \('fp32'"),
+        (
+            dict(error_feedback_dtype="fp16"),
+            r"error_feedback_dtype='fp16' is not one of \('float32', 'bfloat16', 'fp8', 'fp32', 'bf16'\)",
+        ),
         (dict(error_feedback="yes"), "error_feedback must be True or False"),
         (dict(fmt="mxfp4"), r"fmt='mxfp4' is not one of \('e4m3', 'e5m2'\)"),  # params/tokens: FP8 only
         (dict(grad_fmt="int4"), r"grad_fmt='int4' is not one of \('e4m3', 'e5m2', 'mxfp4', 'nvfp4'\)"),
@@ -627,12 +630,21 @@ def test_add_args_defaults_match_the_config_and_parse():
     )
     assert (cfg.guard_policy.threshold, cfg.guard_policy.patience, cfg.guard_policy.cooldown) == (0.05, 2, 7)
     d = cfg.describe()
-    assert "MoE dispatch, MoE combine" in d and "error feedback bf16 residuals" in d and "MoE backward fp8" in d, d
+    assert "MoE dispatch, MoE combine" in d and "error feedback bfloat16 residuals" in d and "MoE backward fp8" in d, d
+    # the old flag values are aliases of the names every adapter shares; fp8 is the compact residual
+    assert cfg.error_feedback_dtype == "bfloat16" and cfg.wire("grad").residual_dtype == "bfloat16"
+    for given, name in (("fp32", "float32"), ("float32", "float32"), ("bf16", "bfloat16"), ("fp8", "fp8")):
+        c = fm.Fp8CommMegatronConfig(grad_reduce=True, error_feedback=True, error_feedback_dtype=given)
+        assert c.error_feedback_dtype == name and c.wire("grad").residual_dtype == name, (given, c)
+        flag = p.parse_args(
+            ["--fp8comm-grad-reduce", "--fp8comm-error-feedback", "--fp8comm-error-feedback-dtype", given]
+        )
+        assert fm.Fp8CommMegatronConfig.from_args(flag).error_feedback_dtype == name, given
     assert "guard (bf16 fallback above 5.00% for 2 steps, 7 steps)" in d, d
     for bad in (
         ["--fp8comm-format", "int8"],
         ["--fp8comm-moe-combine", "fp16"],
-        ["--fp8comm-error-feedback-dtype", "fp8"],
+        ["--fp8comm-error-feedback-dtype", "fp16"],
         ["--fp8comm-guard-patience", "1.5"],
         ["--fp8comm-guard-threshold", "many"],
     ):
