@@ -35,14 +35,19 @@ def test_bench_comm_prints_ratios():
         "1024",
         "--timeout",
         "150",
+        "--local-size",
+        "1",  # two-level rows too: 2 nodes x 1 rank (under torchrun the default is LOCAL_WORLD_SIZE)
     ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
     print(out)
     for op in ("all_gather", "reduce_scatter"):
-        for variant in ("bf16", "fp32", "bf16-ring", "fp8", "fp8-e8m0"):
+        for variant in ("bf16", "fp32", "bf16-ring", "fp8", "fp8-e8m0", "mxfp4", "fp8-2l", "mxfp4-2l"):
             assert re.search(rf"^{op}\s+65536\s+32768\s+{variant}\s", out, re.M), (op, variant)
+    # Two-level rows beside the flat ones: the same bits on one rank per node (nothing is summed inside a node).
+    sq2 = {m[0]: m[1] for m in re.findall(r"^reduce_scatter\s+65536\s+32768\s+(\S+)\s.*\s([\d.]+)$", out, re.M)}
+    assert sq2["fp8-2l"] == sq2["fp8"] and sq2["mxfp4-2l"] == sq2["mxfp4"], sq2
     # The ring sends the minimal bf16 count; torch's gloo reduce_scatter (a ring all-reduce) twice that. Both
     # reduce-scatters sum in bf16: the same error against the fp32 sum.
     wire = {

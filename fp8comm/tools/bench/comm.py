@@ -113,12 +113,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fp4",
         default="mxfp4,nvfp4",
-        help="4-bit wire formats to run (all_gather, reduce_scatter, all_reduce; '' for none)",
+        help="4-bit wire formats to run (every op; '' for none)",
     )
     p.add_argument("--hidden", type=int, default=4096, help="token width for all_to_all")
     p.add_argument("--iters", type=int, default=20, help="max timed iterations per row")
     p.add_argument("--target-s", type=float, default=1.0, help="aim for this much timed work per row")
-    p.add_argument("--local-size", type=int, default=0, help="hierarchical FP8 rows with this many ranks per node")
+    p.add_argument(
+        "--local-size",
+        type=int,
+        default=None,
+        help="ranks per node of the two-level rows ('-2l', beside the flat ones; default: LOCAL_WORLD_SIZE where the "
+        "world spans nodes of more than one rank, as the engines decide; 0: flat rows only)",
+    )
     p.add_argument("--backend", default="auto", help="quant kernel backend for FP8 rows")
     p.add_argument(
         "--sqnr-ranks",
@@ -379,7 +385,8 @@ def _table(args) -> None:
     ops = [o for o in args.ops.split(",") if o]
     encs = [e for e in args.scales.split(",") if e]
     fp4s = [f for f in getattr(args, "fp4", "").split(",") if f and _has_fp4()]
-    hg = fc.node_groups(local_size=args.local_size) if args.local_size else None
+    two = args.local_size if args.local_size is not None else (local if 1 < local < world and world % local == 0 else 0)
+    hg = fc.node_groups(local_size=two) if two else None
     sizes = []
     s = args.min_size
     while s <= args.max_size:
@@ -391,7 +398,7 @@ def _table(args) -> None:
         f"fp8comm from {os.path.dirname(os.path.dirname(os.path.abspath(fc.__file__)))}"
     )
     _say(
-        f"# world {world} (gloo, {'hierarchical ' + str(args.local_size) + '/node' if hg else 'flat'}), "
+        f"# world {world} (gloo; fp8comm flat{f' and two-level (-2l rows, {two} ranks/node)' if hg else ''}), "
         f"{args.fmt}, 1x128 blocks; size = bytes of the bf16 buffer; FP8 rows start from bf16 input"
     )
     _say(
@@ -458,20 +465,21 @@ def _table(args) -> None:
                     algo="bf16 ring (NCCL's algorithm on gloo p2p)",
                 )
             variants = [("fp8" if e == "fp32" else f"fp8-{e}", dict(fmt=args.fmt, scaling=e)) for e in encs]
-            if op != "all_to_all":  # the 4-bit wire has no all_to_all
-                variants += [(f, dict(fmt=f)) for f in fp4s]
+            variants += [(f, dict(fmt=f)) for f in fp4s]
+            if hg is not None and op != "all_to_all":  # the MoE all_to_all has no two-level form
+                variants += [(f"{name}-2l", dict(kw, hierarchical=hg)) for name, kw in variants]
             for name, kw in variants:
                 kw["backend"] = args.backend
-                if hg is not None and op != "all_to_all":
-                    kw["hierarchical"] = hg
                 fc.reset_comm_stats()
                 try:
                     first, link = _measured(lambda fp8=fp8, x=x, kw=kw: fp8(x, **kw), ifname)
                 except ValueError as e:  # Fp8CommError (a ValueError; older fp8comm may lack the module)
-                    # 4-bit two-level collectives arrive in a later fp8comm: skip (on every rank alike) until then
-                    if "hierarch" not in str(e).lower() or name.startswith("fp8"):
+                    # 4-bit two-level calls and the 4-bit all_to_all arrived in fp8comm 0.5: an older checkout
+                    # (an A/B run) refuses them, the same on every rank; say so and go on
+                    said = str(e).lower()
+                    if name.startswith("fp8") or not ("hierarch" in said or "all_to_all" in said):
                         raise
-                    _say(f"# skipped {op} {size} {name} hierarchical: {str(e).splitlines()[0][:160]}")
+                    _say(f"# skipped {op} {size} {name} (this fp8comm refuses it): {str(e).splitlines()[0][:160]}")
                     fc.reset_comm_stats()
                     continue
                 first = first.clone()  # the output buffer is reused by the timed calls

@@ -5,10 +5,12 @@ world (fp8comm.comm.topology). Run by test_megatron_levels.py."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import mcore_train as T
+import torch
 import torch.distributed as dist
-from mcore_checks import check_bytes, check_parity, run
+from mcore_checks import _fm, check_bytes, check_parity, run
 
 from fp8comm.comm import topology
 
@@ -54,3 +56,53 @@ def gpt_dp4_levels_default_and_off(rank, world, info):
     assert ci.get("all_gather.intra", {}).get("calls", 0) > 0, ci
     assert not [k for k in cf if k.endswith(".intra")], cf
     check_bytes(off, "reduce_scatter", 4, "dp4_flat")
+    _resume_across_the_switch(info)
+
+
+def _resume_across_the_switch(info) -> None:
+    """Error-feedback residuals saved under two levels hold the quantization error of the node's sum on this rank's
+    rail (and have that size): loaded into the same layout they come back bit for bit, silently; loaded into a
+    flat installation (--no-fp8comm-hierarchical), or flat ones into a two-level one, they restart from zero with
+    a RuntimeWarning naming the switch, counted in hook_stats."""
+    fm = _fm()
+    ef = dict(grad_reduce=True, error_feedback=True)
+    kw = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+    saved = {}
+    for hier in (True, False):
+        model, opt, config = T.build(T.ddp_kwargs(**kw))
+        fm.install(ddp_config=model.ddp_config, transformer_config=config, hierarchical=hier, **ef)
+        try:
+            T.train(model, opt, config, 2)
+            saved[hier] = fm.error_feedback_state_dict(model)
+        finally:
+            fm.uninstall()
+    assert saved[True]["levels"] == [[[0, 1, 2, 3], 2]] and saved[False]["levels"] == [], saved[True]["levels"]
+    assert saved[True]["residuals"] and saved[False]["residuals"], "no residuals were kept"
+    sizes = {h: sum(v["residual"].numel() for v in saved[h]["residuals"].values()) for h in saved}
+    results = {}
+    for into in (True, False):
+        for came_from in (True, False):
+            model, opt, config = T.build(T.ddp_kwargs(**kw))
+            fm.install(ddp_config=model.ddp_config, transformer_config=config, hierarchical=into, **ef)
+            fm.hook_stats(reset=True)
+            try:
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always")
+                    fm.load_error_feedback_state_dict(model, saved[came_from])
+                now = fm.error_feedback_state_dict(model)
+                resets = fm.hook_stats().get("error_feedback", {}).get("levels_resets", 0)
+            finally:
+                fm.uninstall()
+            lines = [str(w.message) for w in said if issubclass(w.category, RuntimeWarning)]
+            key = f"{'two-level' if came_from else 'flat'} -> {'two-level' if into else 'flat'}"
+            results[key] = {"resets": resets, "warnings": lines, "buckets_after_load": len(now["residuals"])}
+            if into == came_from:
+                assert resets == 0 and not lines, (key, results[key])
+                assert set(now["residuals"]) == set(saved[came_from]["residuals"]), key
+                for name, st in saved[came_from]["residuals"].items():
+                    assert torch.equal(now["residuals"][name]["residual"], st["residual"]), (key, name)
+            else:
+                assert resets == 1 and not now["residuals"], (key, results[key])
+                assert len(lines) == 1 and "residuals restart from zero" in lines[0], (key, lines)
+                assert ("two-level" in lines[0]) and ("flat" in lines[0]), lines[0]
+    info["resume_across_switch"] = {"residual_elements": sizes, **results}
