@@ -6,11 +6,13 @@
     launch/cluster.py run -- launch/ds_zero3_step.py --fp8 --no-hierarchical    # flat collectives (one level)
     launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --fp8    # ZeRO-2 (also --stage 1)
     launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --fp8 --grad-fmt mxfp4 --update-fmt mxfp4  # 4 bits
+    launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --bias --gelu --bucket-size 1.6e7   # HF's "auto" size
 
 `--profile DIR` writes a cProfile of each rank's steady-state steps (DIR/rank<r>.prof) to find non-link time.
 
-The model is `--layers` x Linear(dim, dim) in bf16 (no FP8 GEMMs: only the communication changes), trained to
-match a fixed random teacher, the same weights and batches in both modes. Rank 0 prints one line
+The model is `--layers` x Linear(dim, dim) in bf16 (no FP8 GEMMs: only the communication changes; `--bias` gives
+the linears biases, `--gelu` puts a GELU after every linear but the last), trained to match a fixed random teacher,
+the same weights and batches in both modes. Rank 0 prints one line
 `ds_zero3_step summary: {json}`: median step time (after `--warmup` steps), bytes this node's link interface sent
 per step (fp8comm.distributed.link_ifname), rank 0's forward / backward / optimizer-step medians, first and last
 loss, rank 0's CPU time per step (all its threads: the work that is not waiting on the link; less sensitive
@@ -39,6 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --fp8: the fp8_comm section's \"hierarchical\" (default: the adapter's default, two levels)",
     )
+    p.add_argument(
+        "--bucket-size",
+        type=float,
+        default=None,
+        help="zero_optimization reduce_bucket_size and allgather_bucket_size, in elements (e.g. 5e7; "
+        "default: DeepSpeed's own, 5e8)",
+    )
+    p.add_argument("--bias", action="store_true", help="linears with biases (default: bias-free)")
+    p.add_argument("--gelu", action="store_true", help="a GELU after every linear but the last")
     p.add_argument("--profile", metavar="DIR", help="cProfile each rank's steps after warmup into DIR/rank<r>.prof")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=4096)
@@ -48,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.steps <= a.warmup:
         p.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup})")
+    if a.bucket_size is not None and (a.bucket_size < 1 or a.bucket_size != int(a.bucket_size)):
+        p.error(f"--bucket-size must be a whole number of elements >= 1, got {a.bucket_size:g}")
 
     from fp8comm.integrations.deepspeed import cpu
 
@@ -65,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.init_distributed("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(a.dim, a.dim, bias=False) for _ in range(a.layers)])
+    mods: list[nn.Module] = []
+    for i in range(a.layers):
+        mods.append(nn.Linear(a.dim, a.dim, bias=a.bias))
+        if a.gelu and i < a.layers - 1:
+            mods.append(nn.GELU())
+    model = nn.Sequential(*mods)
     teacher = torch.randn(a.dim, a.dim, generator=torch.Generator().manual_seed(1)) / a.dim**0.5
     ds = {
         "train_micro_batch_size_per_gpu": a.rows,
@@ -76,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if a.stage == 3:
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if a.bucket_size is not None:
+        ds["zero_optimization"]["reduce_bucket_size"] = int(a.bucket_size)
+        ds["zero_optimization"]["allgather_bucket_size"] = int(a.bucket_size)
     if a.fp8:
         ds["fp8_comm"] = {"enabled": True, "gemm": False}
         if a.hierarchical is not None:
@@ -128,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = {
             "fp8comm": a.fp8,
             "stage": a.stage,
+            "model": {"layers": a.layers, "dim": a.dim, "bias": a.bias, "gelu": a.gelu, "dtype": "bf16"},
+            "zero_optimization": ds["zero_optimization"],
             "fp8_comm": ds.get("fp8_comm"),
             "world": world,
             "params": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
