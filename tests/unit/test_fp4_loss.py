@@ -144,3 +144,21 @@ def test_variant_names():
     for bad in ("mxfp4-ef-sr", "mxfp4-ef-sr-h8", "int4-ef-sr-h0", "nvfp4-ef-sr-h32"):
         with pytest.raises(SystemExit, match="variant"):
             fp4_loss.parse_variant(bad)
+
+
+def test_residual_variants_parse_and_are_judged_by_the_compact_bar():
+    """'@residual' keeps a variant's wire and changes only its error-feedback residual; it needs error feedback
+    and a known precision; such variants are judged by the 0.5% / 1% bar and never picked as the 4-bit default."""
+    v = fp4_loss.parse_variant("mxfp4-ef-rn-h0@e4m3-b128")
+    assert (v.grads, v.error_feedback, v.rounding, v.hadamard, v.residual) == ("mxfp4", True, "nearest", 0, "e4m3-b128")
+    v = fp4_loss.parse_variant("fp8-ef@fp8")
+    assert (v.grads, v.weights, v.error_feedback, v.residual) == ("fp8", "fp8", True, "fp8")
+    assert fp4_loss.parse_variant("fp8-ef").residual == "float32"
+    for bad in ("mxfp4-noef-rn-h0@fp8", "fp8@fp8", "mxfp4-ef-rn-h0@int8"):
+        with pytest.raises(SystemExit, match="variant"):
+            fp4_loss.parse_variant(bad)
+    losses = {"bf16": [2.0, 2.0], "mxfp4-ef-rn-h0": [2.001, 2.001], "mxfp4-ef-rn-h0@fp8": [2.0, 2.03]}
+    s = fp4_loss.summarize(_runs(losses), [0, 1])
+    assert s["mxfp4-ef-rn-h0@fp8"]["meets_target"] and not s["mxfp4-ef-rn-h0@fp8"]["meets_compact_target"]
+    assert "meets_compact_target" not in s["mxfp4-ef-rn-h0"]
+    assert fp4_loss.choose(s, log=lambda m: None) == "ef-rn-h0"
