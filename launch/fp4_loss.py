@@ -17,6 +17,9 @@ side from the same initial weights on the same batches, one seed after another (
                             (bfloat16, fp8 = the compact option, or a compact candidate of
                             fp8comm.quant.residual.RESIDUAL_FORMATS: e5m2, e4m3, e4m3-b128)
   fp8-ef[@residual]         FP8 gradients (the engines' default wire) with error feedback, FP8 weights
+  <variant>+2l              a quantized variant with its gradient reduce-scatter (and FP8 weight all-gather) in
+                            two levels, as the engines run them across nodes (--nodes N: the ranks as N nodes;
+                            4-bit weight changes stay flat): paired with the same variant flat
 
 Per variant: final validation loss per seed, the paired relative difference vs bf16 (same seed), its mean and
 worst seed, and the target (|mean| <= 1%, no seed beyond 2%); at the end of every run the replicas are compared
@@ -43,7 +46,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -67,6 +70,7 @@ FP4_FORMATS = ("mxfp4", "nvfp4")
 HADAMARDS = (0, 16, 32)
 SHARD_ALIGN = 128  # shards of whole 128-element blocks: every wire's blocks (32, 16, 128) tile them exactly
 SIZES = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block": 64, "micro": 8}
+NODES: dict = {}  # the worker's two-level groups ("groups"), made once per process (--nodes > 1)
 
 
 # ------------------------------------------------------------------------------------------------- variants
@@ -81,6 +85,7 @@ class Variant:
     rounding: str = "nearest"
     hadamard: int = 0
     residual: str = "float32"  # error-feedback residual: float32, bfloat16 or a compact format (quant/residual.py)
+    two_level: bool = False  # quantized collectives in two levels over --nodes (fp8comm.comm.node_groups)
 
     @property
     def is_fp4(self) -> bool:
@@ -98,7 +103,13 @@ RESIDUALS = ("float32", "bfloat16", *RESIDUAL_FORMATS)
 
 def parse_variant(name: str) -> Variant:
     """bf16 | fp32 | fp8 | fp8-ef[@res] | {mxfp4|nvfp4}-{ef|noef}-{sr|rn}-h{0|16|32}[-bf16w][@res], res one of
-    RESIDUALS (error feedback's residual precision, default float32); anything else is a clear error."""
+    RESIDUALS (error feedback's residual precision, default float32), any quantized one + "+2l" (two levels);
+    anything else is a clear error."""
+    if name.endswith("+2l"):
+        v = parse_variant(name[: -len("+2l")])
+        if v.grads in ("bf16", "fp32"):
+            raise SystemExit(f"variant {name!r}: '+2l' follows a quantized variant (torch's collectives are flat)")
+        return replace(v, name=name, two_level=True)
     base, at, res = name.partition("@")
     if at:
         if res not in RESIDUALS or not (base == "fp8-ef" or "-ef-" in base):
@@ -224,13 +235,14 @@ class Run:
             # Weight changes with nearest rounding and no transform: the owner's rounding error stays in
             # (master - replica) and is sent with the next change, so no SR or EF is needed there.
             self.ru = fc.ReplicaUpdate(config=fc.WireConfig(fmt=v.grads))
+        self.levels = {"hierarchical": NODES["groups"]} if v.two_level else {}
 
     # -------------------------------------------------------------------------------- one training step
     def gather_weights(self) -> None:
         if self.v.weights == "bf16":
             _all_gather(self.replica, self.master.to(torch.bfloat16))
         elif self.v.weights == "fp8":
-            fc.all_gather_into(self.replica, self.master, config=fc.WireConfig())
+            fc.all_gather_into(self.replica, self.master, config=fc.WireConfig(), **self.levels)
         else:
             self.ru.gather(self.replica, self.master)
         self.flat.copy_(self.replica)
@@ -242,7 +254,7 @@ class Run:
             _reduce_scatter(out, self.gflat.to(dt))
             return out.float().div_(self.world)
         out = torch.empty(self.shard_n)
-        kw = {"error_feedback": self.ef} if self.ef is not None else {}
+        kw = {"error_feedback": self.ef, **self.levels} if self.ef is not None else dict(self.levels)
         # An explicit seed (mixed with the rank inside) makes stochastic rounding reproducible run to run.
         fc.reduce_scatter_into(out, self.gflat, op="avg", config=self.grad_cfg, seed=call_seed, **kw)
         return out
@@ -415,6 +427,8 @@ def worker(rank: int, world: int, port: int, a, outfile: str) -> None:
             print(f"[fp4_loss] {msg}", flush=True)
 
     try:
+        if a.nodes > 1:  # every rank creates the groups, in the same order
+            NODES["groups"] = fc.node_groups(local_size=world // a.nodes)
         corpus = load_corpus()
         seeds = list(range(a.seeds))
         res = train_phase(a.variants, seeds, a, rank, world, corpus, log)
@@ -510,6 +524,7 @@ def choose(summary: dict, log=print) -> str | None:
         if n.startswith("mxfp4-")
         and not n.endswith("-bf16w")
         and "@" not in n  # the residual's precision is judged apart (its own bar), never picked here
+        and not n.endswith("+2l")  # the two-level form of a candidate: compared with it, not picked
         and row.get("meets_target")
         and row["replicas_identical"]
     ]
@@ -591,6 +606,7 @@ def main(argv=None) -> int:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--val-batches", type=int, default=16, help="fixed validation batches of 8 x 64 tokens")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=1, help="the ranks as this many simulated nodes ('+2l' variants)")
     p.add_argument("--quick", action="store_true", help="1 seed, 30 steps, bf16 + mxfp4-ef-sr-h32, no follow-ups")
     p.add_argument("--json", default=None, help="results file (default docs/results/fp4_loss.json; --quick: none)")
     p.add_argument("--fault", default="", help=argparse.SUPPRESS)  # test hook: corrupt this variant's replica
@@ -612,6 +628,11 @@ def main(argv=None) -> int:
         a.json = str(ROOT / "docs" / "results" / "fp4_loss.json")
     if a.ranks < 2:
         p.error("--ranks must be >= 2 (one rank has nothing to communicate)")
+    if a.nodes < 1 or a.ranks % a.nodes:
+        p.error(f"--nodes {a.nodes} must divide --ranks {a.ranks}")
+    two = [n for n in names if parse_variant(n).two_level]
+    if two and not (a.nodes > 1 and a.ranks // a.nodes > 1):
+        p.error(f"{two} run in two levels: they need --nodes >= 2 with at least 2 ranks per node (--ranks 4 --nodes 2)")
 
     import torch.multiprocessing as mp
 
@@ -655,6 +676,7 @@ def main(argv=None) -> int:
             "wall_s": round(wall, 1),
             "setup": {
                 "ranks": a.ranks,
+                "nodes": a.nodes,
                 "seeds": seeds,
                 "steps": a.steps,
                 "lr": a.lr,

@@ -162,3 +162,24 @@ def test_residual_variants_parse_and_are_judged_by_the_compact_bar():
     assert s["mxfp4-ef-rn-h0@fp8"]["meets_target"] and not s["mxfp4-ef-rn-h0@fp8"]["meets_compact_target"]
     assert "meets_compact_target" not in s["mxfp4-ef-rn-h0"]
     assert fp4_loss.choose(s, log=lambda m: None) == "ef-rn-h0"
+
+
+def test_two_level_variants_parse_and_need_nodes(capsys):
+    """'+2l' runs a quantized variant's collectives in two levels (paired with its flat form, never picked); it
+    needs --nodes >= 2 with at least 2 ranks per node, checked before any rank starts."""
+    v = fp4_loss.parse_variant("mxfp4-ef-rn-h0@fp8+2l")
+    assert (v.grads, v.residual, v.two_level, v.name) == ("mxfp4", "fp8", True, "mxfp4-ef-rn-h0@fp8+2l")
+    assert fp4_loss.parse_variant("fp8+2l").two_level and not fp4_loss.parse_variant("fp8").two_level
+    for bad in ("bf16+2l", "fp32+2l", "fp8+2l+2l+x"):
+        with pytest.raises(SystemExit, match="variant"):
+            fp4_loss.parse_variant(bad)
+    for argv, said in (
+        (["--variants", "fp8+2l", "--ranks", "4"], "need --nodes >= 2"),
+        (["--variants", "fp8+2l", "--ranks", "2", "--nodes", "2"], "need --nodes >= 2"),
+        (["--variants", "fp8", "--ranks", "4", "--nodes", "3"], "must divide"),
+    ):
+        with pytest.raises(SystemExit):
+            fp4_loss.main(argv)
+        assert said in capsys.readouterr().err, argv
+    losses = {"bf16": [2.0, 2.0], "mxfp4-ef-rn-h0": [2.01, 2.01], "mxfp4-ef-rn-h0+2l": [2.001, 2.001]}
+    assert fp4_loss.choose(fp4_loss.summarize(_runs(losses), [0, 1]), log=lambda m: None) == "ef-rn-h0"
