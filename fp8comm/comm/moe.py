@@ -66,8 +66,9 @@ def all_to_all(
     fp8_out=True (wire="fp8"): return the received tokens as an Fp8Tensor (codes [sum(outs), H] + fp32 scales
     [sum(outs), ceil(H/B)], DeepEP's FP8 dispatch output) for an FP8 expert GEMM, not dequantized; it has no
     autograd edge, so the tokens must not require grad (detach them; the combine carries the gradient path).
-    out: a preallocated output ([sum(outs), H] in the tokens' dtype, or an Fp8Tensor with fp8_out=True), as
-    DeepEP's Buffer keeps its receive buffers; no autograd edge either (the tokens must not require grad).
+    out: a preallocated output ([sum(outs), H] in the tokens' dtype or float32, or an Fp8Tensor with fp8_out=True),
+    as DeepEP's Buffer keeps its receive buffers; a float32 out receives every contribution decoded straight into
+    fp32 (for a consumer that sums them in fp32); no autograd edge either (the tokens must not require grad).
     error_feedback (wire="fp8"): this rank's quantization residual, laid out like the tokens, is added before
     quantizing and updated after (the call travels in one piece); for gradient traffic such as ZeRO-1/2's.
     guard (a numerics-guard bucket): counts what the forward packs in FP8 and, with grad_wire="fp8", the backward.
@@ -108,7 +109,13 @@ def all_to_all(
                 "out= writes in place and has no autograd edge, but the tokens require grad; "
                 "pass tokens.detach() or leave out=None",
             )
-        return out_problem(out, (sum(outs), tensor.shape[1]), tensor.dtype, tensor.device, spec if fp8_out else None)
+        # a float32 out for any floating input: every contribution decoded straight into fp32 (a gradient consumer
+        # summing in fp32 must not see each one rounded to the input's dtype first)
+        wide = (
+            not fp8_out and isinstance(out, torch.Tensor) and out.dtype == torch.float32 and tensor.is_floating_point()
+        )
+        dtype = torch.float32 if wide else tensor.dtype
+        return out_problem(out, (sum(outs), tensor.shape[1]), dtype, tensor.device, spec if fp8_out else None)
 
     def check(spec: WireSpec):
         if fp8_out and not spec.codec.codes_out:
@@ -253,7 +260,7 @@ def _start(
     if wire != "fp8":
         wdt = torch.bfloat16 if wire == "bf16" else dtype
         send = x if x.dtype == wdt else x.to(wdt)
-        recv = out if wdt == dtype else torch.empty(sum(outs), h, dtype=wdt, device=dev)
+        recv = out if wdt == out.dtype else torch.empty(sum(outs), h, dtype=wdt, device=dev)
         call.checked()
         work = dist.all_to_all_single(recv, send, list(outs), list(ins), group=call.group, async_op=True)
         nbytes = (sum(ins) - ins[me]) * h * send.element_size()

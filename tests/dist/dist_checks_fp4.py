@@ -220,14 +220,23 @@ def check_fp4_all_to_all(ctx: Ctx) -> None:
         x = randn((sum(ins), 72), 500 * i + r, torch.bfloat16)
         got = fc.all_to_all(x, outs, ins, fmt=fmt, hadamard=h)
         assert got.shape == (sum(outs), 72) and got.dtype == torch.bfloat16
+        # a float32 out: every contribution decoded straight into fp32 (ZeRO-1/2's gradients to their owners)
+        wide = torch.full((sum(outs), 72), float("nan"))
+        assert fc.all_to_all(x, outs, ins, fmt=fmt, hadamard=h, out=wide) is wide
         xs = gather(torch.nn.functional.pad(x, (0, 0, 0, 3 * W - x.shape[0])))
         o = 0
         for j in range(W):
             js = [(j + t) % 3 + 1 for t in range(W)]  # rank j's send splits
             a = sum(js[:r])
-            exp = _qdq4_rows(xs[j][a : a + js[r]], fmt, h).to(torch.bfloat16)
-            assert torch.equal(got[o : o + js[r]], exp), (fmt, h, j)
+            exp32 = _qdq4_rows(xs[j][a : a + js[r]], fmt, h)
+            assert torch.equal(got[o : o + js[r]], exp32.to(torch.bfloat16)), (fmt, h, j)
+            assert torch.equal(wide[o : o + js[r]], exp32), (fmt, h, j, "float32 out")
             o += js[r]
+    # the unquantized wire into a float32 out: the tokens themselves, widened
+    x = randn((sum(ins), 72), 999 + r, torch.bfloat16)
+    wide = torch.empty(sum(outs), 72)
+    fc.all_to_all(x, outs, ins, wire="native", out=wide)
+    assert torch.equal(wide, fc.all_to_all(x, outs, ins, wire="native").float()), "native wire into float32 out"
 
 
 CHECKS_FP4 = [
