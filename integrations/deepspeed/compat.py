@@ -98,6 +98,15 @@ TARGETS = {
             patched=False,
         ),
         Target(
+            "zero12.end_of_backward",  # the epilogue's reduce_ipg_grads(): coalesced gradients go out there
+            S12,
+            "DeepSpeedZeroOptimizer.reduce_ipg_grads",
+            ("self", "comm_dtype"),
+            ("DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue",),
+            role="gradients",
+            patched=False,
+        ),
+        Target(
             "zero12.param_gather",
             S12,
             "all_gather_dp_groups",

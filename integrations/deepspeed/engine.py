@@ -61,6 +61,7 @@ class EngineState:
         self._engine: weakref.ref | None = None
         self.splits: dict = {}  # global ranks of a group -> its fp8comm.comm.topology.Split (levels.py)
         self._flat_warned: set = set()
+        self.grad_layouts: list[str] = []  # ZeRO-1/2: the gradient bucket layout lines logged (zero12._Reducer)
 
     @property
     def engine(self):
@@ -121,6 +122,8 @@ class EngineState:
             }
         if self.guard is not None:
             out["guard"] = self.guard.summary()
+        if self.grad_layouts:  # ZeRO-1/2: which collective and format each bucket layout took
+            out["grad_layouts"] = list(self.grad_layouts)
         return out
 
     def detach(self) -> None:
@@ -504,7 +507,11 @@ def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, con
     how = "reduce-scatter" if combo["stage"] == 3 else "reduce to owners"
     if cfg.gradients.enabled:
         bits = "4-bit" if cfg.gradients.is_fp4 else "FP8"
-        parts.append(f"gradient {how} {bits} ({cfg.gradients.describe()}{', replaces qgZ' if combo['qgz'] else ''})")
+        # ZeRO-1/2: every owned slice, on both paths (reduce-scatter, all-to-all); which buckets took which path
+        # (and any guard fallback or slice several ranks consume) is logged per bucket layout at the backward
+        where = "" if combo["stage"] == 3 else ", every bucket; layout logged at the first backward"
+        qgz = ", replaces qgZ" if combo["qgz"] else ""
+        parts.append(f"gradient {how} {bits} ({cfg.gradients.describe()}{qgz}{where})")
     else:
         parts.append(f"gradient {how} native (DeepSpeed's own)")
     if cfg.moe.enabled:

@@ -20,6 +20,21 @@ from fp8comm.comm import comm_stats
 from fp8comm.errors import Fp8CommRuntimeError
 
 log = logging.getLogger("fp8comm.deepspeed")
+
+
+def say_rank0(msg: str) -> None:
+    """An always-on line on rank 0 only, printed as DeepSpeed prints its own (its logger hides INFO by default), and
+    logged there for programs that capture logging."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    from deepspeed.utils.logging import print_dist
+
+    print_dist(msg, ranks=[0])
+    log.info(msg)
+
+
 MARK = "_fp8comm_hook"  # set on every replacement, so a second install can tell ours from DeepSpeed's
 TAG = "_fp8comm_engine"  # on parameters, flat buffers, MoE layers and the engine: the EngineState they belong to
 

@@ -7,17 +7,24 @@ splits the reduce bucket into slices, each owned by one rank's optimizer partiti
 that contract but moves each slice only to its owner: every slice is cut at parameter boundaries (DeepSpeed merges
 neighbouring slices of one owner, differently on the owner and on the other ranks), each parameter's piece starts
 on a row of `block_size` elements of its own, and the pieces are grouped per owner in a reused send buffer (only
-the pads are zeroed). A balanced bucket (DeepSpeed's default bucket holds every parameter and partitions are
-equal) pads every owner's part to the largest and goes through ONE fp8comm.comm.reduce_scatter_into with an fp32
-output: pipelined, every sender's contribution decoded straight into fp32 and summed in fp32 in rank order as it
-arrives. An unbalanced bucket (small buckets: mostly one owner) goes through ONE fp8comm.comm.all_to_all with each
-owner's exact row count (FP8 codes + scales out, decoded one sender at a time into an fp32 sum in rank order);
-that all-to-all has no 4-bit wire, so a 4-bit config sends such a bucket in FP8 when that moves fewer bytes than
-its padded 4-bit reduce-scatter (plan_reduce). Either way the owner gets the fp32 sum DeepSpeed's fp32 gradient
-partition receives (a bf16 decode would round each contribution first). inf/NaN in any block arrives as
-inf/NaN, so DeepSpeed's overflow check still fires. Slices several ranks consume (Muon) keep DeepSpeed's own
-all-reduce (counted). With error feedback each parameter's residual (residuals.py) is assembled into the send
-layout and scattered back after the call.
+the pads are zeroed). The configured format (FP8 or 4 bits) travels on every path:
+
+- A balanced batch (DeepSpeed's default bucket holds every parameter and partitions are equal) pads every owner's
+  part to the largest and goes through ONE fp8comm.comm.reduce_scatter_into with an fp32 output (pipelined, two
+  levels where the group spans nodes): every contribution decoded straight into fp32 and summed in fp32.
+- Small buckets hold mostly one owner each. Such a call waits (copied into a staging buffer) and is coalesced with
+  the next ones while together they hold at most COALESCE_BUCKETS x reduce_bucket_size elements; a batch that
+  becomes balanced goes out as the reduce-scatter above, otherwise (the bound reached, the end of the backward) as
+  ONE fp8comm.comm.all_to_all to the owners with exact parts: flat, or two levels (an exact node-local all-to-all
+  summed in fp32, then one quantization per node across the rails), decoded straight into fp32 (a float32 out)
+  and summed in fp32. Results of calls that already returned go where DeepSpeed moved the owner's gradient
+  meanwhile (the fp32 compact partition, else the parameter's gradient in its partition buffer).
+
+Either way the owner gets the fp32 sum (a bf16 decode would round each contribution first); inf/NaN in any block
+arrives as inf/NaN, so DeepSpeed's overflow check still fires. Slices several ranks consume (Muon) keep
+DeepSpeed's own all-reduce (counted), as do guard fallbacks; rank 0 logs once per bucket layout which collectives
+the backward took, in which format (hook_stats "grad_layouts"). With error feedback each parameter's residual
+(residuals.py) is assembled into the send layout and scattered back after the call.
 
 Weights: `all_gather_dp_groups` (after every optimizer step and after loading a checkpoint) gathers each rank's
 updated bit16 partition into the flat model weights; the dispatcher routes on a tag on the engine's flat buffers
@@ -33,18 +40,17 @@ from __future__ import annotations
 
 import bisect
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 import fp8comm.comm as fc
-from fp8comm.comm import WireConfig
 from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError
-from fp8comm.quant import Fp8Tensor
 
 from . import levels
 from .compat import S12
-from .patching import PASSTHROUGH, owner, tag, wrap_method
+from .patching import PASSTHROUGH, owner, say_rank0, tag, wrap_method
 
 
 def install(patcher, role: str) -> None:
@@ -67,6 +73,8 @@ def attach(es, engine) -> None:
         layout: dict = {}
         wrap_method(es, opt, "average_tensor", lambda orig: _bucket_layout(es, opt, orig, layout))
         wrap_method(es, opt, "allreduce_and_scatter", lambda orig: _grad_reduce(es, opt, orig, layout))
+        wrap_method(es, opt, "reduce_ipg_grads", lambda orig: _end_of_backward(es, orig))
+        wrap_method(es, opt, "step", lambda orig: _flush_before_step(es, orig))
 
 
 def _owner(ranks) -> int | None:
@@ -88,7 +96,8 @@ def _bucket_layout(es, opt, orig, layout: dict):
         for p in params:
             starts.append(n)
             n += p.numel()
-        layout["cur"] = (tensor, starts, [(es.name_of(p), p.numel()) for p in params])
+        names = [es.name_of(p) for p in params]
+        layout["cur"] = (tensor, starts, [(k, p.numel()) for k, p in zip(names, params)], dict(zip(names, params)))
         try:
             return orig(tensor, communication_data_type)
         finally:
@@ -101,7 +110,7 @@ def _segments(t: torch.Tensor, cur) -> list[tuple[int, int, str | None, int, int
     """[(offset in t, length, parameter name, its numel, offset in the parameter)] covering slice t."""
     if cur is None:
         return [(0, t.numel(), None, 0, 0)]
-    base, starts, params = cur
+    base, starts, params = cur[:3]
     off = (t.data_ptr() - base.data_ptr()) // t.element_size()
     if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or off < 0 or off + t.numel() > base.numel():
         return [(0, t.numel(), None, 0, 0)]
@@ -131,43 +140,88 @@ class _Scratch:
         return b[:numel]
 
 
-# A bucket goes through one reduce-scatter when padding every owner's part to the largest costs at most this
-# share of extra wire bytes over the all-to-all with each owner's exact row count (which has no 4-bit wire).
+# A batch goes through one reduce-scatter when padding every owner's part to the largest costs at most this share of
+# extra elements over the exact parts of the to-owners all-to-all (both carry the configured codec).
 BALANCE_SLACK = 1 / 8
+# Coalescing bound: DeepSpeed's calls wait in the adapter (copied into its staging buffer) only while together they
+# hold at most this many reduce buckets (reduce_bucket_size elements each).
+COALESCE_BUCKETS = 2
 
 
-def bytes_per_element(cfg: WireConfig) -> float:
-    """Wire bytes per element of `cfg`: codes plus block scales (NVFP4's 4-byte chunk scale left out)."""
-    s = cfg.spec
-    if s.fp4 is not None:
-        return 0.5 + 1 / s.fp4.block
-    return 1 + s.scaling.scale_bytes / (s.scaling.cols or 1)
-
-
-def plan_reduce(rows: list[int], cfg: WireConfig) -> tuple[bool, WireConfig]:
-    """(reduce-scatter?, the wire config) for a bucket with `rows` rows per owner under `cfg`.
-
-    Reduce-scatter pads every owner's part to the largest; the all-to-all moves exact parts but only in FP8 (a 4-bit
-    `cfg` sends such a bucket in FP8, e4m3 1x128, when that is fewer bytes than its padded 4-bit reduce-scatter).
-    Decided from the bucket layout alone, which is the same on every rank, so every rank picks the same call."""
+def plan_reduce(rows: list[int]) -> bool:
+    """True: one reduce-scatter with every owner's part padded to the largest; False: the all-to-all to the owners
+    with each owner's exact row count. Both carry the configured codec (FP8 or 4 bits), so only the padding decides;
+    decided from the layout alone, which every rank shares, so every rank picks the same call."""
     total = sum(rows)
-    a2a = fc.config_for(cfg, "fp8")
-    padded = len(rows) * max(rows) * bytes_per_element(cfg) if total else 0.0
-    if total and padded <= total * bytes_per_element(a2a) * (1 + BALANCE_SLACK):
-        return True, cfg
-    return False, a2a
+    return bool(total) and len(rows) * max(rows) <= total * (1 + BALANCE_SLACK)
 
 
-def _grad_reduce(es, opt, orig, layout: dict):
-    cfg = es.cfg.gradients
-    wcfg = cfg.wire(es.cfg.check)
-    H = cfg.block_size
-    scratch = _Scratch()
+@dataclass(eq=False)
+class _Piece:
+    """One parameter's part of an owned slice: it starts on a row of block_size elements of its own."""
 
-    @functools.wraps(orig)
-    def allreduce_and_scatter(
-        bucket, communication_data_type, numel_per_bucket=500000000, log=None, divide=True, process_group=None
-    ):
+    owner: int
+    src: torch.Tensor | None  # DeepSpeed's elements while its call runs (None once staged)
+    stage: int  # offset in the staging buffer once staged (-1: not staged)
+    n: int
+    name: str | None
+    numel: int  # the parameter's
+    poff: int  # offset in the parameter
+    out: torch.Tensor | None  # the owner's fp32 compact gradient partition slice (DeepSpeed's), or None
+    dest: torch.Tensor | None  # the bucket slice DeepSpeed reads after its call (None once that call returned)
+    param: object  # the parameter (deferred results go to its gradient)
+
+
+@dataclass(eq=False)
+class _Batch:
+    key: tuple
+    pg: object
+    world: int
+    me: int
+    scale: float | None
+    how: str
+    gb: object
+    dtype: torch.dtype
+    device: torch.device
+    pieces: list = field(default_factory=list)
+    elements: int = 0
+    calls: int = 0
+    baseline: int = 0
+
+    def rows(self, H: int) -> list[int]:
+        r = [0] * self.world
+        for p in self.pieces:
+            r[p.owner] += -(-p.n // H)
+        return r
+
+
+class _Reducer:
+    """One engine's ZeRO-1/2 gradient reduction: DeepSpeed's calls (one per reduce bucket, or per parameter larger
+    than the bucket) coalesced into fewer collectives.
+
+    A call whose owned slices are balanced over the owners goes out at once (one padded reduce-scatter: DeepSpeed's
+    default bucket). An unbalanced one (small buckets: mostly one owner each) waits, copied into a staging buffer,
+    for the next calls while the waiting elements stay within COALESCE_BUCKETS x reduce_bucket_size; the batch goes
+    out when it becomes balanced (then as one reduce-scatter), when the next call would exceed the bound, and at the
+    end of the backward (DeepSpeed's epilogue reduce_ipg_grads()), as an all-to-all to the owners otherwise. Results
+    of calls that already returned go where DeepSpeed moved the owner's gradient meanwhile (its fp32 compact
+    partition, else the parameter's gradient in its partition buffer), before anything reads them."""
+
+    def __init__(self, es, opt, orig) -> None:
+        self.es, self.opt, self.orig = es, opt, orig
+        cfg = es.cfg.gradients
+        self.wcfg, self.H = cfg.wire(es.cfg.check), cfg.block_size
+        self.fp4 = cfg.is_fp4
+        self.scratch = _Scratch()
+        self.limit = COALESCE_BUCKETS * int(opt.reduce_bucket_size)
+        self.batch: _Batch | None = None
+        self.staged = 0  # elements in the staging buffer
+        self.sent: list[tuple] = []  # this backward's collectives (the layout log)
+        self.layouts: dict[tuple, int] = {}
+
+    # ---------------------------------------------------------------------------------------- one DeepSpeed call
+    def __call__(self, cur, bucket, communication_data_type, numel_per_bucket, log, divide, process_group):
+        es, opt, orig = self.es, self.opt, self.orig
         pg = opt.dp_process_group if process_group is None else process_group
         me, world = dist.get_rank(group=pg), dist.get_world_size(group=pg)
         items = [(b[0], b[1], b[2] if len(b) > 2 else None) for b in bucket]
@@ -182,6 +236,7 @@ def _grad_reduce(es, opt, orig, layout: dict):
             n = 2 * (world - 1) * sum(b[1].numel() for b in shared) * itemsize // world
             es.acct.add("gradients", n, n, False)
             es.acct.hit("zero12.grad_reduce.shared_allreduce")
+            self.sent.append(("shared", "all-reduce", "flat", f"DeepSpeed's own ({comm_dtype})", 1, 0, ()))
             orig(shared, communication_data_type, numel_per_bucket, log, divide, process_group)
         if not owned:
             return
@@ -190,23 +245,18 @@ def _grad_reduce(es, opt, orig, layout: dict):
         baseline = 2 * (world - 1) * n_total * itemsize // world
         es.acct.hit("zero12.grad_reduce")
         how, gb = (
-            ("fp8", None)
-            if es.cfg.measure_only or world == 1
-            else es.route("gradients", owned[0][1].device, cfg.is_fp4)
+            ("fp8", None) if es.cfg.measure_only or world == 1 else es.route("gradients", owned[0][1].device, self.fp4)
         )
-        if es.cfg.measure_only or world == 1 or how == "bf16":  # guard fallback: residuals kept for the next FP8 step
+        if es.cfg.measure_only or world == 1 or how == "bf16":  # guard fallback: residuals kept for the next step
+            self.flush()  # what waits was copied; it goes first, in its own format
             if world > 1:
                 es.acct.add("gradients", baseline, baseline, False)
+                if not es.cfg.measure_only:
+                    self.sent.append(("owned", "all-reduce", "flat", "bf16 (guard: DeepSpeed's own)", 1, n_total, ()))
             return orig(owned_raw, communication_data_type, numel_per_bucket, log, divide, process_group)
         scale = None
         if divide and opt.gradient_average:  # same factor allreduce_bucket would divide by
             scale = float(opt.sequence_parallel_size) / world
-        cur = layout.get("cur")
-        # Per owner: (item, its pieces); each piece (one parameter's part of a slice) starts on a row of its own,
-        # so the layout is the same on every rank and a block never mixes two parameters.
-        per_owner = [[] for _ in range(world)]
-        for ranks, t, out in owned:
-            per_owner[_owner(ranks)].append((t, out, _segments(t, cur)))
         if cur is None:
             es.acct.hit("zero12.grad_reduce.unsegmented")
             if es.residuals is not None:
@@ -214,87 +264,292 @@ def _grad_reduce(es, opt, orig, layout: dict):
                     "fp8comm ZeRO-1/2 error feedback: allreduce_and_scatter was called outside "
                     "average_tensor, so its slices cannot be keyed by parameter"
                 )
-        rows = [sum(-(-n // H) for _, _, segs in s for _, n, *_ in segs) for s in per_owner]
-        dev = owned[0][1].device
-        # Balanced bucket (the usual case: DeepSpeed's default bucket holds every parameter, and partitions are
-        # equal): every owner's part padded to the largest, one reduce-scatter whose receive side decodes and sums
-        # in fp32 as the bytes arrive (pipelined). Unbalanced: exact parts through one FP8 all-to-all.
-        rs, call_cfg = plan_reduce(rows, es.wire_config(wcfg, how))
+        pieces = []
+        params = {} if cur is None else cur[3]
+        for ranks, t, out in owned:
+            v, ov = t.reshape(-1), None if out is None else out.view(-1)
+            for a, n, name, numel, poff in _segments(t, cur):
+                pieces.append(
+                    _Piece(
+                        _owner(ranks),
+                        v[a : a + n],
+                        -1,
+                        n,
+                        name,
+                        numel,
+                        poff,
+                        None if ov is None else ov[a : a + n],
+                        v[a : a + n],
+                        params.get(name),
+                    )
+                )
+        key = (id(pg), comm_dtype, scale, how)
+        b = self.batch
+        if b is not None and (b.key != key or b.elements + n_total > self.limit or cur is None):
+            self.flush()
+            b = None
+        if b is None:
+            b = _Batch(key, pg, world, me, scale, how, gb, comm_dtype, owned[0][1].device)
+        b.pieces += pieces
+        b.elements += n_total
+        b.calls += 1
+        b.baseline += baseline
+        # Out now: a balanced batch (one reduce-scatter), a call that cannot be deferred (slices not keyed by
+        # parameter) or that alone exceeds the bound. Otherwise it waits for the next calls.
+        if plan_reduce(b.rows(self.H)) or cur is None or n_total > self.limit or not self._deferrable(pieces):
+            self.batch = None
+            self._send(b)
+            return
+        self._stage(pieces, comm_dtype)
+        self.batch = b
+
+    def _deferrable(self, pieces) -> bool:
+        """A result that arrives after the call returned needs a parameter to go to (owned pieces only)."""
+        return all(p.param is not None for p in pieces)
+
+    def _stage(self, pieces, dtype) -> None:
+        """Copy this call's pieces into the staging buffer (DeepSpeed reuses its bucket for the next call)."""
+        need = self.staged + sum(p.n for p in pieces)
+        buf = self.scratch.bufs.get(("stage", dtype, torch.device(pieces[0].src.device)))
+        if buf is None or buf.numel() < need:  # grows (keeping what waits) only while the first backwards run
+            grown = torch.empty(max(need, min(self.limit, need * 3 // 2)), dtype=dtype, device=pieces[0].src.device)
+            if buf is not None and self.staged:
+                grown[: self.staged].copy_(buf[: self.staged])
+            self.scratch.bufs[("stage", dtype, torch.device(pieces[0].src.device))] = buf = grown
+        for p in pieces:
+            buf[self.staged : self.staged + p.n].copy_(p.src)
+            p.src, p.dest, p.stage = None, None, self.staged
+            self.staged += p.n
+
+    def flush(self) -> None:
+        """Send what waits (the end of the backward, a call that does not fit, or a step: nothing may stay)."""
+        b, self.batch = self.batch, None
+        if b is not None:
+            self._send(b)
+
+    def end_of_backward(self) -> None:
+        self.flush()
+        if self.sent:
+            self._log_layout()
+        self.sent = []
+
+    # ---------------------------------------------------------------------------------------------- the collective
+    def _send(self, b: _Batch) -> None:
+        es, opt, H, world, me = self.es, self.opt, self.H, b.world, b.me
+        rows = b.rows(H)
+        rs = plan_reduce(rows)
+        hg = es.hier(b.pg)  # two levels where the DP group spans nodes (fp32 sums inside a node)
+        # owners in the send buffer: rank order; the two-level all-to-all lays them out rail-major (local index,
+        # then node) so that each node-local destination's rows are contiguous
+        order = list(range(world))
+        if not rs and hg is not None:
+            order.sort(key=lambda o: (o % hg.local, o // hg.local))
+        per_owner: list[list[_Piece]] = [[] for _ in range(world)]
+        for p in b.pieces:
+            per_owner[p.owner].append(p)
         part = max(rows) * H if rs else 0  # elements per owner in the reduce-scatter layout
         total = world * part if rs else sum(rows) * H
-        flat = scratch.take("send", total, comm_dtype, dev)
-        pieces, row0 = [], 0
-        for r, s in enumerate(per_owner):
+        flat = self.scratch.take("send", total, b.dtype, b.device)
+        stage = self.scratch.bufs.get(("stage", b.dtype, torch.device(b.device)))
+        lay, row0 = [], 0
+        for o in order:
             if rs:
-                row0 = r * part
-            for t, _, segs in s:
-                v = t.reshape(-1)
-                for a, n, name, numel, poff in segs:
-                    flat[row0 : row0 + n].copy_(v[a : a + n])
-                    pad = -n % H
-                    flat[row0 + n : row0 + n + pad].zero_()  # only the pads are zeroed, never the whole buffer
-                    pieces.append((name, numel, poff, row0, n))
-                    row0 += n + pad
+                row0 = o * part
+            for p in per_owner[o]:
+                if p.src is not None:
+                    src = p.src
+                else:
+                    assert stage is not None  # staged pieces exist only once the staging buffer does
+                    src = stage[p.stage : p.stage + p.n]
+                flat[row0 : row0 + p.n].copy_(src)
+                pad = -p.n % H
+                flat[row0 + p.n : row0 + p.n + pad].zero_()  # only the pads are zeroed, never the whole buffer
+                lay.append((p.name, p.numel, p.poff, row0, p.n))
+                row0 += p.n + pad
             if rs:
-                flat[row0 : (r + 1) * part].zero_()
-        ef = None if es.residuals is None else es.residuals.assemble(pieces, total, dev)
-        es.acct.hit("zero12.grad_reduce." + ("reduce_scatter" if rs else "all_to_all"))
-        with es.acct.fp8("gradients", baseline=baseline), torch.no_grad():
+                flat[row0 : (o + 1) * part].zero_()
+        self.staged = 0  # everything staged is in the send buffer now
+        ef = None if es.residuals is None else es.residuals.assemble(lay, total, b.device)
+        call_cfg = es.wire_config(self.wcfg, b.how)
+        path = "reduce_scatter" if rs else "all_to_all"
+        es.acct.hit("zero12.grad_reduce." + path)
+        es.acct.hit("zero12.grad_reduce.fmt." + call_cfg.spec.wire_name)
+        if hg is not None:
+            es.acct.hit("zero12.grad_reduce.two_level")
+        if b.calls > 1:
+            es.acct.hit("zero12.grad_reduce.coalesced", b.calls)
+        owners = tuple(o for o in range(world) if rows[o])
+        self.sent.append(
+            ("owned", path, "two-level" if hg is not None else "flat", call_cfg.describe(), b.calls, b.elements, owners)
+        )
+        with es.acct.fp8("gradients", baseline=b.baseline), torch.no_grad():
             if rs:
-                acc = scratch.take("acc", part, torch.float32, dev)
+                acc = self.scratch.take("acc", part, torch.float32, b.device)
                 # fp32 output: every sender's contribution decoded straight into fp32, summed in fp32 in rank order
-                hg = es.hier(pg)  # two levels where the DP group spans nodes (fp32 sums inside a node)
                 rail = levels.rail_feedback(ef, hg)
                 fc.reduce_scatter_into(
-                    acc, flat, pg, "sum", config=call_cfg, error_feedback=rail, guard=gb, hierarchical=hg
+                    acc, flat, b.pg, "sum", config=call_cfg, error_feedback=rail, guard=b.gb, hierarchical=hg
                 )
                 levels.rail_back(ef, rail, hg)
-            else:  # flat on purpose: the all-to-all has no two-level mode (the summary line says so)
-                q = fc.all_to_all(
-                    flat.view(-1, H),
-                    [rows[me]] * world,
-                    rows,
-                    pg,
-                    wire="fp8",
-                    fp8_out=True,
-                    config=call_cfg,
-                    error_feedback=ef,
-                    guard=gb,
-                )
+            elif hg is None:
+                acc = self._owners_flat(flat, rows, b, call_cfg, ef)
+            else:
+                acc = self._owners_two_level(flat, rows, b, call_cfg, ef, hg)
         if ef is not None:
-            es.residuals.scatter(ef, pieces, total)
-        if not rs:
-            acc = _decode_sum(q, world, rows[me], scratch)
-        if scale is not None:
-            acc.mul_(scale)
+            es.residuals.scatter(ef, lay, total)
+        if b.scale is not None:
+            acc.mul_(b.scale)
         off = 0
-        for t, out, segs in per_owner[me]:
-            v = t.view(-1)
-            ov = None if out is None else out.view(-1)
-            for a, n, *_ in segs:
-                piece = acc[off : off + n]
-                if ov is not None:  # the fp32 sum straight into DeepSpeed's fp32 gradient partition
-                    opt._add_to_grad_partition_buffer(ov[a : a + n], piece)
-                v[a : a + n].copy_(piece)
-                off += -(-n // H) * H
+        for p in per_owner[me]:
+            piece = acc[off : off + p.n]
+            if p.out is not None:  # the fp32 sum straight into DeepSpeed's fp32 gradient partition
+                opt._add_to_grad_partition_buffer(p.out, piece)
+            if p.dest is not None:  # its call is still running: DeepSpeed reads the bucket slice next
+                p.dest.copy_(piece)
+            elif p.out is None:  # deferred: where DeepSpeed moved the owner's gradient meanwhile
+                self._grad_of(p).copy_(piece)
+            off += -(-p.n // H) * H
+
+    def _grad_of(self, p: _Piece) -> torch.Tensor:
+        opt = self.opt
+        get = getattr(opt, "get_gradient_for_reduction", None)
+        g = get(p.param) if get is not None else getattr(p.param, "grad", None)
+        if g is None:
+            raise Fp8CommStateError(
+                f"fp8comm ZeRO-1/2: the reduced gradient of {p.name!r} arrived after DeepSpeed's call (coalesced), "
+                "but the parameter holds no gradient to receive it"
+            )
+        ptr = g.untyped_storage().data_ptr()
+        for bk in opt.ipg_buckets.values():
+            if any(ptr == t.untyped_storage().data_ptr() for t in getattr(bk, "buffer", [])):
+                raise Fp8CommStateError(
+                    f"fp8comm ZeRO-1/2: the gradient of {p.name!r} still lives in DeepSpeed's reduce bucket after its "
+                    "call (not moved to the partition: contiguous_gradients off?); a coalesced result cannot go there"
+                )
+        return g.reshape(-1)[p.poff : p.poff + p.n]
+
+    def _owners_flat(self, flat, rows, b: _Batch, cfg, ef) -> torch.Tensor:
+        """One all-to-all to the owners with exact parts, every contribution decoded straight into fp32, summed in
+        fp32 in rank order."""
+        H, world, mine = self.H, b.world, rows[b.me]
+        got = self.scratch.take("recv32", world * mine * H, torch.float32, b.device).view(-1, H)
+        fc.all_to_all(flat.view(-1, H), [mine] * world, rows, b.pg, config=cfg, error_feedback=ef, guard=b.gb, out=got)
+        return _sum_rows(got, world, mine * H, self.scratch, b.device)
+
+    def _owners_two_level(self, flat, rows, b: _Batch, cfg, ef, hg) -> torch.Tensor:
+        """Two levels: inside the node an all-to-all in the communication dtype (exact) to the rank of each owner's
+        local index, summed there in fp32 in local-rank order; across nodes one quantization of each node's partial
+        sums and an all-to-all among the rails with exact parts, decoded into fp32 and summed in node order.
+        flat is rail-major (owners by local index, then node). Error feedback covers the rail quantization: the
+        residual of my rail's owners' rows; the other owners' rows are zero (theirs to keep, as levels.rail_back)."""
+        H, lc, nn, lr = self.H, hg.local, hg.nodes, hg.local_rank
+        rail_rows = [[rows[m * lc + j] for m in range(nn)] for j in range(lc)]
+        R = [sum(r) for r in rail_rows]
+        mine = R[lr]
+        recv = self.scratch.take("intra", lc * mine * H, b.dtype, b.device).view(-1, H)
+        fc.all_to_all(flat.view(-1, H), [mine] * lc, R, hg.intra, wire="native", out=recv)
+        node = self.scratch.take("node", mine * H, torch.float32, b.device)
+        node.copy_(recv[:mine].reshape(-1))
+        if lc > 1:
+            tmp = self.scratch.take("tmp", mine * H, torch.float32, b.device)
+            for i in range(1, lc):  # each term widened to fp32 first, then added (levels.hier_rs_phase's order)
+                tmp.copy_(recv[i * mine : (i + 1) * mine].reshape(-1))
+                node.add_(tmp)
+        rail = None
+        start = sum(R[:lr]) * H
+        if ef is not None and ef.residual is not None:
+            rail = fc.ErrorFeedback(dtype=ef.dtype, residual=ef.residual[start : start + mine * H].clone())
+        own = rows[b.me]
+        got = self.scratch.take("recv32", nn * own * H, torch.float32, b.device).view(-1, H)
+        fc.all_to_all(
+            node.view(-1, H), [own] * nn, rail_rows[lr], hg.inter, config=cfg, error_feedback=rail, guard=b.gb, out=got
+        )
+        if ef is not None and ef.residual is not None:
+            ef.residual.zero_()
+            if rail is not None and rail.residual is not None:
+                ef.residual[start : start + mine * H].copy_(rail.residual)
+        return _sum_rows(got, nn, own * H, self.scratch, b.device)
+
+    # ------------------------------------------------------------------------------------------------ the log
+    def _log_layout(self) -> None:
+        """Once per bucket layout (DeepSpeed buckets the first backward after a build differently from later ones):
+        which collectives the backward's gradients took and in which format, on rank 0; kept in hook_stats."""
+        sig = tuple(self.sent)
+        if sig in self.layouts:
+            return
+        self.layouts[sig] = len(self.layouts) + 1
+        groups: dict[tuple, list] = {}
+        for kind, path, lv, wire, calls, n, owners in self.sent:
+            g = groups.setdefault((kind, path, lv, wire), [0, 0, 0, set()])
+            g[0] += 1
+            g[1] += calls
+            g[2] += n
+            g[3].update(owners)
+        parts = []
+        for (kind, path, lv, wire), (k, calls, n, owners) in groups.items():
+            if kind == "shared":
+                parts.append(f"{k} x slices several ranks consume: {wire} all-reduce")
+                continue
+            what = "reduce-scatter" if path == "reduce_scatter" else path.replace("_", "-")
+            to = "" if path == "reduce_scatter" else f" to owners {sorted(owners)}"
+            parts.append(f"{k} x {what}{to} {lv} {wire} ({calls} DeepSpeed calls, {n:,} elements)")
+        stage = self.es.engine.zero_optimization_stage() if self.es.engine is not None else "1/2"
+        msg = (
+            f"fp8comm: ZeRO-{stage} gradient bucket layout {self.layouts[sig]} (reduce_bucket_size "
+            f"{int(self.opt.reduce_bucket_size):,}, coalesced up to {self.limit:,} elements): " + "; ".join(parts)
+        )
+        self.es.grad_layouts.append(msg)
+        say_rank0(f"{msg} [engine {self.es.number}]")
+
+
+def _sum_rows(got: torch.Tensor, senders: int, n: int, scratch: _Scratch, device) -> torch.Tensor:
+    """Sum of `senders` fp32 contributions of n elements each (got, flat in sender order), in sender order."""
+    flat = got.view(-1)
+    acc = scratch.take("acc", n, torch.float32, device)
+    acc.copy_(flat[:n])
+    for r in range(1, senders):
+        acc.add_(flat[r * n : (r + 1) * n])
+    return acc
+
+
+def _grad_reduce(es, opt, orig, layout: dict):
+    reducer = es.__dict__["z12_reducer"] = _Reducer(es, opt, orig)
+
+    @functools.wraps(orig)
+    def allreduce_and_scatter(
+        bucket, communication_data_type, numel_per_bucket=500000000, log=None, divide=True, process_group=None
+    ):
+        return reducer(layout.get("cur"), bucket, communication_data_type, numel_per_bucket, log, divide, process_group)
 
     return allreduce_and_scatter
 
 
-def _decode_sum(q: Fp8Tensor, world: int, rows: int, scratch: _Scratch) -> torch.Tensor:
-    """Sum over senders of q's [world, rows] FP8 contributions, each decoded straight into fp32, in rank order.
+def _end_of_backward(es, orig):
+    """reduce_ipg_grads(): DeepSpeed's epilogue calls it without a dtype once the backward's last bucket is handed
+    over; what the adapter still holds goes out then, before DeepSpeed reads the gradients."""
 
-    One sender at a time (a [world, rows, H] fp32 decode would be world times the output's memory)."""
-    h = q.shape[1]
-    acc = scratch.take("acc", rows * h, torch.float32, q.data.device).view(rows, h)
-    for r in range(world):
-        rs = slice(r * rows, (r + 1) * rows)
-        d = Fp8Tensor(q.data[rs], q.scale[rs], q.fmt, q.scaling, q.dtype).dequantize(torch.float32)
-        if r == 0:
-            acc.copy_(d)
-        else:
-            acc += d
-    return acc.view(-1)
+    @functools.wraps(orig)
+    def reduce_ipg_grads(*a, **k):
+        out = orig(*a, **k)
+        if (a[0] if a else k.get("comm_dtype")) is None:
+            es.z12_reducer.end_of_backward()
+        return out
+
+    return reduce_ipg_grads
+
+
+def _flush_before_step(es, orig):
+    """step(): nothing may wait in the adapter when DeepSpeed reads gradients (counted if something did)."""
+
+    @functools.wraps(orig)
+    def step(*a, **k):
+        r = es.z12_reducer
+        if r.batch is not None:
+            es.acct.hit("zero12.grad_reduce.flushed_at_step")
+            r.flush()
+        return orig(*a, **k)
+
+    return step
 
 
 def _dispatch_param_gather(orig):

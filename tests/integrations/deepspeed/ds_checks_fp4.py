@@ -88,6 +88,50 @@ def _fp4(stage: int, section: dict, name: str):
     return check
 
 
+def zero2_bf16_fp4_small_buckets(info):
+    """4-bit gradients with small reduce buckets (mostly one owner each: the all-to-all to the owners, after
+    coalescing): every gradient collective carries mxfp4 (none FP8 in its place, as up to this change), >= 3.5x
+    fewer bytes than bf16, the parity checks; rank 0 logs the bucket layout once, naming mxfp4 and no other format,
+    and hook_stats keeps that line."""
+    import logging
+
+    from ds_common import SMALL_BUCKET
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record) -> None:
+            lines.append(record.getMessage())
+
+    log, h = logging.getLogger("fp8comm.deepspeed"), Lines(logging.INFO)
+    level = log.level
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    try:
+        sec = {"gemm": False, "gradients": {"fmt": "mxfp4"}}
+        run = parity(info, 2, "bf16", sec, grad_bound=FP4_GRAD_BOUND, reduce_bucket_size=SMALL_BUCKET)
+    finally:
+        log.removeHandler(h)
+        log.setLevel(level)
+    stats, hooks = run.stats, run.stats["hooks"]
+    g = stats["gradients"]
+    info["ratio_g"] = g["dtype_bytes"] / 2 / g["wire_bytes"]  # vs a bf16 reduce-scatter of the same buckets
+    a2a, rs = hooks.get("zero12.grad_reduce.all_to_all", 0), hooks.get("zero12.grad_reduce.reduce_scatter", 0)
+    info.update(hooks=hooks, layouts=stats.get("grad_layouts"))
+    assert a2a >= STEPS, f"small buckets should take the all-to-all to the owners: {hooks}"
+    assert hooks.get("zero12.grad_reduce.fmt.mxfp4") == a2a + rs and "zero12.grad_reduce.fmt.e4m3" not in hooks, hooks
+    assert info["ratio_g"] >= MIN_RATIO, f"4-bit gradients: only {info['ratio_g']:.2f}x fewer bytes than bf16"
+    layouts = [ln for ln in lines if "gradient bucket layout" in ln]
+    if dist.get_rank() == 0:
+        assert layouts and len(layouts) == len(set(layouts)) <= 2, lines  # once per layout (the first step differs)
+        assert all("mxfp4" in ln and "e4m3" not in ln for ln in layouts), layouts
+    else:
+        assert not layouts, layouts
+    assert stats.get("grad_layouts") and all("mxfp4" in ln for ln in stats["grad_layouts"]), stats
+    assert "gradient reduce to owners 4-bit (mxfp4" in info["summary"], info["summary"]
+    fd.uninstall()
+
+
 # ZeRO-2: the recipe docs/collectives.md recommends for 4-bit gradients (mxfp4 + error feedback, nearest), with the
 # residual memory accepted (ZeRO-2 keeps a residual of the whole gradient, see docs/deepspeed.md "Error feedback")
 EF = {"error_feedback": True, "allow_unpartitioned_residuals": True}

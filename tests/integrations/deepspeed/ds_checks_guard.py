@@ -32,23 +32,30 @@ class _Log(logging.Handler):
 
 def _run(guard: bool, force: bool) -> dict:
     """STEPS steps of ZeRO-2 bf16 with FP8 weights and gradients; force: the gradient hook's config gets
-    Scaling(1, 128, "fp32", margin=20) on FORCED steps (by wrapping fp8comm.comm.all_to_all, which it calls)."""
+    Scaling(1, 128, "fp32", margin=20) on FORCED steps (by wrapping fp8comm.comm.all_to_all and reduce_scatter_into,
+    the hook's two gradient paths: small buckets coalesce into either)."""
     section = {"gemm": False, **({"guard": GUARD} if guard else {})}
     eng, _ = T.build(T.ds_config(2, "bf16", section, reduce_bucket_size=SMALL_BUCKET))
     es = fd.engine_state(eng)
-    orig, step_now = fc.all_to_all, [-1]
+    orig, orig_rs, step_now = fc.all_to_all, fc.reduce_scatter_into, [-1]
     bad = Scaling(1, 128, "fp32", margin=20)
 
-    def all_to_all(*a, **k):
-        if force and k.get("fp8_out") and step_now[0] in FORCED:
+    def forced(k):
+        if force and k.get("config") is not None and k.get("wire", "fp8") == "fp8" and step_now[0] in FORCED:
             k["config"] = k["config"].replace(scaling=bad)
-        return orig(*a, **k)
+        return k
+
+    def all_to_all(*a, **k):
+        return orig(*a, **forced(k))
+
+    def reduce_scatter_into(*a, **k):
+        return orig_rs(*a, **forced(k))
 
     log, logger = _Log(), logging.getLogger("fp8comm.guard")
     logger.addHandler(log)
     fc.reset_comm_stats()
     wires, losses = [], []
-    fc.all_to_all = all_to_all
+    fc.all_to_all, fc.reduce_scatter_into = all_to_all, reduce_scatter_into
     try:
         for step in range(STEPS):
             step_now[0] = step
@@ -56,7 +63,7 @@ def _run(guard: bool, force: bool) -> dict:
                 wires.append((es.guard.wire("weights"), es.guard.wire("gradients")))
             losses += T.train(eng, range(step, step + 1)).losses
     finally:
-        fc.all_to_all = orig
+        fc.all_to_all, fc.reduce_scatter_into = orig, orig_rs
         logger.removeHandler(log)
     out = {"losses": losses, "wires": wires, "log": log.lines, "comm": fc.comm_stats(), "stats": fd.hook_stats(eng)}
     T.destroy(eng)

@@ -153,6 +153,29 @@ def levels_resume_two_level_to_two_level(info):
     _resume(info, True, True)
 
 
+def levels_zero2_4bit_exact(info):
+    """4-bit gradients on both ZeRO-2 paths, two levels: small buckets (coalesced, still unbalanced: the all-to-all
+    to the owners) and DeepSpeed's default bucket (the padded reduce-scatter). What lands in each owner's fp32
+    partition is, bit for bit, the sum over nodes (node order) of each node's fp32 partial sum quantized in MXFP4
+    per parameter piece and decoded in fp32: the configured format on every path, never FP8 in its place."""
+    from ds_checks_grad import _fp32_accumulation_once
+    from ds_common import SMALL_BUCKET
+
+    _nodes()
+    paths: dict = {}
+    for bucket in (SMALL_BUCKET, None):
+        one = _fp32_accumulation_once(2, bucket, "mxfp4", local=2)
+        for k, v in one.pop("paths").items():
+            paths[k] = paths.get(k, 0) + v
+        for k, v in one.items():
+            info[k] = info.get(k, 0) + v
+    info["paths"] = paths
+    a2a, rs = paths.get("zero12.grad_reduce.all_to_all", 0), paths.get("zero12.grad_reduce.reduce_scatter", 0)
+    assert a2a and rs, f"both reduction paths must be checked: {paths}"
+    assert paths.get("zero12.grad_reduce.fmt.mxfp4") == a2a + rs and "zero12.grad_reduce.fmt.e4m3" not in paths, paths
+    assert paths.get("zero12.grad_reduce.two_level") == a2a + rs, paths
+
+
 CHECKS = [
     levels_zero2_default,
     levels_zero3_hpz_default,
@@ -161,4 +184,5 @@ CHECKS = [
     levels_resume_two_level_to_flat,
     levels_resume_two_level_to_two_level,
     levels_zero2_4bit_default,
+    levels_zero2_4bit_exact,
 ]

@@ -21,20 +21,25 @@ ENV = "FP8COMM_DS_MUTATION"
 def _bf16_decode():
     """ZeRO-1/2 gradients: every contribution decoded into bf16 (8 mantissa bits) before the fp32 sum, as up to
     be321a2 (decoded into the communication dtype); for ZeRO-1 bf16 the same as accumulating in bf16. On the
-    reduce-scatter path (balanced buckets) the sum is delivered in the communication dtype (bf16) instead of fp32."""
+    all-to-all path the float32 out receives bf16 decodes; on the reduce-scatter path (balanced buckets) the sum is
+    delivered in the communication dtype (bf16) instead of fp32."""
     import torch
 
     from fp8comm.integrations.deepspeed import zero12
 
     real = zero12.fc
 
-    class Bf16Decode(zero12.Fp8Tensor):
-        def dequantize(self, dtype=torch.float32, backend="auto"):
-            return super().dequantize(torch.bfloat16, backend).to(dtype)
-
     class Comm:
         def __getattr__(self, name):
             return getattr(real, name)
+
+        @staticmethod
+        def all_to_all(tokens, *a, out=None, **k):
+            if out is None or out.dtype != torch.float32 or tokens.dtype == torch.float32:
+                return real.all_to_all(tokens, *a, out=out, **k)
+            low = torch.empty_like(out, dtype=tokens.dtype)
+            real.all_to_all(tokens, *a, out=low, **k)
+            return out.copy_(low)
 
         @staticmethod
         def reduce_scatter_into(output, input, *a, **k):
@@ -42,7 +47,6 @@ def _bf16_decode():
             real.reduce_scatter_into(low, input, *a, **k)
             return output.copy_(low)
 
-    zero12.Fp8Tensor = Bf16Decode
     zero12.fc = Comm()
 
 

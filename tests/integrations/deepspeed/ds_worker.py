@@ -24,7 +24,12 @@ import deepspeed  # noqa: E402
 import ds_train as T  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from ds_checks_fp4 import zero1_bf16_nvfp4_hadamard, zero2_bf16_fp4, zero3_bf16_fp4_gradients  # noqa: E402
+from ds_checks_fp4 import (  # noqa: E402
+    zero1_bf16_nvfp4_hadamard,
+    zero2_bf16_fp4,
+    zero2_bf16_fp4_small_buckets,
+    zero3_bf16_fp4_gradients,
+)
 from ds_checks_grad import (  # noqa: E402
     zero1_bf16_fp32_accumulation,
     zero1_fp32_error_feedback,
@@ -392,6 +397,7 @@ SCENARIOS = {
         _gemm(3),
         _gemm(2, reduce_bucket_size=SMALL_BUCKET),
         zero2_bf16_fp4,
+        zero2_bf16_fp4_small_buckets,
         zero1_bf16_nvfp4_hadamard,
         zero3_bf16_fp4_gradients,
     ],

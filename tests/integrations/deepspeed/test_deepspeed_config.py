@@ -179,6 +179,8 @@ def test_four_bit_keys_parse_and_log():
     line = fd.summary()
     assert "weight all-gather as 4-bit changes of the replica (nvfp4" in line, line
     assert "gradient reduce to owners 4-bit (mxfp4" in line, line
+    # every bucket carries the configured format (small, unbalanced ones too: no FP8 in their place)
+    assert "every bucket" in line and "unbalanced" not in line and "one FP8 all-to-all" not in line, line
 
 
 def test_update_fmt_refused_under_zero3():
@@ -192,19 +194,19 @@ def test_update_fmt_refused_under_zero3():
 
 
 def test_bucket_plan_reduce_scatter_or_all_to_all():
-    """ZeRO-1/2 buckets: balanced owners -> one padded reduce-scatter in the configured wire; unbalanced -> the
-    exact-size all-to-all, which has FP8 only, when that moves fewer bytes (the same decision on every rank)."""
-    from fp8comm.comm import WireConfig
-    from fp8comm.integrations.deepspeed.zero12 import bytes_per_element, plan_reduce
+    """ZeRO-1/2 batches: balanced owners -> one padded reduce-scatter; unbalanced -> the exact-part all-to-all to the
+    owners. Both carry the configured format (4 bits included: no FP8 substitution), so only the padding decides,
+    from the layout alone (the same decision on every rank)."""
+    import inspect
 
-    fp8, fp4 = WireConfig(), WireConfig(fmt="mxfp4")
-    assert bytes_per_element(fp8) == 1 + 4 / 128 and bytes_per_element(fp4) == 0.5 + 1 / 32
-    assert plan_reduce([10, 10, 10, 10], fp8) == (True, fp8)
-    assert plan_reduce([10, 10, 10, 9], fp8) == (True, fp8)  # 3% padding
-    assert plan_reduce([40, 0, 0, 0], fp8) == (False, fp8)  # 4x the bytes padded
-    assert plan_reduce([40, 0, 0, 0], fp4)[0] is False and plan_reduce([40, 0, 0, 0], fp4)[1].fmt == "e4m3"
-    assert plan_reduce([20, 20, 0, 0], fp4) == (True, fp4)  # 2x padding in 4 bits is still fewer bytes than FP8
-    assert plan_reduce([0, 0], fp8)[0] is False
+    from fp8comm.integrations.deepspeed.zero12 import plan_reduce
+
+    assert list(inspect.signature(plan_reduce).parameters) == ["rows"]  # no format: nothing to substitute
+    assert plan_reduce([10, 10, 10, 10]) is True
+    assert plan_reduce([10, 10, 10, 9]) is True  # 3% padding
+    assert plan_reduce([40, 0, 0, 0]) is False  # 4x the elements padded
+    assert plan_reduce([20, 20, 0, 0]) is False  # 2x padding: the all-to-all moves half (was a 4-bit reduce-scatter)
+    assert plan_reduce([0, 0]) is False
 
 
 def test_typo_fails_through_deepspeed_initialize(tmp_path):
