@@ -72,6 +72,27 @@ def _rs_sum_in_bf16():
     zero12.fc = Comm()
 
 
+def _fp4_a2a_as_fp8():
+    """ZeRO-1/2 4-bit gradients: the all-to-all to the owners silently sends FP8 (e4m3, 1x128 fp32 scales) instead,
+    as before this check existed; the hook's own counters still say mxfp4."""
+    from fp8comm.comm import config_for
+    from fp8comm.integrations.deepspeed import zero12
+
+    real = zero12.fc
+
+    class Comm:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def all_to_all(tokens, *a, config=None, **k):
+            if config is not None and config.is_fp4:
+                config = config_for(config, "fp8")
+            return real.all_to_all(tokens, *a, config=config, **k)
+
+    zero12.fc = Comm()
+
+
 def _whole_slices():
     """ZeRO-1/2 gradients: each slice laid out whole instead of per-parameter pieces (be321a2's layout): sender and
     owner merge slices differently, so their rows disagree."""
@@ -179,6 +200,7 @@ MUTATIONS = {
     "bf16_decode": (_bf16_decode, "zero", ["zero2_bf16_fp32_accumulation", "zero1_bf16_fp32_accumulation"]),
     "rs_sum_in_bf16": (_rs_sum_in_bf16, "zero", ["zero2_bf16_fp32_accumulation"]),
     "whole_slices": (_whole_slices, "zero", ["zero2_bf16_fp32_accumulation"]),
+    "fp4_a2a_as_fp8": (_fp4_a2a_as_fp8, "zero", ["zero2_bf16_fp4_small_buckets"]),
     "residual_not_stored": (_residual_not_stored, "zero", ["zero1_fp32_error_feedback"]),
     "no_generation_counter": (_no_generation_counter, "zero", ["gemm_zero2_bf16_reduce_bucket_size"]),
     "state_not_loaded": (
