@@ -27,7 +27,7 @@ from .hierarchical import HierarchicalGroups, node_groups, release_node_groups
 from .moe import WIRES, all_to_all
 from .state import CommState, default_state
 from .stats import Stats, comm_stats, format_comm_stats, reset_comm_stats
-from .updates import ReplicaUpdate
+from .updates import ReplicaUpdate, UpdateHandle
 
 DEFAULT_POOL = default_state().pool  # the functional API's scratch pool (0.1 name)
 
@@ -80,4 +80,5 @@ __all__ = [
     "GuardBucket",
     "config_for",
     "ReplicaUpdate",
+    "UpdateHandle",
 ]

@@ -39,32 +39,56 @@ class ReplicaUpdate:
         self._buffers: dict[str, torch.Tensor] = {}  # fp32 scratch reused between gathers (change, decoded, ...)
         self.last_wire_bytes = 0  # bytes this rank sent in its last gather (to the other ranks)
         self.last_dtype_bytes = 0  # what gathering the replica's dtype would have sent
+        self._inflight: UpdateHandle | None = None  # the last async gather, until waited (or discarded)
 
     def reset(self) -> None:
-        """The next gather sends full values (after the engine rewrote the replica from the master, e.g. a load)."""
+        """The next gather sends full values (after the engine rewrote the replica from the master, e.g. a load).
+        An async gather still in flight finishes its transfer and is dropped (its change is not applied)."""
+        if self._inflight is not None:
+            self._inflight.discard()
+            self._inflight = None
         self.primed = False
 
-    def gather(self, replica: torch.Tensor, shard: torch.Tensor, group=None) -> torch.Tensor:
-        """replica [world * n] (flat, identical on every rank) <- every rank's shard [n], through its change."""
+    def gather(
+        self, replica: torch.Tensor, shard: torch.Tensor, group=None, *, async_op: bool = False, hierarchical=None
+    ):
+        """replica [world * n] (flat, identical on every rank) <- every rank's shard [n], through its change.
+
+        async_op=True: the change is computed, quantized and put on the wire now (shard and replica may be read
+        again, the shard overwritten, right after the call), and an `UpdateHandle` is returned whose wait()
+        finishes the transfer, decodes and adds the change to the replica (the replica must not be read or written
+        in between: it is updated in wait()); the bits are those of the synchronous call. hierarchical: node groups
+        (as for all_gather_into: every rank still decodes the same bytes, so replicas stay bit-identical and equal
+        to the flat call's)."""
         rank, world = group_rank_size(group)
         _check(replica, shard, world)
+        if self._inflight is not None:  # the previous change first: this one is taken against the updated replica
+            self._inflight.wait()
+            self._inflight = None
         n = shard.numel()
         mine = replica.view(world, n)[rank]
         self.last_dtype_bytes = (world - 1) * n * replica.element_size()
         if not self.primed:
-            all_gather_bytes(replica, shard.to(replica.dtype).contiguous(), group, async_op=False)
+            work = all_gather_bytes(replica, shard.to(replica.dtype).contiguous(), group, async_op=async_op)
             self.primed = True
             self.last_wire_bytes = self.last_dtype_bytes
-            return replica
+            if not async_op:
+                return replica
+            self._inflight = UpdateHandle(replica, work, None, None)
+            return self._inflight
         # change = shard - mine in fp32; buffers kept between gathers (fresh ones cost page faults on every step)
         change = self._scratch("change", n, replica.device).copy_(mine)
         src = shard if shard.dtype == torch.float32 else self._scratch("shard", n, replica.device).copy_(shard)
         torch.sub(src, change, out=change)
         decoded = self._scratch("decoded", world * n, replica.device)
-        all_gather_into(decoded, change, group, config=self.config)
-        _apply(replica, decoded, self._scratch("apply", min(_APPLY_STEP, replica.numel()), replica.device))
+        h = all_gather_into(decoded, change, group, config=self.config, async_op=async_op, hierarchical=hierarchical)
         self.last_wire_bytes = (world - 1) * self.wire_bytes(n)
-        return replica
+        tmp = self._scratch("apply", min(_APPLY_STEP, replica.numel()), replica.device)
+        if not async_op:
+            _apply(replica, decoded, tmp)
+            return replica
+        self._inflight = UpdateHandle(replica, h, decoded, tmp)
+        return self._inflight
 
     def _scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """fp32 scratch; on CPU kept for the next gather (a fresh buffer of replica size costs its page faults on
@@ -82,10 +106,48 @@ class ReplicaUpdate:
         return codec.layout((1,), codec.width(n)).total_bytes
 
     def state_dict(self) -> dict:
+        """{"primed": bool}. An async gather in flight is finished first (its change applied), as a checkpoint of
+        the replica must be taken after it."""
+        if self._inflight is not None:
+            self._inflight.wait()
         return {"primed": self.primed}
 
     def load_state_dict(self, sd: dict) -> None:
+        if self._inflight is not None:  # the replica is being restored: the change in flight belongs to the old one
+            self._inflight.discard()
+            self._inflight = None
         self.primed = bool(sd["primed"])
+
+
+class UpdateHandle:
+    """What `ReplicaUpdate.gather(..., async_op=True)` returns: wait() finishes the transfer and (for a change)
+    adds the decoded change to the replica, once; later waits return the replica. discard() finishes the transfer
+    and drops the change (the replica was rewritten meanwhile: the engine's reset)."""
+
+    def __init__(self, replica: torch.Tensor, work, decoded: torch.Tensor | None, tmp: torch.Tensor | None) -> None:
+        self._replica, self._work, self._decoded, self._tmp = replica, work, decoded, tmp
+        self._done = False
+
+    def wait(self, timeout=None) -> torch.Tensor:
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            if self._decoded is not None and self._tmp is not None:
+                _apply(self._replica, self._decoded, self._tmp)
+            self._done = True
+            self._decoded = self._tmp = self._work = None
+        return self._replica
+
+    def discard(self) -> None:
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            self._done = True
+            self._decoded = self._tmp = self._work = None
+
+    def is_completed(self) -> bool:
+        """True once wait() (or discard()) ran: the replica is updated only there."""
+        return self._done
 
 
 _APPLY_STEP = 1 << 20  # elements per piece of the replica's fp32 add (the piece stays in cache)

@@ -142,6 +142,59 @@ def check_fp4_replica_update(ctx: Ctx) -> None:
     expect_error(lambda: _fc.ReplicaUpdate(error_feedback=True), _fc.Fp8CommError, "no error_feedback")
 
 
+def check_fp4_replica_update_async(ctx: Ctx) -> None:
+    """async_op=True (started, then waited; several buckets in flight at once) and two levels give the bits of the
+    synchronous flat gather, step after step; the replica moves only in wait(); a gather after an unwaited one
+    applies that one first; reset() drops a change in flight; state_dict() finishes one. 2 nodes x 2 ranks."""
+    r, W, n = ctx.rank, ctx.world, 3000  # n: not a whole number of 32-element blocks
+    hg = _fc.node_groups(local_size=2)
+    masters = [randn((n,), 7 + 10 * b + r) for b in range(3)]  # three "buckets"
+    reps = {m: [torch.zeros(W * n, dtype=torch.bfloat16) for _ in masters] for m in ("sync", "async", "hier")}
+    rus = {m: [_fc.ReplicaUpdate(fmt="mxfp4") for _ in masters] for m in reps}
+    for s in range(6):
+        for b, master in enumerate(masters):
+            master += 1e-2 * randn((n,), 1000 * s + 10 * b + r)
+            rus["sync"][b].gather(reps["sync"][b], master)
+        hs = {
+            m: [
+                rus[m][b].gather(reps[m][b], masters[b], async_op=True, hierarchical=hg if m == "hier" else None)
+                for b in range(3)
+            ]
+            for m in ("async", "hier")
+        }
+        if s > 0:  # a change (s == 0: the values themselves, which land in the replica as the bytes arrive)
+            before = reps["async"][0].clone()
+            assert not hs["async"][0].is_completed() and torch.equal(reps["async"][0], before)
+        for m in ("async", "hier"):
+            for b in reversed(range(3)):  # waited in another order than started
+                assert hs[m][b].wait() is reps[m][b] and hs[m][b].is_completed()
+                assert torch.equal(reps[m][b], reps["sync"][b]), f"step {s}: {m} bucket {b} differs from sync"
+    for b in range(3):
+        assert all(torch.equal(reps["sync"][b], o) for o in gather(reps["sync"][b])), "replicas differ across ranks"
+    # an unwaited gather is applied before the next one computes its change: two steps, one wait
+    m0 = masters[0]
+    ref, ru_ref = reps["sync"][0], rus["sync"][0]
+    rep, ru = reps["async"][0], rus["async"][0]
+    for s in range(2):
+        m0 += 1e-2 * randn((n,), 5000 + s + r)
+        ru_ref.gather(ref, m0)
+        h = ru.gather(rep, m0, async_op=True)
+    h.wait()
+    assert torch.equal(rep, ref), "a gather after an unwaited one"
+    # state_dict() finishes the one in flight; reset() drops it (the replica was rewritten)
+    m0 += 1e-2 * randn((n,), 6000 + r)
+    h = ru.gather(rep, m0, async_op=True)
+    assert ru.state_dict() == {"primed": True} and h.is_completed()
+    ru_ref.gather(ref, m0)
+    assert torch.equal(rep, ref), "state_dict() did not finish the gather in flight"
+    m0 += 1e-2 * randn((n,), 7000 + r)
+    kept = rep.clone()
+    h = ru.gather(rep, m0, async_op=True)
+    ru.reset()
+    assert h.is_completed() and torch.equal(rep, kept) and not ru.primed, "reset() applied a dropped change"
+    ctx.info["steps_bit_identical"] = 6
+
+
 def check_fp4_refusals(ctx: Ctx) -> None:
     r, W = ctx.rank, ctx.world
     x = randn((W * 64,), r)
@@ -246,6 +299,7 @@ CHECKS_FP4 = [
     check_fp4_all_gather,
     check_fp4_error_feedback,
     check_fp4_replica_update,
+    check_fp4_replica_update_async,
     check_fp4_refusals,
 ]
 
@@ -253,4 +307,5 @@ CHECKS_FP4 = [
 # size and through the staged backend; the longer statistical ones once, to keep the shared launches short.
 check_fp4_error_feedback.applies = lambda world: world == 2  # type: ignore[attr-defined]
 check_fp4_replica_update.applies = lambda world: world == 3  # type: ignore[attr-defined]
+check_fp4_replica_update_async.applies = lambda world: world == 4  # type: ignore[attr-defined]
 check_fp4_refusals.applies = lambda world: world == 2  # type: ignore[attr-defined]
