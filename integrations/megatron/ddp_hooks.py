@@ -32,7 +32,7 @@ from fp8comm import comm as fcomm
 
 from . import error_feedback, guard, replica_update
 from .config import Fp8CommMegatronConfig, Fp8CommMegatronError, count
-from .installation import installed
+from .installation import hierarchical_groups, installed
 
 HOLDER = "megatron"  # fp8comm.comm.node_groups holder of the node groups install() prepares
 
@@ -193,24 +193,6 @@ def why_flat() -> str:
     if not ps.model_parallel_is_initialized():
         return "install() ran before parallel_state.initialize_model_parallel() (it needs the data-parallel groups)"
     return "no data-parallel group"
-
-
-def hierarchical_groups(group):
-    """fp8comm node groups of a Megatron group (None: this group runs flat), prepared at install
-    (prepare_node_groups); never created here, where only the group's own members are."""
-    plan = installed().node_groups
-    if not plan:  # install() could not prepare any (logged): flat everywhere, the same on every rank
-        return None
-    ranks = tuple(dist.get_process_group_ranks(group))
-    split = plan.get(ranks)
-    if split is None:
-        raise Fp8CommMegatronError(
-            f"fp8comm: hierarchical (two-level) collectives: a bucket collective runs over ranks {list(ranks)}, "
-            "which is not one of the data-parallel groups whose node groups install() prepared (a process group "
-            "passed to DDP through pg_collection?); creating them now would deadlock: only this group's members "
-            "get here. Pass hierarchical=False (--no-fp8comm-hierarchical) to run it flat"
-        )
-    return split.groups
 
 
 def _options(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group) -> dict:

@@ -491,9 +491,9 @@ def install(
 
 
 def fp8_hooks(cfg: Fp8CommMegatronConfig) -> bool:
-    """The DDP hooks that issue two-level collectives are on (gradient reduction or the FP8 parameter gather; the
-    4-bit weight-update gather and the MoE all-to-all run flat)."""
-    return cfg.grad_reduce or cfg.param_gather
+    """The DDP hooks that issue two-level collectives are on (gradient reduction, the FP8 parameter gather or the
+    4-bit weight-update gather; the MoE all-to-all runs flat)."""
+    return cfg.grad_reduce or cfg.param_gather or bool(cfg.param_update)
 
 
 def _changed(cfg: Fp8CommMegatronConfig) -> str:
@@ -598,6 +598,7 @@ def _patches(cfg: Fp8CommMegatronConfig, features: set[str]) -> list[tuple[Any, 
 
 def uninstall() -> None:
     """Restore every patched Megatron name (a no-op when nothing is installed)."""
+    replica_update.finish_all()  # 4-bit weight updates started after the last step reach the weights
     inst = end()
     while inst is not None and inst.saved:
         obj, name, orig = inst.saved.pop()

@@ -13,6 +13,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+
 from fp8comm.comm import ErrorFeedback, Guard
 
 from .config import Fp8CommMegatronConfig, Fp8CommMegatronError
@@ -67,3 +69,21 @@ def begin(cfg: Fp8CommMegatronConfig) -> Installation:
 def end() -> Installation | None:
     """Forget the installation (its residuals, guard and memos with it); returns it so its patches can be undone."""
     return _CURRENT.pop() if _CURRENT else None
+
+
+def hierarchical_groups(group):
+    """fp8comm node groups of a Megatron group (None: this group runs flat), prepared at install
+    (prepare_node_groups); never created here, where only the group's own members are."""
+    plan = installed().node_groups
+    if not plan:  # install() could not prepare any (logged): flat everywhere, the same on every rank
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    split = plan.get(ranks)
+    if split is None:
+        raise Fp8CommMegatronError(
+            f"fp8comm: hierarchical (two-level) collectives: a bucket collective runs over ranks {list(ranks)}, "
+            "which is not one of the data-parallel groups whose node groups install() prepared (a process group "
+            "passed to DDP through pg_collection?); creating them now would deadlock: only this group's members "
+            "get here. Pass hierarchical=False (--no-fp8comm-hierarchical) to run it flat"
+        )
+    return split.groups

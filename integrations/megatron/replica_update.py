@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fp8comm.comm import ReplicaUpdate
 
 from .config import Fp8CommMegatronError, count
-from .installation import current, installed
+from .installation import current, hierarchical_groups, installed
 
 FORMAT = "fp8comm.megatron.replica_update/1"
+# With overlap_param_gather, start every bucket's update gather right after the optimizer step (False: when
+# Megatron's forward asks for the bucket, as before; the tests compare the two bit for bit).
+START_AFTER_STEP = True
 
 
 @dataclass(eq=False)
@@ -34,6 +38,7 @@ class BucketReplica:
 
     ru: ReplicaUpdate
     shard: torch.Tensor | None = None  # fp32 [numel / DP]: the master values of this rank's slice; None: unstaged
+    pending: Any = None  # a gather started right after the optimizer step, until Megatron's own call takes it
 
 
 def for_bucket(param_data: torch.Tensor) -> BucketReplica:
@@ -52,6 +57,9 @@ def staging(param_data: torch.Tensor, dp_size: int, dp_rank: int) -> torch.Tenso
     """This rank's fp32 staging shard of a bucket, created from the replica's own slice (padding included)."""
     state = for_bucket(param_data)
     n = param_data.numel() // dp_size
+    if state.pending is not None:  # a gather started after the last step that no forward took: finish it first
+        state.pending.wait()
+        state.pending = None
     if state.shard is None or state.shard.numel() != n:
         state.shard = param_data.detach().view(-1)[dp_rank * n : (dp_rank + 1) * n].float().clone()
     return state.shard
@@ -91,9 +99,33 @@ def make_copy_main_params(orig):
                 param_data = self.buffers[gbuf_index].buckets[bucket_id].param_data
                 param_data.view(-1)[world.start : world.end].data.copy_(shard_main_param)
         count("param_update", "staged_steps")
+        if self.ddp_config.overlap_param_gather and START_AFTER_STEP:
+            _start_after_step(self, dp_size)
 
     fp8comm_copy_main_params_to_model_params.__wrapped__ = orig
     return fp8comm_copy_main_params_to_model_params
+
+
+def _start_after_step(opt, dp_size: int) -> None:
+    """With overlap_param_gather: start every staged bucket's update gather now, right after the optimizer step,
+    in the order Megatron's forward dispatches its gathers (each chunk's bucket groups last to first, as its
+    next_param_gather_bucket_group chain runs); Megatron's own call for the bucket (the forward pre-hook's
+    finish_param_sync, or a forced sync) takes the started gather and waits it where it would wait its own. The
+    same buckets in the same order on every rank: the collectives line up."""
+    mine = {id(b.param_data) for buf in opt.buffers for b in buf.buckets}
+    for chunk in getattr(opt, "model_chunks", None) or []:
+        for kind in ("bucket_groups", "expert_parallel_bucket_groups"):
+            for bg in reversed(getattr(chunk, kind, None) or []):
+                group = bg.intra_distributed_optimizer_instance_group
+                for bucket in bg.buckets:
+                    pd = bucket.param_data
+                    if pd is None or id(pd) not in mine or pd.dtype == torch.float32 or group.size() != dp_size:
+                        continue
+                    state = for_bucket(pd)
+                    if state.shard is None or state.pending is not None:
+                        continue
+                    state.pending = _start(pd, state, group)
+                    count("param_update", "started_after_step")
 
 
 def _refuse_unsupported(opt) -> None:
@@ -132,41 +164,39 @@ def _last_bytes(ru: ReplicaUpdate) -> tuple[int, int]:
 
 
 def _primed(ru: ReplicaUpdate) -> bool:
-    return bool(ru.state_dict()["primed"])
-
-
-class _Done:
-    """The handle of a gather that already finished (ReplicaUpdate.gather without an async handle)."""
-
-    def wait(self, timeout=None) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
+    return bool(ru.primed)
 
 
 def gather(output: torch.Tensor, input: torch.Tensor, group):
     """The 4-bit weight-update all-gather of one bucket (output: its parameter buffer, the replica; input: this
-    rank's slice of it, which Megatron would have sent). Returns a handle whose wait() finishes the update."""
+    rank's slice of it, which Megatron would have sent). Returns a handle whose wait() finishes the update: the
+    gather started right after the optimizer step when there is one (_start_after_step), else one started now."""
     state = for_bucket(output)
+    if state.pending is not None:
+        h, state.pending = state.pending, None
+        count("param_update", "taken_after_step")
+        return h
+    return _start(output, state, group)
+
+
+def _start(output: torch.Tensor, state: BucketReplica, group):
+    """Start one bucket's update gather (async; two levels where install() prepared node groups for the group)."""
     dp_size = torch.distributed.get_world_size(group)
     dp_rank = torch.distributed.get_rank(group)
     # Unstaged (a gather before the first optimizer step, e.g. the first forward with overlap_param_gather): the
     # replica's own slice, a zero change (and on the first call, the values themselves in the buffer's dtype).
     shard = staging(output, dp_size, dp_rank)
     first = not _primed(state.ru)
-    h = state.ru.gather(output.view(-1), shard, group=group)
+    hier = hierarchical_groups(group) if installed().cfg.hierarchical else None
+    h = state.ru.gather(output.view(-1), shard, group=group, async_op=True, hierarchical=hier)
     count("param_update", "full_calls" if first else "update_calls")
     count("param_update", "elements", output.numel())
+    wire, dtype = _last_bytes(state.ru)
 
     def record():  # first gathers (values in the buffer's dtype) apart: the 4-bit ratio is the update calls'
-        wire, dtype = _last_bytes(state.ru)
         count("param_update", "full_wire_bytes" if first else "wire_bytes", wire)
         count("param_update", "full_dtype_bytes" if first else "dtype_bytes", dtype)
 
-    if h is None or not hasattr(h, "wait"):
-        record()
-        return _Done()
     return _Recording(h, record)
 
 
@@ -182,7 +212,11 @@ class _Recording:
         return out
 
     def is_completed(self) -> bool:
-        return self._done or bool(self._h.is_completed())  # a Work's Python flag, not a tensor read
+        return self._done  # the replica is updated in wait() only
+
+    def discard(self) -> None:
+        self._h.discard()
+        self._done = True
 
 
 def _bucket_buffers(model) -> list[tuple[str, torch.Tensor]]:
@@ -211,6 +245,8 @@ def state_dict(model) -> dict:
     sd = {}
     for name, param_data in _bucket_buffers(model):
         entry = reps.get(id(param_data))
+        if entry is not None and entry[0]() is param_data and entry[1].pending is not None:
+            entry[1].pending.wait()  # the weights saved beside this must have it; Megatron's call still takes it
         primed = entry is not None and entry[0]() is param_data and _primed(entry[1].ru)
         sd[name] = {"primed": bool(primed), "numel": param_data.numel()}
     return {"format": FORMAT, "buckets": sd}
@@ -244,6 +280,9 @@ def load_state_dict(model, sd: dict) -> None:
         )
     for name, st in sd["buckets"].items():
         state = for_bucket(buckets[name])
+        if state.pending is not None:  # the weights were restored: a change in flight belongs to the old ones
+            state.pending.discard()
+            state.pending = None
         state.ru.load_state_dict({"primed": bool(st["primed"])})
 
 
@@ -252,8 +291,21 @@ def reset() -> None:
     inst = current()
     for ref, state in [] if inst is None else inst.replicas.values():
         if ref() is not None:
+            if state.pending is not None:  # the weights were rewritten: the change in flight is dropped
+                state.pending.discard()
+                state.pending = None
             state.ru.reset()
             state.shard = None
+
+
+def finish_all() -> None:
+    """Finish every gather started after the last optimizer step (uninstall: the weights get their update)."""
+    inst = current()
+    for ref, state in [] if inst is None else list(inst.replicas.values()):
+        if state.pending is not None:
+            if ref() is not None:
+                state.pending.wait()
+            state.pending = None
 
 
 def nbytes() -> int:

@@ -180,6 +180,45 @@ def gpt_dp2_fp4_resume(rank, world, info):
             fm.uninstall()
 
 
+def gpt_dp2_fp4_overlapped_updates(rank, world, info):
+    """Overlap on (10 buckets): the 4-bit update gathers start right after the optimizer step and are waited in the
+    next forward's pre-hooks. Loss, grad norms and parameters equal those of the gathers started where Megatron's
+    forward asks for them (the path before, replica_update.START_AFTER_STEP = False) bit for bit; replicas equal
+    across ranks; with the numerics guard on (gradient buckets, healthy data) the same bits again."""
+    import fp8comm.integrations.megatron.replica_update as ru
+
+    T.init_parallel(tp=1)
+    hooks = hooks_4bit("mxfp4")
+    runs = {}
+    for tag, after_step, over in (
+        ("after_step", True, {}),
+        ("at_forward", False, {}),
+        ("guard", True, {"guard": True}),
+    ):
+        ru.START_AFTER_STEP = after_step
+        try:
+            runs[tag] = C.run(OVERLAP, {**hooks, **over})
+        finally:
+            ru.START_AFTER_STEP = True
+    a, b, g = runs["after_step"], runs["at_forward"], runs["guard"]
+    pa, pb = a["hooks"]["param_update"], b["hooks"]["param_update"]
+    info["overlapped_updates"] = {
+        "after_step": {k: pa.get(k, 0) for k in ("started_after_step", "taken_after_step", "update_calls")},
+        "at_forward": {k: pb.get(k, 0) for k in ("started_after_step", "taken_after_step", "update_calls")},
+        "equal": a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"],
+        "guard": g["hooks"].get("guard"),
+    }
+    steps_after_first = C.ITERS - 1  # the first step's gathers are the full ones, issued by the first forward
+    assert pa.get("started_after_step", 0) >= steps_after_first and pa["taken_after_step"] == pa["started_after_step"]
+    assert pb.get("started_after_step", 0) == 0 and pa["update_calls"] == pb["update_calls"], (pa, pb)
+    for tag, r in (("at_forward", b), ("guard", g)):
+        assert r["loss"] == a["loss"] and r["grad_norm"] == a["grad_norm"], (tag, r["loss"], a["loss"])
+        assert torch.equal(r["params"], a["params"]), f"{tag}: parameters differ from the overlapped run"
+        C.check_replicas_identical(r["params"], f"overlapped_updates_{tag}")
+    C.check_replicas_identical(a["params"], "overlapped_updates")
+    assert g["hooks"]["guard"]["switches"] == 0 and g["hooks"]["param_update"]["taken_after_step"] > 0, g["hooks"]
+
+
 def gpt_dp2_plain_ddp_fp4(rank, world, info):
     """Plain DDP (no distributed optimizer): the bucket all-reduce in mxfp4 (reduce-scatter + all-gather of the
     sums, both 4-bit) with the 32-element Hadamard transform, error feedback on the first phase; a short run

@@ -59,6 +59,33 @@ def gpt_dp4_levels_default_and_off(rank, world, info):
     _resume_across_the_switch(info)
 
 
+def gpt_dp4_levels_4bit_updates(rank, world, info):
+    """DP=4 over 2 nodes x 2, overlap on: the 4-bit weight-update gather runs in two levels by default (each
+    rank's change crosses the node link once, ".intra" records) and gives the flat gather's bits (every rank decodes
+    the same bytes): loss, grad norms and parameters equal with hierarchical=False, replicas equal across ranks.
+    Gradients stay Megatron's own here, so only the update gather differs between the runs."""
+    from mcore_checks import check_replicas_identical
+
+    _nodes(rank)
+    T.init_parallel(tp=1)
+    kw = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+    on = run(kw, dict(param_update_fmt="mxfp4"), iters=ITERS)
+    off = run(kw, dict(param_update_fmt="mxfp4", hierarchical=False), iters=ITERS)
+    pu = on["hooks"]["param_update"]
+    info["dp4_4bit_updates"] = {
+        "loss_two_level": on["loss"],
+        "loss_flat": off["loss"],
+        "intra_calls": on["comm"].get("all_gather.intra", {}).get("calls", 0),
+        "param_update": pu,
+    }
+    assert on["comm"].get("all_gather.intra", {}).get("calls", 0) > 0, on["comm"]
+    assert not [k for k in off["comm"] if k.endswith(".intra")], off["comm"]
+    assert pu.get("update_calls", 0) > 0 and pu.get("taken_after_step", 0) > 0, pu
+    assert on["loss"] == off["loss"] and on["grad_norm"] == off["grad_norm"], (on["loss"], off["loss"])
+    assert torch.equal(on["params"], off["params"]), "two-level weight updates differ from flat ones"
+    check_replicas_identical(on["params"], "dp4_4bit_updates")
+
+
 def _resume_across_the_switch(info) -> None:
     """Error-feedback residuals saved under two levels hold the quantization error of the node's sum on this rank's
     rail (and have that size): loaded into the same layout they come back bit for bit, silently; loaded into a

@@ -809,6 +809,7 @@ def test_two_ranks_dp2_error_feedback_moe_ep2_plugin_plain_ddp_example_and_4bit(
             # baselines they reuse
             "gpt_dp2_fp4",
             "gpt_dp2_fp4_resume",
+            "gpt_dp2_fp4_overlapped_updates",
             "gpt_dp2_plain_ddp_fp4",
             "moe_ep2_fp4",
         ],

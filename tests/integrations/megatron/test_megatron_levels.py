@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-NAMES = ["gpt_dp4_levels_default_and_off", "gpt_tp2_dp2_hierarchical"]
+NAMES = ["gpt_dp4_levels_default_and_off", "gpt_dp4_levels_4bit_updates", "gpt_tp2_dp2_hierarchical"]
 
 
 @pytest.mark.dist
