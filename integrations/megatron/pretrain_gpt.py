@@ -191,12 +191,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         data = _batches(args, ps.get_data_parallel_rank())
         fb = get_forward_backward_func()
-        history: dict[str, Any] = {"loss": [], "grad_norm": [], "step_s": [], "link_tx_bytes": []}
+        history: dict[str, Any] = {"loss": [], "grad_norm": [], "step_s": [], "start_s": [], "link_tx_bytes": []}
         ifname = link_ifname()
         reset_comm_stats()
         for it in range(args.train_iters):
             dist.barrier()  # every step starts together: its time and link bytes are this step's
             tx0, t0 = _link_tx_bytes(ifname), time.perf_counter()
+            history["start_s"].append(t0)
             model.zero_grad_buffer()
             optimizer.zero_grad()
             out = fb(
@@ -245,6 +246,8 @@ def _summary(h: dict, args, ifname: str | None) -> dict:
     n = len(h["step_s"])
     later = slice(2 if n >= 5 else 1 if n > 1 else 0, None)
     link = [b for b in h["link_tx_bytes"][later] if b is not None]
+    starts = h["start_s"][later]
+    periods = [b - a for a, b in zip(starts, starts[1:])]
     return {
         "fp8comm": {
             k: getattr(args, "fp8comm_" + k)
@@ -254,6 +257,9 @@ def _summary(h: dict, args, ifname: str | None) -> dict:
         "grad_buckets": "fp32" if h["grad_reduce_in_fp32"] else "params dtype",
         "steps": len(h["loss"]),
         "step_time_s_median": round(statistics.median(h["step_s"][later]), 4),
+        # start to start: the whole iteration, also what still runs after optimizer.step() returns (e.g. 4-bit
+        # weight-update gathers started there and waited in the next forward)
+        "step_period_s_median": round(statistics.median(periods), 4) if periods else None,
         "link": ifname,
         "link_tx_bytes_per_step_median": statistics.median(link) if link else None,
         "loss_first": round(h["loss"][0], 5),
