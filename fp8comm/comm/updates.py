@@ -50,7 +50,15 @@ class ReplicaUpdate:
         self.primed = False
 
     def gather(
-        self, replica: torch.Tensor, shard: torch.Tensor, group=None, *, async_op: bool = False, hierarchical=None
+        self,
+        replica: torch.Tensor,
+        shard: torch.Tensor,
+        group=None,
+        *,
+        async_op: bool = False,
+        hierarchical=None,
+        config: WireConfig | None = None,
+        guard=None,
     ):
         """replica [world * n] (flat, identical on every rank) <- every rank's shard [n], through its change.
 
@@ -59,7 +67,8 @@ class ReplicaUpdate:
         finishes the transfer, decodes and adds the change to the replica (the replica must not be read or written
         in between: it is updated in wait()); the bits are those of the synchronous call. hierarchical: node groups
         (as for all_gather_into: every rank still decodes the same bytes, so replicas stay bit-identical and equal
-        to the flat call's)."""
+        to the flat call's). config: this gather's wire instead of self.config (a numerics guard's FP8 fallback,
+        fp8comm.comm.config_for; the same on every rank); guard: a GuardBucket the packing kernel counts into."""
         rank, world = group_rank_size(group)
         _check(replica, shard, world)
         if self._inflight is not None:  # the previous change first: this one is taken against the updated replica
@@ -81,8 +90,13 @@ class ReplicaUpdate:
         src = shard if shard.dtype == torch.float32 else self._scratch("shard", n, replica.device).copy_(shard)
         torch.sub(src, change, out=change)
         decoded = self._scratch("decoded", world * n, replica.device)
-        h = all_gather_into(decoded, change, group, config=self.config, async_op=async_op, hierarchical=hierarchical)
-        self.last_wire_bytes = (world - 1) * self.wire_bytes(n)
+        cfg = self.config if config is None else config
+        if cfg.error_feedback:
+            raise Fp8CommError("ReplicaUpdate.gather: config must not ask for error_feedback (see ReplicaUpdate)")
+        h = all_gather_into(
+            decoded, change, group, config=cfg, async_op=async_op, hierarchical=hierarchical, guard=guard
+        )
+        self.last_wire_bytes = (world - 1) * _wire_bytes(cfg, n)
         tmp = self._scratch("apply", min(_APPLY_STEP, replica.numel()), replica.device)
         if not async_op:
             _apply(replica, decoded, tmp)
@@ -102,8 +116,7 @@ class ReplicaUpdate:
 
     def wire_bytes(self, n: int) -> int:
         """Bytes one rank's change of n elements takes on the wire (payload, scales, padding)."""
-        codec = self.config.spec.codec
-        return codec.layout((1,), codec.width(n)).total_bytes
+        return _wire_bytes(self.config, n)
 
     def state_dict(self) -> dict:
         """{"primed": bool}. An async gather in flight is finished first (its change applied), as a checkpoint of
@@ -148,6 +161,11 @@ class UpdateHandle:
     def is_completed(self) -> bool:
         """True once wait() (or discard()) ran: the replica is updated only there."""
         return self._done
+
+
+def _wire_bytes(cfg: WireConfig, n: int) -> int:
+    codec = cfg.spec.codec
+    return codec.layout((1,), codec.width(n)).total_bytes
 
 
 _APPLY_STEP = 1 << 20  # elements per piece of the replica's fp32 add (the piece stays in cache)

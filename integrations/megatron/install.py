@@ -364,9 +364,10 @@ def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
             "--fp8comm-error-feedback needs --fp8comm-grad-reduce: the residuals are the FP8 gradient "
             "reduce-scatter's quantization error"
         )
-    if cfg.guard and not fp8_ddp:
+    if cfg.guard and not (fp8_ddp or cfg.param_update):
         errs.append(
-            "--fp8comm-guard watches the FP8 DDP buckets: it needs --fp8comm-grad-reduce or --fp8comm-param-gather"
+            "--fp8comm-guard watches the quantized DDP buckets: it needs --fp8comm-grad-reduce, "
+            "--fp8comm-param-gather or --fp8comm-param-update-format"
         )
     if cfg.error_feedback_dtype != "float32" and not cfg.error_feedback:
         errs.append(

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from fp8comm import comm as fcomm
 from fp8comm.comm import ReplicaUpdate
 
+from . import guard
 from .config import Fp8CommMegatronError, count
 from .installation import current, hierarchical_groups, installed
 
@@ -188,13 +190,21 @@ def _start(output: torch.Tensor, state: BucketReplica, group):
     shard = staging(output, dp_size, dp_rank)
     first = not _primed(state.ru)
     hier = hierarchical_groups(group) if installed().cfg.hierarchical else None
-    h = state.ru.gather(output.view(-1), shard, group=group, async_op=True, hierarchical=hier)
+    # The numerics guard (--fp8comm-guard): "fp4" as configured, "fp8" (a demoted bucket: the change in E4M3 with
+    # 1x128 fp32 scales), or "bf16": Megatron's own gather of the values (a full gather; the next change is taken
+    # against it). Decided at the previous step's end, the same on every rank.
+    wire, bucket = guard.route("update", output, fp4=True)
+    if wire == "bf16":
+        state.ru.reset()
+        first = True
+    cfg = fcomm.config_for(state.ru.config, "fp8") if wire == "fp8" else None
+    h = state.ru.gather(output.view(-1), shard, group=group, async_op=True, hierarchical=hier, config=cfg, guard=bucket)
     count("param_update", "full_calls" if first else "update_calls")
     count("param_update", "elements", output.numel())
-    wire, dtype = _last_bytes(state.ru)
+    sent, dtype = _last_bytes(state.ru)
 
     def record():  # first gathers (values in the buffer's dtype) apart: the 4-bit ratio is the update calls'
-        count("param_update", "full_wire_bytes" if first else "wire_bytes", wire)
+        count("param_update", "full_wire_bytes" if first else "wire_bytes", sent)
         count("param_update", "full_dtype_bytes" if first else "dtype_bytes", dtype)
 
     return _Recording(h, record)

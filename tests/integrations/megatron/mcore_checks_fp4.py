@@ -219,6 +219,47 @@ def gpt_dp2_fp4_overlapped_updates(rank, world, info):
     assert g["hooks"]["guard"]["switches"] == 0 and g["hooks"]["param_update"]["taken_after_step"] > 0, g["hooks"]
 
 
+def gpt_dp2_fp4_update_guard(rank, world, info):
+    """The numerics guard on 4-bit weight-update buckets (overlap on, updates started after the step): from
+    iteration 2 every element of bucket "update1"'s change is reported flushed to zero (added to the counters its
+    packing kernel fills; the bytes sent are the real ones). Both ranks demote update1 to FP8 (the change in E4M3)
+    at the same step, then to BF16 (Megatron's own gather of the values: full gathers), the other buckets stay 4-bit,
+    replicas stay identical and the loss tracks Megatron alone."""
+    import fp8comm.comm.updates as upd
+
+    T.init_parallel(tp=1)
+    base = C.run(OVERLAP, None)
+    state = {"iteration": 0, "injected": 0}
+    orig = upd.all_gather_into
+
+    def injected(*a, **kw):
+        out = orig(*a, **kw)
+        b = kw.get("guard")
+        if b is not None and b.key == "update1" and state["iteration"] >= 2:
+            b.counters[1] += a[1].numel()  # underflow: every element of this change
+            state["injected"] += 1
+        return out
+
+    def after_backward(i: int) -> None:
+        state["iteration"] = i + 1
+
+    guard = dict(guard=True, guard_threshold=0.05, guard_patience=2, guard_cooldown=100)
+    upd.all_gather_into = injected
+    try:
+        f4 = C.run(OVERLAP, {**hooks_4bit("mxfp4"), **guard}, train_kw={"after_backward": after_backward})
+    finally:
+        upd.all_gather_into = orig
+    g, pu = f4["hooks"]["guard"], f4["hooks"]["param_update"]
+    lb, l4 = base["loss"], f4["loss"]
+    rel = max(abs(a - b) / b for a, b in zip(l4, lb))
+    info["update_guard"] = {"guard": g, "param_update": pu, "injected": state["injected"], "max_loss_rel": rel}
+    assert state["injected"] > 0 and g.get("switches", 0) == 2, g  # update1: 4 bits -> FP8 -> BF16
+    assert g.get("update_fp8_calls", 0) > 0 and g.get("update_bf16_calls", 0) > 0, g
+    assert pu["full_calls"] > 10 and pu["update_calls"] > 0, pu  # 10 first gathers + update1's BF16 ones
+    assert rel <= FP4_FINAL_LOSS_RTOL, (l4, lb)
+    C.check_replicas_identical(f4["params"], "update_guard")
+
+
 def gpt_dp2_plain_ddp_fp4(rank, world, info):
     """Plain DDP (no distributed optimizer): the bucket all-reduce in mxfp4 (reduce-scatter + all-gather of the
     sums, both 4-bit) with the 32-element Hadamard transform, error feedback on the first phase; a short run
