@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from ._version import __version__ as __version__
 from .errors import (
     CommMismatchError,
     Fp8CommCaptureError,
@@ -24,7 +25,6 @@ from .errors import (
     Fp8CommUnsupportedError,
 )
 
-__version__ = "0.4.0"
 __all__ = [
     "quantize",
     "dequantize",

@@ -216,12 +216,19 @@ def bytes(
 @dataclass(frozen=True)
 class CodecSpeed:
     """One rank's codec throughput in ELEMENTS per second: pack (quantize + pack), unpack_sum (decode a received
-    chunk and add it to an fp32 sum), unpack (decode into the output dtype). `source` says where they come from."""
+    chunk and add it to an fp32 sum), unpack (decode into the output dtype), residual (error feedback: decode what
+    this rank packed and subtract it from its input; 0 = not measured, charged at `unpack`'s speed, the decode
+    being most of it). `source` says where they come from."""
 
     pack: float
     unpack_sum: float
     unpack: float
     source: str = ""
+    residual: float = 0.0
+
+    @property
+    def residual_speed(self) -> float:
+        return self.residual or self.unpack
 
 
 @dataclass(frozen=True)
@@ -284,10 +291,13 @@ def time(
     pieces: int = 1,
     local: str | Codec | None = None,
     dtype: str = "bf16",
+    feedback: bool = False,
 ) -> Estimate:
     """Predicted seconds of one `op` (bytes()'s arguments, g and n from m) on machine m; codec work is charged per
     rank at m's codec speeds; reductions inside the plain-dtype collectives (NCCL, gloo) are free (in-kernel,
-    memory-bound). pieces > 1: the stages are pipelined (Estimate's formula), each piece pays the latency again."""
+    memory-bound). pieces > 1: the stages are pipelined (Estimate's formula), each piece pays the latency again.
+    feedback: error feedback on the reduce-scatter's quantization (a "residual" stage over the elements this rank
+    quantizes for the wire, at CodecSpeed.residual_speed)."""
     c = codec_of(codec)
     g, n, w = m.g, m.n, m.g * m.n
     lv = bytes(op, algo, c, g, n, elems, pieces, local, dtype)
@@ -310,6 +320,8 @@ def time(
     def rs() -> None:
         if algo == "flat":
             work("pack", c, "pack", w * L)
+            if feedback:
+                work("residual", c, "residual_speed", w * L)
             wire("wire", bytes("reduce_scatter", algo, c, g, n, elems, pieces), 1)
             work("unpack_sum", c, "unpack_sum", w * L)
             return
@@ -320,6 +332,8 @@ def time(
         # the receiver's fp32 sum of g chunks of n*L: charged at the decode-and-add speed (a plain dtype too)
         work("local sum", lc if lc.quantized else c, "unpack_sum", n * L * g if g > 1 else 0)
         work("pack", c, "pack", n * L)
+        if feedback:  # the residual covers the rail quantization: the n*L partial sums this rank sends
+            work("residual", c, "residual_speed", n * L)
         wire("rails wire", rails, 1)
         work("unpack_sum", c, "unpack_sum", n * L)
 
@@ -381,6 +395,7 @@ class Measured:
 
 
 _ISSUE = "issue 28 (simulated cluster, 1 Gbit/s, 16 MiB of bf16 per rank)"
+_RUN_T = "docs/results/bench_comm_200mbit.json (2026-12-03, 2x4, 200 Mbit/s, 16 MiB of bf16 per rank)"
 _RUN_E = "docs/benchmarks.md run E (2026-11-30, commit 388c985, 32 MiB per rank; all-gather: 32 MiB shard)"
 SIMULATED = (
     Measured("reduce_scatter, bf16 ring", "reduce_scatter", "ring", "bf16", 2, 2, 8 * MiB, 12.6, _ISSUE),
@@ -397,6 +412,10 @@ SIMULATED = (
     Measured("all_gather, FP8 flat", "all_gather", "flat", "fp8", 4, 2, 8 * MiB, 7.6, _ISSUE),
     Measured("all_gather, FP8 two-level", "all_gather", "two_level", "fp8", 4, 2, 8 * MiB, 4.3, _ISSUE),
     Measured("all_gather, bf16 ring", "all_gather", "ring", "bf16", 4, 2, 8 * MiB, 14.7, _ISSUE),
+    # the 4-bit wire in two levels (refused when the issue was measured) and flat, 2x4 at 200 Mbit/s
+    Measured("reduce_scatter, MXFP4 two-level", "reduce_scatter", "two_level", "mxfp4", 4, 2, 8 * MiB, 2.25, _RUN_T),
+    Measured("all_gather, MXFP4 two-level", "all_gather", "two_level", "mxfp4", 4, 2, 8 * MiB, 2.25, _RUN_T),
+    Measured("all_gather, MXFP4 flat", "all_gather", "flat", "mxfp4", 4, 2, 8 * MiB, 3.92, _RUN_T),
     Measured("reduce_scatter, torch gloo bf16", "reduce_scatter", "gloo", "bf16", 2, 2, 16 * MiB, 50.4, _RUN_E),
     Measured("reduce_scatter, torch gloo fp32", "reduce_scatter", "gloo", "fp32", 2, 2, 16 * MiB, 100.9, _RUN_E),
     Measured("reduce_scatter, FP8 flat", "reduce_scatter", "flat", "fp8", 2, 2, 16 * MiB, 17.3, _RUN_E, 8),
@@ -408,7 +427,7 @@ SIMULATED = (
 )
 
 
-def _gpu_speeds() -> dict[str, CodecSpeed]:
+def gpu_speeds() -> dict[str, CodecSpeed]:
     """Per-rank codec speeds of one H200 (docs/benchmarks.md "GPU (H200): quantize+pack vs device copy", 256 MiB,
     CUDA-graph replay, 2026-11-30), converted from its GB/s (bytes read + written) to elements/s by the bytes per
     element launch/device_check.py counts: pack 2 + 1 + 4/128 (fp32 scales) or 2 + 1 + 1/128 (e8m0),
@@ -431,7 +450,7 @@ SHAPES = (
         5e-6,
         450e9,
         2e-6,
-        _gpu_speeds(),
+        gpu_speeds(),
         note="8 NICs of 400 Gb/s per node (one per GPU); NVLink 900 GB/s per GPU = 450 GB/s per direction",
     ),
     Machine(
@@ -442,7 +461,7 @@ SHAPES = (
         5e-6,
         450e9,
         2e-6,
-        _gpu_speeds(),
+        gpu_speeds(),
         note="one 100 Gb/s NIC per node; NVLink as in (a)",
     ),
     Machine(
@@ -453,7 +472,7 @@ SHAPES = (
         5e-6,
         25e9,
         5e-6,
-        _gpu_speeds(),
+        gpu_speeds(),
         intra_node_bw=50e9,
         note="no NVLink: ~25 GB/s per GPU (PCIe Gen4 x16), node-local traffic capped at 50 GB/s per node "
         "(ASSUMED: two host bridges of ~25 GB/s shared by 4 GPUs each); one 100 Gb/s NIC",
