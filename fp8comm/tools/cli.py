@@ -1,4 +1,5 @@
-"""The `fp8comm` command: `demo` (the README's main job: DeepSpeed ZeRO-3 training, BF16 vs FP8) and `bench ...`."""
+"""The `fp8comm` command: `demo` (the README's main job: DeepSpeed ZeRO-3 training, BF16 vs FP8), `plan` (predicted
+communication time per step for each wire choice on a cluster you describe) and `bench ...`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ DEMO = (
     "the main job: DeepSpeed ZeRO-3 training, BF16 vs FP8 GEMMs + FP8 communication (see README)",
     ("rich", "matplotlib"),
 )
+PLAN = (
+    "fp8comm.tools.plan",
+    "predicted communication time per step for each wire choice on a cluster you describe, and the planner's pick",
+    (),
+)
+TOP = {"demo": DEMO, "plan": PLAN}  # subcommands of their own (not under `bench`)
 BENCHES = {
     "quant": (
         "fp8comm.tools.bench.quant",
@@ -52,16 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="fp8comm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    parsers: dict[tuple[str, ...], argparse.ArgumentParser] = {("demo",): sub.add_parser("demo", help=DEMO[1])}
+    parsers: dict[tuple[str, ...], argparse.ArgumentParser] = {
+        (name,): sub.add_parser(name, help=text) for name, (_, text, _) in TOP.items()
+    }
     bench = sub.add_parser("bench", help="benchmarks that print side-by-side tables").add_subparsers(
         dest="bench", required=True
     )
     for name, (_, text, _) in BENCHES.items():
         parsers[("bench", name)] = bench.add_parser(name, help=text)
-    chosen = tuple(argv[:1]) if argv[:1] == ["demo"] else tuple(argv[:2])
+    chosen = tuple(argv[:1]) if argv[:1] and argv[0] in TOP else tuple(argv[:2])
     checked = False
     if chosen in parsers:  # only the chosen subcommand's module is imported (for its arguments)
-        mod, text, needs = DEMO if chosen == ("demo",) else BENCHES[chosen[1]]
+        mod, text, needs = TOP[chosen[0]] if chosen[0] in TOP else BENCHES[chosen[1]]
         if not {"-h", "--help"} & set(argv):  # it is going to run: the extra first, before anything is imported
             if _report(missing_extra("fp8comm " + " ".join(chosen), needs)):
                 return 2
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         parsers[chosen].description = text
         importlib.import_module(mod).add_args(parsers[chosen])
     args = p.parse_args(argv)  # help (which needs no extra) and usage errors exit here
-    mod, _, needs = DEMO if args.cmd == "demo" else BENCHES[args.bench]
+    mod, _, needs = TOP[args.cmd] if args.cmd in TOP else BENCHES[args.bench]
     if not checked and _report(missing_extra("fp8comm " + " ".join(chosen), needs)):
         return 2
     return importlib.import_module(mod).run(args) or 0
