@@ -129,6 +129,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     o.add_argument("--codec-elems", default="4Mi", help="elements per codec timing with --codec-speeds cpu")
     o.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    o.add_argument("--brief", action="store_true", help="per size class the choice and its reason only")
 
 
 def _codecs(args, ranks: int) -> tuple[dict, str, str]:
@@ -309,7 +310,7 @@ def report(args) -> dict:
     return out
 
 
-def _print(r: dict) -> None:
+def _print(r: dict, brief: bool = False) -> None:
     c, p = r["cluster"], r["policy"]
     cap = f", node-local cap {c['node_local_cap_GBps']:g} GB/s per node" if c["node_local_cap_GBps"] else ""
     print(
@@ -331,7 +332,8 @@ def _print(r: dict) -> None:
         print(f"## {col['op']} of {col['role']} ({col['dtype']}), {col['calls_per_bucket']} per bucket per step")
         for cl in col["classes"]:
             held = " + ".join(f"{n} x {int(s):,}" for s, n in cl["buckets"].items())
-            print(f"{held} elements -> {cl['text']}")
+            text = cl["text"] if not brief else "\n".join(cl["text"].splitlines()[:2])
+            print(f"{held} elements -> {text}")
         print()
     cols = r["collectives"]
     print("## per step (ms): every bucket on one choice, or the planner's choice per size class")
@@ -367,7 +369,7 @@ def run(args) -> int:
                 cl.pop("text")  # the plan's dict carries the same
         print(json.dumps(r, indent=1))
     else:
-        _print(r)
+        _print(r, args.brief)
     return 0
 
 
