@@ -6,7 +6,8 @@
   launch/bench_tables.py --check    exit 1 when a block in docs/benchmarks.md differs from its rendering
 
 A block is the text between `<!-- bench_tables:NAME -->` and `<!-- /bench_tables:NAME -->`; TABLES maps NAME to
-(result file, renderer). docs/results/bench_comm.json comes from launch/bench_check.py --update.
+(result file, renderer). docs/results/bench_comm.json comes from launch/bench_check.py --update, and
+bench_comm_200mbit.json from the same tool with --results (docs/benchmarks.md says the command).
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ def _render_layout(res: dict) -> str:
 # NAME -> (result file, renderer)
 TABLES: dict[str, tuple[Path, Callable[[dict], str]]] = {
     "bench_comm": (REPO / "docs" / "results" / "bench_comm.json", render_bench_comm),
+    # the topology targets: 2 nodes x 4 ranks, 200 Mbit/s, 16 MiB per rank (launch/bench_check.py --results ...)
+    "bench_comm_200mbit": (REPO / "docs" / "results" / "bench_comm_200mbit.json", render_bench_comm),
 }
 
 
