@@ -243,9 +243,20 @@ def _all_gather_fp8(call: Call, shape: tuple, x: torch.Tensor, async_op: bool, o
 
 
 def all_gather_into(
-    output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False, hierarchical=None, **kw
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group=None,
+    *,
+    async_op: bool = False,
+    hierarchical=None,
+    node_phase_in_wait: bool = False,
+    **kw,
 ):
-    """Flat-buffer all-gather: output (world * input.numel() elements, any float dtype) <- every rank's input."""
+    """Flat-buffer all-gather: output (world * input.numel() elements, any float dtype) <- every rank's input.
+
+    node_phase_in_wait (two levels, async_op): return as soon as the bytes are on their way across the nodes, and
+    issue the node-local phase in wait() (a later phase, as all_reduce's: call wait() at the same point of the
+    collective sequence on every rank); else the call returns once the cross-node phase has arrived."""
     meta = _meta("all_gather", input, "input", output)
     if meta.error is None:
         meta.shape = (input.numel(),)  # flat semantics: only the element count must agree across ranks
@@ -263,18 +274,19 @@ def all_gather_into(
     hg = _hier(hierarchical, group, meta)
     call = start_call("all_gather", group, meta, kw, device=_dev(input))
     hg = hg()
-    return _all_gather_flat(call, hg, output, input, async_op)
+    return _all_gather_flat(call, hg, output, input, async_op, node_phase_in_wait)
 
 
-def _all_gather_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_op: bool):
+def _all_gather_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_op: bool, node_in_wait=False):
     n = x.numel()
     if n == 0:
         return _nothing_to_move(call, out, async_op)
     dest = out.view(call.world, n)
+    later = bool(node_in_wait and async_op and hg is not None)
 
     def begin():
         if hg is not None:
-            return hier_ag_phase(call, hg, x, dest, x.dtype)
+            return hier_ag_phase(call, hg, x, dest, x.dtype, node_in_finish=later)
         return ag_phase(call, x, dest, call.group, call.world, "all_gather", x.dtype)
 
     work, fin = guarded(call, begin)
@@ -283,7 +295,7 @@ def _all_gather_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_o
         fin()
         return out
 
-    return _run(call, [work], finish, async_op, x.device)
+    return _run(call, [work], finish, async_op, x.device, later_phases=later)
 
 
 # ------------------------------------------------------------------------------------------ reduce-scatter

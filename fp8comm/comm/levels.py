@@ -109,13 +109,21 @@ def _local_rows(dest: torch.Tensor, nn: int, lc: int, j: int) -> torch.Tensor:
 
 
 def hier_ag_phase(
-    call: Call, hg: HierarchicalGroups, src: torch.Tensor, dest, stats_dtype: torch.dtype, calls: int = 1
+    call: Call,
+    hg: HierarchicalGroups,
+    src: torch.Tensor,
+    dest,
+    stats_dtype: torch.dtype,
+    calls: int = 1,
+    node_in_finish: bool = False,
 ):
     """Start a two-level all-gather of flat src into dest [world, N]: (work, finish -> dest).
 
     The shard is quantized once; each piece crosses the rails, then its bytes are gathered inside the node while
     the next piece crosses, and the piece before it is decoded. Returns once every rail phase has arrived (the
-    last node-local phase is on the wire; wait() decodes the last piece)."""
+    last node-local phase is on the wire; wait() decodes the last piece). node_in_finish: returns once every rail
+    phase is on the wire; finish() waits each, issues its node-local phase and decodes (a second phase, issued
+    where the caller waits: the same point of the collective sequence on every rank)."""
     codec, dev, n, nn, lc = call.codec, src.device, src.numel(), hg.nodes, hg.local
     x2 = padded_rows(call, src.reshape(-1), 1, n)
     k = x2.shape[1]
@@ -152,17 +160,23 @@ def hier_ag_phase(
                 decode_rows(call, got[j], lay.with_rows((1,) * nn), _local_rows(dest, nn, lc, j), a, b, n, kd)
         decoded[i] = True
 
-    for i, (rail, node_bytes, w) in enumerate(zip(rails, nodes, rail_works)):
-        w.wait()
-        works.append(all_gather_bytes(node_bytes, rail, hg.intra, async_op=True) if lc > 1 else None)
-        decoded.append(False)
-        if i:  # the previous piece decodes while this one crosses the node and later ones the rails
-            decode(i - 1)
+    def node_phases():
+        for i, (rail, node_bytes, w) in enumerate(zip(rails, nodes, rail_works)):
+            w.wait()
+            works.append(all_gather_bytes(node_bytes, rail, hg.intra, async_op=True) if lc > 1 else None)
+            decoded.append(False)
+            if i:  # the previous piece decodes while this one crosses the node and later ones the rails
+                decode(i - 1)
+
+    if not node_in_finish:
+        node_phases()
 
     def finish():
+        if node_in_finish and not decoded:
+            node_phases()
         for i, done in enumerate(decoded):
             if not done:
                 decode(i)
         return dest
 
-    return Pieces([w for w in works if w is not None]), finish
+    return Pieces([w for w in (rail_works if node_in_finish else works) if w is not None]), finish

@@ -64,7 +64,8 @@ class ReplicaUpdate:
 
         async_op=True: the change is computed, quantized and put on the wire now (shard and replica may be read
         again, the shard overwritten, right after the call), and an `UpdateHandle` is returned whose wait()
-        finishes the transfer, decodes and adds the change to the replica (the replica must not be read or written
+        finishes the transfer (two levels: issues the node-local phase, so wait() where every rank waits, in the
+        same order), decodes and adds the change to the replica (the replica must not be read or written
         in between: it is updated in wait()); the bits are those of the synchronous call. hierarchical: node groups
         (as for all_gather_into: every rank still decodes the same bytes, so replicas stay bit-identical and equal
         to the flat call's). config: this gather's wire instead of self.config (a numerics guard's FP8 fallback,
@@ -94,7 +95,14 @@ class ReplicaUpdate:
         if cfg.error_feedback:
             raise Fp8CommError("ReplicaUpdate.gather: config must not ask for error_feedback (see ReplicaUpdate)")
         h = all_gather_into(
-            decoded, change, group, config=cfg, async_op=async_op, hierarchical=hierarchical, guard=guard
+            decoded,
+            change,
+            group,
+            config=cfg,
+            async_op=async_op,
+            hierarchical=hierarchical,
+            node_phase_in_wait=async_op,  # the cross-node bytes travel while the caller works; wait() does the rest
+            guard=guard,
         )
         self.last_wire_bytes = (world - 1) * _wire_bytes(cfg, n)
         tmp = self._scratch("apply", min(_APPLY_STEP, replica.numel()), replica.device)
