@@ -191,13 +191,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         data = _batches(args, ps.get_data_parallel_rank())
         fb = get_forward_backward_func()
-        history: dict[str, Any] = {"loss": [], "grad_norm": [], "step_s": [], "start_s": [], "link_tx_bytes": []}
+        history: dict[str, Any] = {"loss": [], "grad_norm": [], "step_s": [], "link_tx_bytes": []}
+        history.update(start_s=[], start_tx=[], start_cpu=[])  # at every step's start: periods start to start
         ifname = link_ifname()
         reset_comm_stats()
         for it in range(args.train_iters):
             dist.barrier()  # every step starts together: its time and link bytes are this step's
             tx0, t0 = _link_tx_bytes(ifname), time.perf_counter()
             history["start_s"].append(t0)
+            history["start_tx"].append(tx0)
+            history["start_cpu"].append(time.process_time())  # this process, all its threads (gloo's too)
             model.zero_grad_buffer()
             optimizer.zero_grad()
             out = fb(
@@ -229,6 +232,11 @@ def main(argv: list[str] | None = None) -> dict:
         if ddp_config.overlap_param_gather:
             model.start_param_sync(force_sync=True)  # the last step's gather, dispatched lazily otherwise
         history["grad_reduce_in_fp32"] = ddp_config.grad_reduce_in_fp32
+        cs = history["start_cpu"][2 if len(history["start_cpu"]) >= 5 else 0 :]
+        mine = torch.tensor([statistics.median([b - a for a, b in zip(cs, cs[1:])] or [0.0])], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        history["cpu_s_per_period_by_rank"] = [round(float(c), 3) for c in every]
         history["comm_stats"] = comm_stats()
         history["hook_stats"] = hook_stats()
         history["error_feedback_bytes"] = error_feedback_nbytes()
@@ -248,6 +256,8 @@ def _summary(h: dict, args, ifname: str | None) -> dict:
     link = [b for b in h["link_tx_bytes"][later] if b is not None]
     starts = h["start_s"][later]
     periods = [b - a for a, b in zip(starts, starts[1:])]
+    txs = h["start_tx"][later]
+    link_periods = [b - a for a, b in zip(txs, txs[1:]) if a is not None and b is not None]
     return {
         "fp8comm": {
             k: getattr(args, "fp8comm_" + k)
@@ -262,6 +272,11 @@ def _summary(h: dict, args, ifname: str | None) -> dict:
         "step_period_s_median": round(statistics.median(periods), 4) if periods else None,
         "link": ifname,
         "link_tx_bytes_per_step_median": statistics.median(link) if link else None,
+        # start to start: also the bytes sent after optimizer.step() returned (gathers started there)
+        "link_tx_bytes_per_period_median": statistics.median(link_periods) if link_periods else None,
+        # CPU seconds of each rank's process per period (start to start, median without the warm-up): with more
+        # ranks than cores, their sum over the cores bounds the period from below
+        "cpu_s_per_period_by_rank": h["cpu_s_per_period_by_rank"],
         "loss_first": round(h["loss"][0], 5),
         "loss_last": round(h["loss"][-1], 5),
         "error_feedback_bytes": h["error_feedback_bytes"],
