@@ -306,27 +306,92 @@ def results_speeds(rows: Iterable[Mapping], where: str = "") -> dict[str, CodecS
 
 def measure_codecs(
     names: Iterable[str] = tuple(WIRE_CONFIGS),
-    elems: int = 1 << 22,
+    elems: int | tuple[int, int] = 1 << 22,
     chunks: int = 8,
     reps: int = 3,
     device: torch.device | str = "cpu",
+    kinds: Iterable[str] = SPEED_KINDS,
+    timings: dict | None = None,
 ) -> dict[str, CodecSpeed]:
     """Each codec's pack, unpack_sum, unpack and residual speed here, in elements/s: `elems` bf16 elements in
     `chunks` destination chunks through the codec and kernel backend a collective of that size would use (one
     untimed call first: compiles and caches), median of `reps` timed calls. unpack_sum decodes one chunk into an
-    fp32 sum per call, as a receiver does; residual is x - decode(pack(x)), as error feedback computes it."""
+    fp32 sum per call, as a receiver does; residual is x - decode(pack(x)), as error feedback computes it.
+
+    elems=(small, large): each kind timed at both sizes, the speed from the difference (elements per extra second:
+    what a call's size adds, without its fixed cost), or from the large size alone where the large call takes less
+    than 1.5x the small one (a fixed cost the difference would turn into noise). Kinds not in `kinds` are not timed:
+    unpack is then set to unpack_sum's speed and residual to 0 (charged at unpack's), and the source says so.
+    `timings`, when given, receives per codec the untimed first calls' seconds ("first_call_s"), the timed calls'
+    seconds ("timed_s") and the fixed cost per call the two sizes give ("fixed_s", per kind)."""
     dev = torch.device(device)
-    if elems < chunks or chunks < 1 or reps < 1:
-        raise _err(f"need elems >= chunks >= 1 and reps >= 1; got elems={elems}, chunks={chunks}, reps={reps}")
+    sizes = (elems,) if isinstance(elems, int) else tuple(elems)
+    kinds = tuple(kinds)
+    if (
+        len(sizes) not in (1, 2)
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < chunks for n in sizes)
+        or (len(sizes) == 2 and sizes[0] >= sizes[1])
+        or chunks < 1
+        or reps < 1
+    ):
+        raise _err(
+            f"need elems (an int, or (small, large) with small < large) >= chunks >= 1 and reps >= 1; got "
+            f"elems={elems}, chunks={chunks}, reps={reps}"
+        )
+    bad = [k for k in kinds if k not in SPEED_KINDS]
+    if bad or not {"pack", "unpack_sum"} <= set(kinds):
+        raise _err(f"kinds must include pack and unpack_sum, from {', '.join(SPEED_KINDS)}; got {kinds}")
     out = {}
     for name in names:
         if name not in WIRE_CONFIGS:
             raise _err(f"unknown codec {name!r}; valid: {', '.join(WIRE_CONFIGS)}")
-        out[name] = _measure(name, elems, chunks, reps, dev)
+    for name in names:
+        t: dict = {}
+        out[name] = _measure(name, sizes, chunks, reps, dev, kinds, t)
+        if timings is not None:
+            timings[name] = t
     return out
 
 
-def _measure(name: str, elems: int, chunks: int, reps: int, dev: torch.device) -> CodecSpeed:
+def _measure(
+    name: str,
+    sizes: tuple[int, ...],
+    chunks: int,
+    reps: int,
+    dev: torch.device,
+    kinds: tuple[str, ...] = SPEED_KINDS,
+    timings: dict | None = None,
+) -> CodecSpeed:
+    per: list[tuple[dict[str, tuple[float, int]], str]] = []
+    t = timings if timings is not None else {}
+    t.update(first_call_s=0.0, timed_s=0.0, fixed_s={})
+    for n in sizes:
+        per.append(_time_kinds(name, n, chunks, reps, dev, kinds, t))
+    speed: dict[str, float] = {}
+    for kind in kinds:
+        tl, nl = per[-1][0][kind]
+        if len(per) == 2:
+            ts, ns = per[0][0][kind]
+            # the difference only where the larger size clearly adds time; else (a fixed cost that noise would
+            # amplify) the large size's own rate, which is lower: never an optimistic speed from noise
+            speed[kind] = (nl - ns) / (tl - ts) if tl >= 1.5 * ts else nl / max(tl, 1e-9)
+            t["fixed_s"][kind] = max(0.0, ts - ns / speed[kind])
+        else:
+            speed[kind] = nl / max(tl, 1e-9)
+    filled = [k for k in ("unpack", "residual") if k not in speed]
+    speed.setdefault("unpack", speed["unpack_sum"])
+    speed.setdefault("residual", 0.0)  # 0: charged at unpack's speed (linkmodel.CodecSpeed)
+    kern = per[-1][1]
+    how = f"{sizes[0]} elements" if len(sizes) == 1 else f"{sizes[0]} and {sizes[1]} elements, from the difference"
+    untimed = f"; not timed: {', '.join(filled)} (unpack at unpack_sum's speed)" if filled else ""
+    src = f"measured here ({device_kind(dev)}, {how}, kernel {kern}, {time.strftime('%Y-%m-%d %H:%M')}{untimed})"
+    return CodecSpeed(speed["pack"], speed["unpack_sum"], speed["unpack"], src, speed["residual"])
+
+
+def _time_kinds(
+    name: str, elems: int, chunks: int, reps: int, dev: torch.device, kinds: tuple[str, ...], t: dict
+) -> tuple[dict[str, tuple[float, int]], str]:
+    """{kind: (median seconds of one call, elements it handles)} at `elems`, and the kernel used."""
     codec = WireConfig(**WIRE_CONFIGS[name]).spec.codec
     k = codec.width(elems // chunks)
     x = torch.randn(chunks, k, device=dev).to(torch.bfloat16)
@@ -343,9 +408,15 @@ def _measure(name: str, elems: int, chunks: int, reps: int, dev: torch.device) -
         "unpack": (lambda: codec.unpack(buf, lay, dst, kernel=kern), x.numel()),
         "residual": (lambda: codec.residual(buf, lay, x, res, kernel=kern), x.numel()),
     }
-    speed = {}
-    for kind, (fn, count) in steps.items():
+    out = {}
+    for kind in [k for k in SPEED_KINDS if k in kinds]:  # pack first: the others decode what it wrote
+        fn, count = steps[kind]
+        t0 = time.perf_counter()
         fn()  # untimed: compiles, caches
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t1 = time.perf_counter()
+        t["first_call_s"] += t1 - t0
         ts = []
         for _ in range(reps):
             if dev.type == "cuda":
@@ -355,6 +426,6 @@ def _measure(name: str, elems: int, chunks: int, reps: int, dev: torch.device) -
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             ts.append(time.perf_counter() - t0)
-        speed[kind] = count / max(sorted(ts)[len(ts) // 2], 1e-9)
-    src = f"measured here ({device_kind(dev)}, {elems} elements, kernel {kern}, {time.strftime('%Y-%m-%d %H:%M')})"
-    return CodecSpeed(speed["pack"], speed["unpack_sum"], speed["unpack"], src, speed["residual"])
+        t["timed_s"] += time.perf_counter() - t1
+        out[kind] = (sorted(ts)[len(ts) // 2], count)
+    return out, str(kern)

@@ -1,0 +1,424 @@
+"""Calibration at run time (issue 30 item 1): every rank of a group times its links and its codecs, rank 0 decides
+from what every rank measured and publishes one `Calibration` through the c10d store, so every rank holds the same
+numbers; a calibration that cannot finish in time falls back, on every rank alike, with one warning.
+
+What is timed (on every rank, at once, as a collective would load the machine):
+- node-local: an exchange (send and receive at once, both directions) with a node-mate (local index i ^ 1) at two
+  sizes; latency from the small one, bandwidth from the difference (the fixed cost cancels);
+- cross-node: the same with the rail peer (same local index on node n ^ 1), all rail pairs of a node at once, so a
+  node's figure is the sum of its ranks' (Calibration.inter is a node's cross-node bandwidth, all its NICs);
+- codecs: pack and unpack_sum of each codec at two sizes (calibration.measure_codecs); unpack is set to
+  unpack_sum's speed and error feedback's residual to unpack's (not timed: the start-up budget).
+Rank 0 keeps the SLOWEST per level (the node-local link of the slowest rank, the cross-node bandwidth of the slowest
+node, the highest latency) and each codec's slowest rank: a collective step ends when its slowest member does, so a
+plan from the typical rank would promise what the collective cannot deliver.
+
+Transfers run on a private gloo group built on this calibration's own store prefix (not registered with
+torch.distributed, no group names to agree on), with CPU tensors: a peer that stops answering breaks that group's
+connections only (gloo closes a pair whose wait timed out), never the caller's groups. Only gloo groups are
+calibrated: an NCCL group's links are NCCL's own transfers, which this does not time (yet).
+
+Agreement (no split decision, no hang): every step that needs all ranks is waited for with one deadline
+(timeout_s from the call); each outcome is one store key written with compare_set (the first writer wins) and read
+back by everyone: rank 0 writes "go" (all ranks arrived), the result, or "fallback: <why>"; a rank whose deadline
+passes first writes "fallback: <why>" into the same key. Whatever the key holds is what every rank does. On
+fallback calibrate() returns None on every rank with exactly one CalibrationWarning carrying the same text: the
+caller keeps its fixed choice (the wire it was configured with). Bad arguments, ranks that called with different
+arguments, and a layout with uneven ranks per node are errors (Fp8CommConfigError) on every rank, before any bytes
+move between ranks.
+
+For tests only: FP8COMM_CALIBRATE_STALL="<group rank>:<phase>:<seconds>" makes that rank sleep before `phase`
+(ready: before it announces itself; links: after the start, before the transfers; codecs: before the codec timing).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import Fp8CommConfigError
+from . import topology
+from .calibration import WIRE_CONFIGS, Calibration, Link, device_kind, measure_codecs
+from .linkmodel import CodecSpeed
+
+STALL_ENV = "FP8COMM_CALIBRATE_STALL"
+PHASES = ("ready", "links", "codecs")
+SIZES = (16 << 10, 2 << 20)  # bytes per exchange: small (latency), large (bandwidth, from the difference)
+CODEC_ELEMS = (1 << 14, 1 << 18)  # elements per codec call, small and large
+TAG = 0xCA1  # point-to-point tag on the private group
+_POLL_S = 0.005
+_epochs: dict[tuple[int, ...], int] = {}
+
+
+class CalibrationWarning(UserWarning):
+    """A calibration that could not finish; the caller keeps its fixed choice."""
+
+
+def _err(msg: str) -> Fp8CommConfigError:
+    return Fp8CommConfigError(f"calibrate: {msg}")
+
+
+def calibrate(
+    group: Any = None,
+    *,
+    nodes: Sequence[int] | None = None,
+    codecs: Sequence[str] = tuple(WIRE_CONFIGS),
+    sizes: tuple[int, int] = SIZES,
+    codec_elems: tuple[int, int] = CODEC_ELEMS,
+    reps: int = 3,
+    timeout_s: float = 30.0,
+    store: Any = None,
+    report: dict | None = None,
+) -> Calibration | None:
+    """Measure and agree on one Calibration for `group` (None: the world); collective over the group's members.
+
+    nodes: the node index of each member in group rank order (default: fp8comm.comm.topology's rule from every
+    member's GROUP_RANK / LOCAL_WORLD_SIZE / host name); sizes: bytes per link exchange (small, large); codec_elems:
+    elements per codec call (small, large); reps: timed repetitions per size (the median is kept); timeout_s: the
+    whole calibration's deadline; store: the c10d store to agree through (default: the default group's).
+    Returns the identical Calibration on every rank, or None on every rank (with one CalibrationWarning) when it
+    could not finish in time. `report`, when given, receives rank 0's published details: every rank's raw numbers,
+    the seconds each phase took (first codec calls, the compiles, apart) and the rule that decided."""
+    t_start = time.monotonic()
+    deadline = t_start + timeout_s
+    if not dist.is_available() or not dist.is_initialized():
+        raise _err("torch.distributed is not initialized; call dist.init_process_group first")
+    if dist.get_backend(group) != "gloo":
+        raise _err(
+            f"only gloo groups are calibrated; this group runs {dist.get_backend(group)!r} (NCCL's links are its own "
+            "transfers, which calibrate() does not time yet): give a gloo group or a calibration file"
+        )
+    sizes = _pair(sizes, "sizes")
+    codec_elems = _pair(codec_elems, "codec_elems")
+    bad = [c for c in codecs if c not in WIRE_CONFIGS]
+    if bad or not codecs:
+        raise _err(f"codecs must name some of {', '.join(WIRE_CONFIGS)}; got {list(codecs)}")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise _err(f"reps must be an int >= 1, got {reps!r}")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise _err(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    members = topology.group_ranks(group)
+    world = len(members)
+    if world < 2:
+        raise _err("a calibration needs a group of >= 2 ranks (links are timed between ranks)")
+    if nodes is not None and len(nodes) != world:
+        raise _err(f"nodes gives {len(nodes)} node indices for a group of {world} ranks")
+    me = members.index(dist.get_rank())
+    epoch = _epochs.get(members, 0)
+    _epochs[members] = epoch + 1
+    base = store if store is not None else dist.distributed_c10d._get_default_store()
+    tag = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:12]
+    kv = dist.PrefixStore(f"fp8comm-calibrate/{tag}/{epoch}/", base)
+    args = json.dumps(
+        {"codecs": list(codecs), "sizes": sizes, "codec_elems": codec_elems, "reps": reps, "nodes": nodes}
+    )
+
+    # ---- start: every member announces itself; rank 0 says go (with the node layout), or fallback, or error
+    _stall(me, "ready")
+    facts = topology._local_facts()
+    kv.set(f"ready/{me}", json.dumps({"facts": facts, "args": args}))
+    if me == 0:
+        missing = _wait(kv, [f"ready/{i}" for i in range(world)], deadline)
+        if missing:
+            start = f"fallback: group rank(s) {_ids(missing)} did not arrive within {timeout_s:g} s"
+        else:
+            start = _start(kv, world, members, args, nodes)
+        start = _decide(kv, "start", start)
+    else:
+        start = _await(kv, "start", deadline + _grace(timeout_s), f"no start from rank 0 within {timeout_s:g} s", me)
+    if start.startswith("error: "):
+        raise _err(start[len("error: ") :])
+    if start.startswith("fallback: "):
+        _fallback(start, report)
+        return None
+    layout = json.loads(start[len("go: ") :])
+    t_go = time.monotonic()
+
+    # ---- measure: links on a private gloo group, then codecs; any failure is reported, never raised
+    mine: dict[str, Any] = {"rank": me}
+    pg = None
+    try:
+        pg = dist.ProcessGroupGloo(
+            dist.PrefixStore("pg/", kv), me, world, datetime.timedelta(seconds=max(0.1, deadline - time.monotonic()))
+        )
+        _stall(me, "links")
+        t0 = time.monotonic()
+        mine["links"] = _time_links(pg, me, layout["nodes"], sizes, reps, deadline)
+        mine["links_s"] = time.monotonic() - t0
+        _stall(me, "codecs")
+        t0 = time.monotonic()
+        timings: dict = {}
+        speeds = measure_codecs(codecs, elems=codec_elems, reps=reps, kinds=("pack", "unpack_sum"), timings=timings)
+        mine["codecs"] = {k: [s.pack, s.unpack_sum] for k, s in speeds.items()}
+        mine["codecs_s"] = time.monotonic() - t0
+        mine["first_calls_s"] = sum(t["first_call_s"] for t in timings.values())
+        mine["kernel"] = next(iter(speeds.values())).source
+    except Exception as e:  # a peer that stopped answering (gloo: timed out, connection closed), or out of time
+        mine["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    finally:
+        del pg  # closes this calibration's connections; the caller's groups are untouched
+    kv.set(f"result/{me}", json.dumps(mine))
+
+    # ---- decide: rank 0 builds the calibration from everyone's numbers, or falls back; everyone reads the key
+    if me == 0:
+        missing = _wait(kv, [f"result/{i}" for i in range(world)], deadline)
+        if missing:
+            out = f"fallback: group rank(s) {_ids(missing)} did not finish within {timeout_s:g} s"
+        else:
+            rows = [json.loads(kv.get(f"result/{i}")) for i in range(world)]
+            failed = [f"{r['rank']} ({r['failed']})" for r in rows if "failed" in r]
+            if failed:
+                out = f"fallback: measurement failed on group rank(s) {'; '.join(failed)}"
+            else:
+                times = {"go_s": t_go - t_start, "decided_s": time.monotonic() - t_start}
+                out = "ok: " + json.dumps(_build(rows, layout["nodes"], sizes, world, times))
+        final = _decide(kv, "decided", out)
+    else:
+        final = _await(kv, "decided", deadline + _grace(timeout_s), f"no result from rank 0 within {timeout_s:g} s", me)
+    if final.startswith("fallback: "):
+        _fallback(final, report)
+        return None
+    payload = json.loads(final[len("ok: ") :])
+    if report is not None:
+        report.update(payload["report"])
+    return Calibration.from_dict(payload["calibration"])
+
+
+# ------------------------------------------------------------------------------------------------ agreement
+def _pair(v: Any, name: str) -> tuple[int, int]:
+    ok = (
+        isinstance(v, (tuple, list))
+        and len(v) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)
+        and v[0] < v[1]
+    )
+    if not ok:
+        raise _err(f"{name} must be (small, large) positive ints with small < large, got {v!r}")
+    return int(v[0]), int(v[1])
+
+
+def _grace(timeout_s: float) -> float:
+    """How much longer than rank 0 the others wait for its word (rank 0 decides at its own deadline)."""
+    return min(2.0, 0.25 * timeout_s)
+
+
+def _ids(keys: list[str]) -> str:
+    return ", ".join(k.rsplit("/", 1)[1] for k in keys)
+
+
+def _wait(kv: Any, keys: list[str], deadline: float) -> list[str]:
+    """The keys still missing at the deadline ([] as soon as all are there); polls check(), which never blocks."""
+    while True:
+        if kv.check(keys):
+            return []
+        if time.monotonic() >= deadline:
+            return [k for k in keys if not kv.check([k])]
+        time.sleep(_POLL_S)
+
+
+def _decide(kv: Any, key: str, value: str) -> str:
+    """Write `value` unless someone wrote first; returns what the key holds (the one outcome for everyone)."""
+    return bytes(kv.compare_set(key, "", value)).decode()
+
+
+def _await(kv: Any, key: str, deadline: float, why: str, me: int) -> str:
+    if _wait(kv, [key], deadline):
+        return _decide(kv, key, f"fallback: group rank {me} had {why}")
+    return bytes(kv.get(key)).decode()
+
+
+def _fallback(text: str, report: dict | None) -> None:
+    warnings.warn(
+        f"fp8comm calibration did not finish, keeping the fixed choice: {text[len('fallback: ') :]}",
+        CalibrationWarning,
+        stacklevel=3,
+    )
+    if report is not None:
+        report["fallback"] = text[len("fallback: ") :]
+
+
+def _start(kv: Any, world: int, members: tuple[int, ...], args: str, nodes: Sequence[int] | None) -> str:
+    """Rank 0's start decision from every member's announcement: 'go: {layout}' or 'error: why'."""
+    got = [json.loads(kv.get(f"ready/{i}")) for i in range(world)]
+    differ = [i for i, g in enumerate(got) if g["args"] != args]
+    if differ:
+        return f"error: group rank(s) {differ} called calibrate() with other arguments than rank 0 ({args})"
+    if nodes is None:
+        table = topology.table_from([tuple(g["facts"]) for g in got])
+        lws = topology._int(got[0]["facts"][1])
+        if table.source == topology.LAYOUT and lws:  # node-major in GLOBAL ranks (a subgroup's need not start at 0)
+            nodes = [m // lws for m in members]
+        else:
+            nodes = list(table.nodes)
+    order = list(dict.fromkeys(nodes))
+    count = {n: list(nodes).count(n) for n in order}
+    if len(set(count.values())) != 1:
+        return (
+            f"error: uneven ranks per node {count} (node of each group rank: {list(nodes)}); a calibration holds one "
+            "ranks-per-node layout"
+        )
+    return "go: " + json.dumps({"nodes": [order.index(n) for n in nodes]})
+
+
+def _stall(me: int, phase: str) -> None:
+    spec = os.environ.get(STALL_ENV, "")
+    if not spec:
+        return
+    try:
+        rank, ph, secs = spec.split(":")
+        if ph not in PHASES:
+            raise ValueError(ph)
+        if int(rank) == me and ph == phase:
+            time.sleep(float(secs))
+    except ValueError:
+        raise _err(f"{STALL_ENV}={spec!r}: expected <group rank>:<{'|'.join(PHASES)}>:<seconds>") from None
+
+
+# ------------------------------------------------------------------------------------------------ links
+def _peers(me: int, nodes: Sequence[int]) -> dict[str, int | None]:
+    """This rank's partner per level: node-mate (local index ^ 1), rail peer (same local index, node ^ 1)."""
+    mine = [i for i, n in enumerate(nodes) if n == nodes[me]]
+    local = mine.index(me)
+    n_nodes = max(nodes) + 1
+    mate = local ^ 1
+    rail = nodes[me] ^ 1
+    return {
+        "intra": mine[mate] if mate < len(mine) else None,
+        "inter": [i for i, n in enumerate(nodes) if n == rail][local] if rail < n_nodes else None,
+    }
+
+
+def _time_links(
+    pg: Any, me: int, nodes: Sequence[int], sizes: tuple[int, int], reps: int, deadline: float
+) -> dict[str, list[float] | None]:
+    """{level: [median seconds of an exchange at the small size, at the large size] or None (no partner)}. Levels
+    run one after the other, separated by barriers of the private group, every pair of a level at once."""
+    peers = _peers(me, nodes)
+    bufs = [(torch.empty(s, dtype=torch.uint8), torch.empty(s, dtype=torch.uint8)) for s in sizes]
+    out: dict[str, list[float] | None] = {}
+
+    def wait(work: Any) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("calibration deadline passed during the link timing")
+        work.wait(datetime.timedelta(seconds=left))
+
+    def exchange(peer: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        r = pg.recv([b], peer, TAG)
+        s = pg.send([a], peer, TAG)
+        wait(r)
+        wait(s)
+
+    for level in ("intra", "inter"):
+        wait(pg.barrier())
+        peer = peers[level]
+        if peer is None:
+            out[level] = None
+            continue
+        exchange(peer, *bufs[0])  # untimed: first use of the pair
+        med = []
+        for a, b in bufs:
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                exchange(peer, a, b)
+                ts.append(time.perf_counter() - t0)
+            med.append(statistics.median(ts))
+        out[level] = med
+    wait(pg.barrier())
+    return out
+
+
+def _link(t: Sequence[float], sizes: tuple[int, int]) -> tuple[float, float]:
+    """(bandwidth B/s, latency s) of one exchange timed at two sizes: bandwidth from the difference, latency what
+    the small exchange takes beyond its bytes; the large size's own rate where the difference is not positive."""
+    ts, tl = t
+    bw = (sizes[1] - sizes[0]) / (tl - ts) if tl > ts else sizes[1] / tl
+    return bw, max(0.0, ts - sizes[0] / bw)
+
+
+def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world: int, times: dict) -> dict:
+    """Rank 0's decision: the slowest per level and per codec (see the module's docstring), as published JSON."""
+    n_nodes = max(nodes) + 1
+    per_node = world // n_nodes
+    got = {
+        level: [(i, _link(r["links"][level], sizes)) for i, r in enumerate(rows) if r["links"][level] is not None]
+        for level in ("intra", "inter")
+    }
+    notes = []
+    intra = inter = None
+    if got["intra"]:
+        intra = Link(min(bw for _, (bw, _) in got["intra"]), max(lat for _, (_, lat) in got["intra"]))
+    if got["inter"]:  # a node's cross-node bandwidth: its rail pairs ran at once, so the sum of its ranks'
+        node_bw = [sum(bw for i, (bw, _) in got["inter"] if nodes[i] == n) for n in range(n_nodes)]
+        inter = Link(min(b for b in node_bw if b > 0), max(lat for _, (_, lat) in got["inter"]))
+    if inter is None:  # one node
+        assert intra is not None
+        inter = Link(intra.bandwidth * per_node, intra.latency)
+        notes.append("one node: cross-node link not measured, set to the node-local one (x ranks per node)")
+    if intra is None:  # one rank per node
+        intra = Link(inter.bandwidth, inter.latency)
+        notes.append("one rank per node: node-local link not measured, set to the cross-node one")
+    codecs = {}
+    for name in rows[0]["codecs"]:
+        pack = min(r["codecs"][name][0] for r in rows)
+        usum = min(r["codecs"][name][1] for r in rows)
+        codecs[name] = CodecSpeed(
+            pack,
+            usum,
+            usum,
+            f"calibrate: slowest of {world} ranks, pack and unpack_sum timed at two sizes (unpack set to unpack_sum, "
+            "residual to unpack: not timed)",
+        )
+    spent = {
+        "links_s": max(r["links_s"] for r in rows),
+        "codecs_s": max(r["codecs_s"] for r in rows),
+        "first_calls_s": max(r["first_calls_s"] for r in rows),
+    }
+    spent |= times
+    spent["without_first_calls_s"] = spent["decided_s"] - spent["first_calls_s"]
+    cal = Calibration(
+        inter=inter,
+        intra=intra,
+        codecs=codecs,
+        device=device_kind("cpu"),
+        ranks_per_node=per_node,
+        backend="gloo",
+        world_size=world,
+        source=(
+            f"fp8comm calibrate, {time.strftime('%Y-%m-%d %H:%M')}: {n_nodes} node(s) x {per_node} ranks, gloo, "
+            f"exchanges of {sizes[0]} and {sizes[1]} bytes, slowest rank / node per level"
+        ),
+        notes=(
+            *notes,
+            "node_local_cap not measured (None); call_overhead not measured (0)",
+            f"time: {spent['decided_s']:.2f} s in all, {spent['first_calls_s']:.2f} s of it first codec calls "
+            f"(compiles, caches); links {spent['links_s']:.2f} s, codecs {spent['codecs_s']:.2f} s",
+        ),
+    )
+    report = {
+        "seconds": spent,
+        "rule": "slowest: node-local link of the slowest rank, cross-node bandwidth of the slowest node (sum of its "
+        "ranks' concurrent rail exchanges), highest latency, each codec's slowest rank",
+        "ranks": [
+            {
+                "rank": i,
+                "node": nodes[i],
+                "intra": _link(r["links"]["intra"], sizes) if r["links"]["intra"] else None,
+                "inter": _link(r["links"]["inter"], sizes) if r["links"]["inter"] else None,
+                "codecs": r["codecs"],
+            }
+            for i, r in enumerate(rows)
+        ],
+    }
+    return {"calibration": cal.to_dict(), "report": report}
