@@ -1,5 +1,6 @@
 """The `fp8comm` command: `demo` (the README's main job: DeepSpeed ZeRO-3 training, BF16 vs FP8), `plan` (predicted
-communication time per step for each wire choice on a cluster you describe) and `bench ...`."""
+communication time per step for each wire choice on a cluster you describe), `calibrate` (measure this cluster's
+links and codecs, write the calibration `plan` and the engines load) and `bench ...`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ PLAN = (
     "predicted communication time per step for each wire choice on a cluster you describe, and the planner's pick",
     (),
 )
-TOP = {"demo": DEMO, "plan": PLAN}  # subcommands of their own (not under `bench`)
+CALIBRATE = (
+    "fp8comm.tools.calibrate",
+    "measure this cluster's links and codec speeds (under torchrun or --nproc ranks) and write the calibration JSON",
+    (),
+)
+TOP = {"demo": DEMO, "plan": PLAN, "calibrate": CALIBRATE}  # subcommands of their own (not under `bench`)
 BENCHES = {
     "quant": (
         "fp8comm.tools.bench.quant",

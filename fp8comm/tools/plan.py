@@ -13,6 +13,7 @@ or a results file with codec_<codec>_<kind>_elems_per_s rows). Every time is fp8
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -83,11 +84,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, required=True, help="nodes (>= 1)")
     c.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (ranks) per node (>= 1)")
-    c.add_argument("--inter", required=True, help="one node's cross-node bandwidth, all NICs: 8x400Gbit, 100Gbit")
-    c.add_argument("--intra", required=True, help="one GPU's node-local bandwidth per direction: 450GB/s, 25GB/s")
+    c.add_argument("--inter", help="one node's cross-node bandwidth, all NICs: 8x400Gbit, 100Gbit")
+    c.add_argument("--intra", help="one GPU's node-local bandwidth per direction: 450GB/s, 25GB/s")
     c.add_argument("--node-local-cap", help="a node's node-local traffic in all (shared PCIe bridge): 50GB/s")
-    c.add_argument("--inter-latency", default="5us", help="per cross-node step (default 5us, an assumption)")
-    c.add_argument("--intra-latency", default="2us", help="per node-local step (default 2us, an assumption)")
+    c.add_argument("--inter-latency", help="per cross-node step (default 5us, an assumption)")
+    c.add_argument("--intra-latency", help="per node-local step (default 2us, an assumption)")
+    c.add_argument(
+        "--calibration",
+        help="links, codec speeds and backend from an fp8comm calibration FILE (fp8comm calibrate) instead of "
+        "--inter/--intra/latencies/--codec-speeds; refused when taken with another fp8comm version, another ranks "
+        "per node than --gpus-per-node, or another --device",
+    )
+    c.add_argument("--device", help="with --calibration: this job's device kind (cpu, 'cuda:NVIDIA H200'), checked")
     c.add_argument(
         "--backend",
         choices=("nccl", "gloo"),
@@ -123,7 +131,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("codec speeds and output")
     o.add_argument(
         "--codec-speeds",
-        default="gpu",
+        default=None,
         help="gpu (H200, docs/benchmarks.md 2026-11-30), cpu (measured here now) or a FILE "
         "(fp8comm calibration JSON, or a results file such as docs/results/gpu.json)",
     )
@@ -137,7 +145,7 @@ def _codecs(args, ranks: int) -> tuple[dict, str, str]:
     from ..comm import linkmodel
     from ..comm.calibration import Calibration, measure_codecs, results_speeds
 
-    src = args.codec_speeds
+    src = args.codec_speeds or "gpu"
     if src == "gpu":
         return linkmodel.gpu_speeds(), H200, "one H200, docs/benchmarks.md (2026-11-30, 256 MiB, CUDA-graph replay)"
     if src == "cpu":
@@ -197,9 +205,15 @@ def build(args) -> tuple[Calibration, GroupShape, Policy, list[int]]:
     )
     if args.weight_gathers is not None and args.weight_gathers < 0:
         raise Usage(f"--weight-gathers must be >= 0, got {args.weight_gathers}")
+    if args.calibration:
+        return _from_file(args, shape), shape, policy, sizes
+    if args.device:
+        raise Usage("--device checks a --calibration file's device kind; without --calibration it means nothing")
+    if not args.inter or not args.intra:
+        raise Usage("give the links: --inter and --intra (with units), or --calibration FILE (fp8comm calibrate)")
     links = (
-        Link(bandwidth(args.inter, "--inter"), seconds(args.inter_latency, "--inter-latency")),
-        Link(bandwidth(args.intra, "--intra"), seconds(args.intra_latency, "--intra-latency")),
+        Link(bandwidth(args.inter, "--inter"), seconds(args.inter_latency or "5us", "--inter-latency")),
+        Link(bandwidth(args.intra, "--intra"), seconds(args.intra_latency or "2us", "--intra-latency")),
     )
     cap = bandwidth(args.node_local_cap, "--node-local-cap") if args.node_local_cap else None
     overhead = seconds(args.call_overhead, "--call-overhead")
@@ -220,6 +234,24 @@ def build(args) -> tuple[Calibration, GroupShape, Policy, list[int]]:
         source=f"fp8comm plan: links from the command line; codec speeds: {source}",
     )
     return cal, shape, policy, sizes
+
+
+def _from_file(args, shape: GroupShape) -> Calibration:
+    """The calibration in --calibration, checked (version, --gpus-per-node, --device; the world size may differ)."""
+    from ..comm.calibration import Calibration
+
+    given = [
+        f"--{k.replace('_', '-')}"
+        for k in ("inter", "intra", "inter_latency", "intra_latency", "node_local_cap", "backend", "codec_speeds")
+        if getattr(args, k)
+    ]
+    if given:
+        raise Usage(f"{', '.join(given)}: --calibration gives the links, codec speeds and backend; give one or other")
+    path = Path(args.calibration)
+    if not path.is_file():
+        raise Usage(f"--calibration: no such file: {path}")
+    cal = Calibration.load(path, device=args.device, ranks_per_node=args.gpus_per_node)
+    return dataclasses.replace(cal, source=f"links and codec speeds from {path} ({cal.source or cal.device})")
 
 
 def collectives(args, sizes: list[int]) -> list[tuple[str, str, int]]:
