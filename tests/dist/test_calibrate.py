@@ -1,0 +1,229 @@
+"""fp8comm.comm.calibrate (issue 30 item 1, and item 6's bad input): 4 gloo ranks on 127.0.0.1 laid out as 2 nodes x
+2 ranks (LOCAL_WORLD_SIZE=2), one launch running these scenarios in turn on every rank:
+- a calibration: every rank returns the identical Calibration (2 ranks per node, cpu, gloo, every codec), with
+  positive link figures, and the time it took;
+- a rank that does not arrive (stalled before announcing itself, longer than the timeout) and a rank that stalls
+  after the start, inside the link timing: every rank returns None with exactly one CalibrationWarning, the same
+  text on every rank, the ranks that were on time within the timeout plus the grace (no hang), and the caller's own
+  world group still works afterwards (an all_reduce);
+- arguments that differ between ranks, and a layout with uneven ranks per node: the same error on every rank.
+And `fp8comm calibrate --nproc 4 --local-size 2` writes a file `fp8comm plan --calibration` accepts, which is refused
+with another fp8comm version, device kind or ranks per node (another world size accepted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import dist_harness
+import pytest
+
+from fp8comm import __version__
+from fp8comm.comm.calibration import Calibration
+from fp8comm.tools import cli
+
+pytestmark = pytest.mark.dist
+ROOT = Path(__file__).resolve().parents[2]
+WORLD = 4
+FAST = {"sizes": (1 << 10, 64 << 10), "codec_elems": (1 << 12, 1 << 15), "reps": 2}
+STALL_READY = (3, 4.0, 7.0)  # rank, timeout_s, stall seconds
+STALL_LINKS = (2, 6.0, 9.0)
+
+
+def _scenario(rec: dict, name: str, fn) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fp8comm.comm.calibrate import CalibrationWarning
+
+    t0 = time.monotonic()
+    out: dict = {}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cal = fn()
+        out["result"] = None if cal is None else cal.to_json()
+        out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CalibrationWarning)]
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+    try:  # the caller's world group must still work
+        x = torch.ones(3)
+        dist.all_reduce(x)
+        out["world_ok"] = x.tolist() == [WORLD] * 3
+    except Exception as e:
+        out["world_ok"] = f"{type(e).__name__}: {e}"
+    rec[name] = out
+
+
+def _target(rank: int, world: int, port: int, outdir: str, env: dict, names) -> None:
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    from fp8comm.comm.calibrate import STALL_ENV, calibrate
+
+    out = dist_harness.join(rank, world, port, outdir, 60.0, dist_harness.PG_TIMEOUT_S)
+    rec: dict = {"check": "calibrate", "state": "done", "ok": True}
+    try:
+        report: dict = {}
+        _scenario(rec, "ok", lambda: calibrate(**FAST, timeout_s=120, report=report))
+        rec["report"] = report
+        for name, (who, timeout, stall) in (("ready", STALL_READY), ("links", STALL_LINKS)):
+            os.environ[STALL_ENV] = f"{who}:{name}:{stall}"
+            _scenario(rec, f"stall_{name}", lambda t=timeout: calibrate(**FAST, timeout_s=t))
+            os.environ.pop(STALL_ENV)
+        _scenario(rec, "args", lambda: calibrate(**(FAST | {"reps": 3 if rank == 1 else 2}), timeout_s=60))
+        _scenario(rec, "uneven", lambda: calibrate(**FAST, nodes=[0, 0, 0, 1], timeout_s=60))
+        _scenario(rec, "again", lambda: calibrate(**FAST, codecs=("fp8",), timeout_s=120))
+    except BaseException as e:
+        rec.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+    out.write(json.dumps(rec) + "\n")
+    out.close()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    run = dist_harness.launch(
+        WORLD, tmp_path_factory.mktemp("calibrate"), env={"LOCAL_WORLD_SIZE": "2"}, target=_target, timeout=400
+    )
+    assert not run["timed_out"] and run["exitcodes"] == [0] * WORLD, run
+    recs = {r: run["results"][r][-1] for r in range(WORLD)}
+    for r, rec in recs.items():
+        assert rec["ok"], (r, rec)
+    return recs
+
+
+def test_every_rank_holds_the_identical_calibration(runs):
+    got = [runs[r]["ok"] for r in range(WORLD)]
+    assert all("error" not in g and g["warnings"] == [] and g["world_ok"] is True for g in got), got
+    texts = {g["result"] for g in got}
+    assert len(texts) == 1
+    cal = Calibration.from_json(texts.pop(), device="cpu", ranks_per_node=2)
+    assert cal.ranks_per_node == 2 and cal.world_size == WORLD and cal.backend == "gloo" and cal.version == __version__
+    assert set(cal.codecs) == {"fp8", "fp8_e8m0", "mxfp4", "nvfp4"}
+    assert cal.inter.bandwidth > 0 and cal.intra.bandwidth > 0
+    rep = runs[0]["report"]
+    assert rep == runs[3]["report"]  # published by rank 0: the same details everywhere
+    assert [x["node"] for x in rep["ranks"]] == [0, 0, 1, 1]
+    # the decision is the slowest: the node-local link no faster than any rank's, the cross-node one no faster than
+    # the slower node's two rail exchanges together
+    assert cal.intra.bandwidth == min(x["intra"][0] for x in rep["ranks"])
+    assert cal.inter.bandwidth == min(rep["ranks"][0]["inter"][0] + rep["ranks"][1]["inter"][0],
+                                      rep["ranks"][2]["inter"][0] + rep["ranks"][3]["inter"][0])  # fmt: skip
+    assert cal.codecs["fp8"].pack == min(x["codecs"]["fp8"][0] for x in rep["ranks"])
+    s = rep["seconds"]
+    assert 0 < s["first_calls_s"] < s["decided_s"] and s["without_first_calls_s"] > 0
+    # a second calibration on the same group (fresh keys) works as well
+    again = {runs[r]["again"]["result"] for r in range(WORLD)}
+    assert len(again) == 1 and None not in again
+    assert set(Calibration.from_json(again.pop()).codecs) == {"fp8"}
+
+
+@pytest.mark.parametrize("phase,stall", [("ready", STALL_READY), ("links", STALL_LINKS)])
+def test_a_rank_that_does_not_answer_gives_one_fallback_everywhere(runs, phase, stall):
+    who, timeout, secs = stall
+    got = [runs[r][f"stall_{phase}"] for r in range(WORLD)]
+    for r, g in enumerate(got):
+        assert "error" not in g and g["result"] is None, (r, g)
+        assert len(g["warnings"]) == 1, (r, g)
+        assert g["world_ok"] is True, (r, g)
+    assert len({g["warnings"][0] for g in got}) == 1  # one outcome, decided once, read by everyone
+    text = got[0]["warnings"][0]
+    assert "keeping the fixed choice" in text and str(who) in text, text
+    grace = min(2.0, 0.25 * timeout)
+    for r, g in enumerate(got):
+        if r != who:  # on time: back within the timeout and the grace (plus slack for a loaded 2-core machine)
+            assert g["seconds"] < timeout + grace + 3.0, (r, g["seconds"])
+    assert got[who]["seconds"] >= secs  # the stalled rank slept, then read the decision (no second outcome)
+
+
+def test_bad_arguments_and_uneven_layouts_are_one_error_everywhere(runs):
+    for name, msg in (("args", "called calibrate() with other arguments"), ("uneven", "uneven ranks per node")):
+        errs = {runs[r][name].get("error") for r in range(WORLD)}
+        assert len(errs) == 1, (name, errs)
+        err = errs.pop()
+        assert err and err.startswith("Fp8CommConfigError: calibrate: ") and msg in err, err
+
+
+def test_bad_arguments_are_refused_before_anything_moves():
+    from fp8comm.comm.calibrate import calibrate
+    from fp8comm.errors import Fp8CommConfigError
+
+    with pytest.raises(Fp8CommConfigError, match="not initialized"):
+        calibrate()
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "cal.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("LOCAL_WORLD_SIZE", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "fp8comm.tools.cli", "calibrate", "--nproc", "4", "--local-size", "2", "--out",
+         str(out), "--sizes", "1Ki,64Ki", "--codec-elems", "4Ki,32Ki", "--reps", "2", "--timeout", "120"],
+        capture_output=True, text=True, timeout=400, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r.stdout
+
+
+def test_cli_writes_a_file_plan_accepts(written, capsys):
+    out, stdout = written
+    assert "| cross-node (per node)" in stdout and "| fp8 " in stdout and "first codec calls" in stdout
+    cal = Calibration.load(out, device="cpu", ranks_per_node=2)
+    assert cal.world_size == 4
+    base = ["plan", "--nodes", "8", "--gpus-per-node", "2", "--params", "100M", "--json"]  # another world size: fine
+    assert cli.main([*base, "--calibration", str(out)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["cluster"]["inter_GBps"] == cal.inter.bandwidth / 1e9 and str(out) in r["cluster"]["source"]
+
+
+def test_cli_refuses_a_foreign_file(written, tmp_path, capsys):
+    out, _ = written
+    d = json.loads(out.read_text())
+    base = ["plan", "--nodes", "2", "--gpus-per-node", "2", "--params", "100M"]
+    cases = [
+        (d | {"version": "0.0.1"}, [], f"taken with fp8comm 0.0.1, this is fp8comm {__version__}"),
+        (d, ["--device", "cuda:NVIDIA H200"], "taken on device kind 'cpu', this job runs on 'cuda:NVIDIA H200'"),
+        (d | {"device": "cuda:NVIDIA H200"}, ["--device", "cpu"], "device kind 'cuda:NVIDIA H200'"),
+        (d | {"ranks_per_node": 4}, [], "taken with 4 ranks per node, this job has 2"),
+    ]
+    for i, (doc, extra, msg) in enumerate(cases):
+        f = tmp_path / f"c{i}.json"
+        f.write_text(json.dumps(doc))
+        assert cli.main([*base, "--calibration", str(f), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fp8comm plan: calibration: ") and msg in err, err
+    # the links come from the file: giving them as well is an error naming the option, as is a missing file
+    assert cli.main([*base, "--calibration", str(out), "--inter", "1Gbit"]) == 2
+    assert "--inter: --calibration gives the links" in capsys.readouterr().err
+    assert cli.main([*base, "--calibration", str(tmp_path / "none.json")]) == 2
+    assert "--calibration: no such file" in capsys.readouterr().err
+    assert cli.main([*base]) == 2
+    assert "--inter and --intra" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--nproc", "1"], "--nproc must be >= 2"),
+        (["--nproc", "4", "--local-size", "3"], "--local-size 3 must be >= 1 and divide --nproc 4"),
+        (["--sizes", "1Mi,1Ki"], "--sizes: give small,large with small < large"),
+        (["--codecs", "fp8,fp6"], "--codecs: unknown fp6"),
+        (["--out", "/nonexistent/dir/c.json"], "directory '/nonexistent/dir' does not exist"),
+    ],
+)
+def test_cli_bad_input_is_a_clear_error(args, msg, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(["calibrate", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp8comm calibrate: ") and msg in err, err
