@@ -5,8 +5,10 @@ numbers; a calibration that cannot finish in time falls back, on every rank alik
 What is timed (on every rank, at once, as a collective would load the machine):
 - node-local: an exchange (send and receive at once, both directions) with a node-mate (local index i ^ 1) at two
   sizes; latency from the small one, bandwidth from the difference (the fixed cost cancels);
-- cross-node: the same with the rail peer (same local index on node n ^ 1), all rail pairs of a node at once, so a
-  node's figure is the sum of its ranks' (Calibration.inter is a node's cross-node bandwidth, all its NICs);
+- cross-node: the same with the rail peer (same local index on node n ^ 1), all rail pairs of a node at once (every
+  exchange starts after a barrier): a node's figure is all its rail bytes over the window until its last rail
+  exchange ends (Calibration.inter is a node's cross-node bandwidth, all its NICs; a sum of the ranks' own rates
+  would count a pair that finished early and left the link to the others twice);
 - codecs: pack and unpack_sum of each codec at two sizes (calibration.measure_codecs); unpack is set to
   unpack_sum's speed and error feedback's residual to unpack's (not timed: the start-up budget).
 Rank 0 keeps the SLOWEST per level (the node-local link of the slowest rank, the cross-node bandwidth of the slowest
@@ -300,12 +302,14 @@ def _peers(me: int, nodes: Sequence[int]) -> dict[str, int | None]:
 
 def _time_links(
     pg: Any, me: int, nodes: Sequence[int], sizes: tuple[int, int], reps: int, deadline: float
-) -> dict[str, list[float] | None]:
-    """{level: [median seconds of an exchange at the small size, at the large size] or None (no partner)}. Levels
-    run one after the other, separated by barriers of the private group, every pair of a level at once."""
+) -> dict[str, list[list[float]] | None]:
+    """{level: [[seconds of each timed exchange at the small size], [... at the large size]] or None (no partner)}.
+    Every exchange starts after a barrier of the private group, so all pairs of a level run at once and a node's
+    rail pairs start together (rank 0 times a node's cross-node window from the last of them to finish); every rank
+    takes part in every barrier, with a partner or not."""
     peers = _peers(me, nodes)
     bufs = [(torch.empty(s, dtype=torch.uint8), torch.empty(s, dtype=torch.uint8)) for s in sizes]
-    out: dict[str, list[float] | None] = {}
+    out: dict[str, list[list[float]] | None] = {}
 
     def wait(work: Any) -> None:
         left = deadline - time.monotonic()
@@ -320,48 +324,64 @@ def _time_links(
         wait(s)
 
     for level in ("intra", "inter"):
-        wait(pg.barrier())
         peer = peers[level]
-        if peer is None:
-            out[level] = None
-            continue
-        exchange(peer, *bufs[0])  # untimed: first use of the pair
-        med = []
+        wait(pg.barrier())
+        if peer is not None:
+            exchange(peer, *bufs[0])  # untimed: first use of the pair
+        times: list[list[float]] = []
         for a, b in bufs:
             ts = []
             for _ in range(reps):
+                wait(pg.barrier())
                 t0 = time.perf_counter()
-                exchange(peer, a, b)
+                if peer is not None:
+                    exchange(peer, a, b)
                 ts.append(time.perf_counter() - t0)
-            med.append(statistics.median(ts))
-        out[level] = med
+            times.append(ts)
+        out[level] = times if peer is not None else None
     wait(pg.barrier())
     return out
 
 
-def _link(t: Sequence[float], sizes: tuple[int, int]) -> tuple[float, float]:
-    """(bandwidth B/s, latency s) of one exchange timed at two sizes: bandwidth from the difference, latency what
-    the small exchange takes beyond its bytes; the large size's own rate where the difference is not positive."""
+def _link(t: Sequence[float], sizes: tuple[int, int], count: int = 1) -> tuple[float, float]:
+    """(bandwidth B/s, latency s) from the seconds of an exchange of `count` x sizes[0] and of `count` x sizes[1]
+    bytes: bandwidth from the difference, latency what the small exchange takes beyond its bytes; the large size's
+    own rate where the difference is not positive."""
     ts, tl = t
-    bw = (sizes[1] - sizes[0]) / (tl - ts) if tl > ts else sizes[1] / tl
-    return bw, max(0.0, ts - sizes[0] / bw)
+    small, large = count * sizes[0], count * sizes[1]
+    bw = (large - small) / (tl - ts) if tl > ts else large / tl
+    return bw, max(0.0, ts - small / bw)
 
 
 def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world: int, times: dict) -> dict:
-    """Rank 0's decision: the slowest per level and per codec (see the module's docstring), as published JSON."""
+    """Rank 0's decision: the slowest per level and per codec (see the module's docstring), as published JSON.
+    Node-local: each rank's link from its median exchanges. Cross-node: per node, each rep's window is the slowest
+    of its rail exchanges (they started together after a barrier), the node's bytes are all of them."""
     n_nodes = max(nodes) + 1
     per_node = world // n_nodes
-    got = {
-        level: [(i, _link(r["links"][level], sizes)) for i, r in enumerate(rows) if r["links"][level] is not None]
-        for level in ("intra", "inter")
-    }
+    med = statistics.median
+
+    def rank_link(r: dict, level: str) -> tuple[float, float] | None:
+        t = r["links"][level]
+        return _link([med(t[0]), med(t[1])], sizes) if t is not None else None
+
+    ranks: list[dict[str, Any]] = [
+        {"rank": i, "node": nodes[i], "intra": rank_link(r, "intra"), "inter": rank_link(r, "inter")}
+        for i, r in enumerate(rows)
+    ]
+    node_links: list[dict[str, Any]] = []
+    for n in range(n_nodes):
+        rails = [r["links"]["inter"] for i, r in enumerate(rows) if nodes[i] == n and r["links"]["inter"] is not None]
+        if rails:
+            window = [med(max(t[k][j] for t in rails) for j in range(len(rails[0][k]))) for k in (0, 1)]
+            node_links.append({"node": n, "rails": len(rails), "inter": _link(window, sizes, len(rails))})
     notes = []
     intra = inter = None
-    if got["intra"]:
-        intra = Link(min(bw for _, (bw, _) in got["intra"]), max(lat for _, (_, lat) in got["intra"]))
-    if got["inter"]:  # a node's cross-node bandwidth: its rail pairs ran at once, so the sum of its ranks'
-        node_bw = [sum(bw for i, (bw, _) in got["inter"] if nodes[i] == n) for n in range(n_nodes)]
-        inter = Link(min(b for b in node_bw if b > 0), max(lat for _, (_, lat) in got["inter"]))
+    got: list[tuple[float, float]] = [x["intra"] for x in ranks if x["intra"] is not None]
+    if got:
+        intra = Link(min(bw for bw, _ in got), max(lat for _, lat in got))
+    if node_links:
+        inter = Link(min(x["inter"][0] for x in node_links), max(x["inter"][1] for x in node_links))
     if inter is None:  # one node
         assert intra is not None
         inter = Link(intra.bandwidth * per_node, intra.latency)
@@ -408,17 +428,9 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     )
     report = {
         "seconds": spent,
-        "rule": "slowest: node-local link of the slowest rank, cross-node bandwidth of the slowest node (sum of its "
-        "ranks' concurrent rail exchanges), highest latency, each codec's slowest rank",
-        "ranks": [
-            {
-                "rank": i,
-                "node": nodes[i],
-                "intra": _link(r["links"]["intra"], sizes) if r["links"]["intra"] else None,
-                "inter": _link(r["links"]["inter"], sizes) if r["links"]["inter"] else None,
-                "codecs": r["codecs"],
-            }
-            for i, r in enumerate(rows)
-        ],
+        "rule": "slowest: node-local link of the slowest rank, cross-node bandwidth of the slowest node (all its rail "
+        "exchanges at once, timed to the last one), highest latency, each codec's slowest rank",
+        "ranks": [x | {"codecs": r["codecs"]} for x, r in zip(ranks, rows)],
+        "nodes": node_links,
     }
     return {"calibration": cal.to_dict(), "report": report}
