@@ -30,7 +30,7 @@ from ..errors import Fp8CommError
 from .formats import E4M3, E5M2, Fp8Format
 from .layout import decode_scales, encode_scales
 from .reference import dequantize_2d, quantize_2d
-from .scaling import BlockScaling, Scaling, TensorScaling
+from .scaling import BlockScaling, Scaling, TensorScaling, scale_from_amax
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,39 @@ def encode_residual(r: torch.Tensor, f: ResidualFormat = COMPACT) -> tuple[torch
     """A flat residual (any float dtype, n elements) -> (codes uint8 [n], scale bytes uint8 [f.scale_bytes(n)])."""
     if r.dim() != 1 or not r.is_floating_point():
         raise Fp8CommError(f"a residual to encode is a flat float tensor, got {r.dtype} of shape {tuple(r.shape)}")
+    if f.block is None and r.numel():
+        return _encode_tensor_scaled(r, f)
+    return encode_residual_reference(r, f)
+
+
+def encode_residual_reference(r: torch.Tensor, f: ResidualFormat = COMPACT) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode_residual by the FP8 reference quantizer (every layout): the bits every faster path must give."""
     x2 = r.float().view(1, -1)
     codes, scale, _ = quantize_2d(x2, f.fmt, f.scaling)
     return codes.view(-1), encode_scales(scale.view(-1), f.scaling).view(-1)
+
+
+def _encode_tensor_scaled(r: torch.Tensor, f: ResidualFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tensor scale: the reference's bits in a few passes (it rounds onto the grid by hand in many): torch's
+    cast to the FP8 dtype rounds |x / scale| <= max to nearest even onto the same grid (tested against the
+    reference, subnormal codes, signed zeros and non-finite values included); non-finite values as the reference
+    treats them (E5M2 keeps +-inf, any other non-finite value becomes the NaN code)."""
+    x = r.float()
+    a = x.abs()
+    m = a.max()
+    finite = bool(torch.isfinite(m))  # one host read per residual: the max is finite iff every value is
+    if not finite:
+        a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype))
+        m = a.max()
+    scale = scale_from_amax(m.view(1, 1), f.fmt, f.scaling)
+    y = torch.div(x, scale.view(()))
+    y.clamp_(-f.fmt.max, f.fmt.max)
+    if not finite:
+        nan = float("nan")
+        special = torch.where(torch.isnan(x), nan, x) if f.fmt.has_inf else torch.full_like(x, nan)
+        y = torch.where(torch.isfinite(x), y, special)
+    codes = y.to(f.fmt.dtype).view(torch.uint8)
+    return codes, encode_scales(scale.view(-1), f.scaling).view(-1)
 
 
 def decode_residual(
@@ -96,6 +126,11 @@ def decode_residual(
             f"{codes.dtype} codes and {scales.numel()} {scales.dtype} scale bytes"
         )
     scale = decode_scales(scales.contiguous(), f.scaling).view(1, -1)
+    if f.block is None and (out is None or out.dtype == torch.float32):  # code value * scale, in two passes
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=codes.device)
+        out.copy_(codes.view(f.fmt.dtype))
+        return out.mul_(scale.view(()))
     deq = dequantize_2d(codes.view(1, -1), scale, f.fmt, f.scaling).view(-1)
     if out is None:
         return deq

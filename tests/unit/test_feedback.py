@@ -49,6 +49,38 @@ def test_fp8_residual_bits_are_e5m2_of_x_over_the_smallest_fitting_power_of_two(
     assert COMPACT.fmt.name == "e5m2" and COMPACT.block is None
 
 
+@pytest.mark.parametrize("name", ["fp8", "e4m3"])
+def test_tensor_scaled_fast_path_gives_the_reference_bits(name):
+    """encode_residual / decode_residual of the one-scale layouts take a few-pass path (torch's FP8 cast); it must
+    give the FP8 reference quantizer's bits: random magnitudes over many binades (subnormal codes included), exact
+    grid midpoints, signed zeros, all-zero, tiny and huge tensors, +-inf and NaN of both signs."""
+    from fp8comm.quant.reference import dequantize_2d
+    from fp8comm.quant.residual import encode_residual_reference
+
+    f = RESIDUAL_FORMATS[name]
+    g = torch.Generator().manual_seed(7)
+    mid = torch.tensor([1.125, 1.375, 2.25, -3.5, 0.0, -0.0, 2.0**-16 * 3, -(2.0**-17) * 5, 1e-30])
+    cases = [
+        torch.randn(40_000, generator=g) * torch.exp2(torch.randint(-30, 30, (40_000,), generator=g).float()),
+        torch.cat([mid, torch.tensor([57344.0 if f.fmt.has_inf else 448.0])]),  # amax at max: scale 1
+        torch.zeros(1000),
+        torch.tensor([-0.0, 0.0, -0.0]),
+        torch.randn(3000, generator=g) * 1e-38,
+        torch.randn(3000, generator=g) * 3e38,
+    ]
+    special = torch.randn(600, generator=g)
+    special[[5, 77, 300, 301]] = torch.tensor([float("inf"), float("-inf"), float("nan"), -float("nan")])
+    cases.append(special)
+    for x in cases:
+        got, want = encode_residual(x, f), encode_residual_reference(x, f)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (name, x[:4])
+        ref = dequantize_2d(want[0].view(1, -1), torch.ones(1, 1) * want[1].view(torch.float32), f.fmt, f.scaling)
+        dec = decode_residual(*got, f)
+        assert torch.equal(dec.isnan(), ref.view(-1).isnan()), name
+        fin = ~dec.isnan()
+        assert torch.equal(dec[fin], ref.view(-1)[fin]), name
+
+
 def test_bytes_per_element_of_every_format():
     """fp8: one byte per element plus ONE 4-byte scale per residual tensor (n + 4); e4m3-b128: n + ceil(n/128)."""
     for n in (1, 127, 128, 129, 100_000):
