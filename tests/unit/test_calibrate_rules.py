@@ -1,0 +1,80 @@
+"""fp8comm.comm.calibrate's arithmetic without ranks: a link from two timed sizes, rank 0's slowest rule (the
+node-local link of the slowest rank, a node's cross-node window up to its last rail exchange, each codec's slowest
+rank), and measure_codecs at two sizes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fp8comm.comm.calibrate import _build, _link, _peers
+from fp8comm.comm.calibration import Calibration, measure_codecs
+from fp8comm.errors import Fp8CommConfigError
+
+SIZES = (1 << 10, 1 << 20)
+
+
+def t(bw: float, lat: float, n: int = 1) -> list[float]:
+    return [lat + n * s / bw for s in SIZES]
+
+
+def test_link_from_two_sizes():
+    bw, lat = _link(t(1e8, 2e-4), SIZES)
+    assert bw == pytest.approx(1e8) and lat == pytest.approx(2e-4)
+    bw, lat = _link(t(5e7, 1e-3, 2), SIZES, 2)  # two rails' bytes in one window
+    assert bw == pytest.approx(5e7) and lat == pytest.approx(1e-3)
+    # no positive difference (noise): the large size's own rate; latency what the small exchange took beyond it
+    bw, lat = _link([0.02, 0.01], SIZES)
+    assert bw == SIZES[1] / 0.01 and lat == pytest.approx(0.02 - SIZES[0] / bw)
+
+
+def test_peers_node_mates_and_rails():
+    nodes = [0, 0, 1, 1, 2, 2]
+    assert [_peers(r, nodes) for r in range(6)] == [
+        {"intra": 1, "inter": 2},
+        {"intra": 0, "inter": 3},
+        {"intra": 3, "inter": 0},
+        {"intra": 2, "inter": 1},
+        {"intra": 5, "inter": None},  # an odd node out waits
+        {"intra": 4, "inter": None},
+    ]
+    assert _peers(2, [0, 0, 0, 1, 1, 1])["intra"] is None  # an odd rank out
+
+
+def test_rank_zero_keeps_the_slowest():
+    reps = lambda x: [[x[0]] * 3, [x[1]] * 3]
+    # 2 nodes x 2 ranks; rank 1's node-local link is the slowest; on node 1 one rail pair is slow, so the node's
+    # window ends with it (the other pair's fast exchanges do not count twice)
+    intra = [t(1e9, 1e-5), t(4e8, 3e-5), t(1e9, 1e-5), t(1e9, 1e-5)]
+    inter = [t(1e8, 1e-4), t(1e8, 1e-4), t(1e8, 1e-4), t(2.5e7, 2e-4)]
+    codecs = [{"fp8": [1e8, 4e8]}, {"fp8": [9e7, 5e8]}, {"fp8": [2e8, 3e8]}, {"fp8": [1e8, 4e8]}]
+    rows = [
+        {"rank": i, "links": {"intra": reps(intra[i]), "inter": reps(inter[i])}, "codecs": codecs[i], "links_s": 0.1,
+         "codecs_s": 0.2, "first_calls_s": 0.05}
+        for i in range(4)
+    ]  # fmt: skip
+    out = _build(rows, [0, 0, 1, 1], SIZES, 4, {"go_s": 0.01, "decided_s": 0.4})
+    cal = Calibration.from_dict(out["calibration"], device="cpu", ranks_per_node=2)
+    assert cal.intra.bandwidth == pytest.approx(4e8) and cal.intra.latency == pytest.approx(3e-5)
+    # node 0: one window moved both rails' bytes at 1e8 each: 2e8; node 1: the window is the slow pair's (2.5e7),
+    # in which both rails' bytes moved: 5e7, the slowest node
+    nodes = {x["node"]: x["inter"] for x in out["report"]["nodes"]}
+    assert nodes[0][0] == pytest.approx(2e8) and nodes[1][0] == pytest.approx(5e7)
+    assert cal.inter.bandwidth == pytest.approx(5e7) and cal.inter.latency == pytest.approx(2e-4)
+    assert cal.codecs["fp8"].pack == 9e7 and cal.codecs["fp8"].unpack_sum == 3e8 == cal.codecs["fp8"].unpack
+    assert cal.ranks_per_node == 2 and cal.world_size == 4 and cal.backend == "gloo"
+    assert out["report"]["seconds"]["without_first_calls_s"] == pytest.approx(0.35)
+
+
+def test_measure_codecs_at_two_sizes():
+    tm: dict = {}
+    got = measure_codecs(["fp8", "mxfp4"], elems=(8 * 256, 8 * 4096), reps=1, kinds=("pack", "unpack_sum"), timings=tm)
+    for s in got.values():
+        assert math.isfinite(s.pack) and s.pack > 0 and s.unpack == s.unpack_sum > 0 and s.residual == 0
+        assert "from the difference" in s.source and "not timed: unpack, residual" in s.source
+    assert set(tm) == {"fp8", "mxfp4"} and all(v["first_call_s"] > 0 and v["timed_s"] > 0 for v in tm.values())
+    with pytest.raises(Fp8CommConfigError, match="small < large"):
+        measure_codecs(elems=(4096, 1024))
+    with pytest.raises(Fp8CommConfigError, match="kinds must include pack and unpack_sum"):
+        measure_codecs(kinds=("unpack",))
