@@ -264,7 +264,8 @@ def check_pipeline_and_fp8_out(ctx: Ctx) -> None:
     assert fc.all_to_all(x, outs, ins, fp8_out=True, out=qk, pipeline=2) is qk
     assert torch.equal(qk.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(qk.scale, q.scale)
     expect_error(lambda: fc.all_to_all(x.clone().requires_grad_(True), outs, ins, out=ya), fc.Fp8CommError, "detach")
-    expect_error(lambda: fc.all_to_all(x, outs, ins, out=ya.float()), fc.Fp8CommError, "expected")
+    # out= in fp32 takes every contribution decoded straight into fp32 (1bd7f37); any other dtype is refused
+    expect_error(lambda: fc.all_to_all(x, outs, ins, out=ya.half()), fc.Fp8CommError, "expected")
     # Errors, raised on every rank before any payload moves.
     expect_error(lambda: fc.all_gather(randn((2, 200), 1), fp8_out=True), fc.Fp8CommError, "multiple of the block")
     expect_error(lambda: fc.all_to_all(x, outs, ins, wire="bf16", fp8_out=True), fc.Fp8CommError, "wire='fp8'")
