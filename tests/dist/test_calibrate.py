@@ -8,7 +8,8 @@
   world group still works afterwards (an all_reduce);
 - arguments that differ between ranks, and a layout with uneven ranks per node: the same error on every rank.
 And `fp8comm calibrate --nproc 4 --local-size 2` writes a file `fp8comm plan --calibration` accepts, which is refused
-with another fp8comm version, device kind or ranks per node (another world size accepted).
+with another fp8comm version, device kind or ranks per node (another world size accepted); with a rank that does not
+arrive it writes nothing and exits 1 with the reason.
 """
 
 from __future__ import annotations
@@ -229,3 +230,19 @@ def test_cli_bad_input_is_a_clear_error(args, msg, capsys, monkeypatch):
     assert cli.main(["calibrate", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fp8comm calibrate: ") and msg in err, err
+
+
+def test_cli_falls_back_without_writing(tmp_path):
+    """A rank that does not arrive: nothing written, exit 1, the reason on stderr, well before the spawner's limit."""
+    out = tmp_path / "cal.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FP8COMM_CALIBRATE_STALL="1:ready:5")
+    env.pop("LOCAL_WORLD_SIZE", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "fp8comm.tools.cli", "calibrate", "--nproc", "2", "--out", str(out), "--timeout", "2",
+         "--codecs", "fp8", "--sizes", "1Ki,64Ki", "--codec-elems", "4Ki,32Ki"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 1, (r.stdout, r.stderr[-3000:])
+    assert "fp8comm calibrate: nothing written: " in r.stderr, r.stderr[-3000:]
+    assert "group rank(s) 1 did not arrive within 2 s" in r.stderr, r.stderr[-3000:]
+    assert not out.exists()
