@@ -331,11 +331,16 @@ def choose(
     policy: Policy,
     calibration: Calibration,
     role: str | None = None,
+    native_op: str | None = None,
 ) -> Plan:
     """The plan for the size class of a bucket of `nbytes`: every option predicted at class_bytes(), the fastest
     allowed one chosen (ties: the earlier in options()' fixed order, the engine's own first). Deterministic: the
-    same inputs give the same plan on every rank. role: gradients or weights (default: the op's, ROLE_OF)."""
+    same inputs give the same plan on every rank. role: gradients or weights (default: the op's, ROLE_OF);
+    native_op: the engine's own collective where it is another op (ZeRO-1/2 all-reduces what fp8comm
+    reduce-scatters to the owners)."""
     d, _ = _check(op, nbytes, dtype)
+    if native_op is not None:
+        _check(native_op, nbytes, dtype)
     role = ROLE_OF[op] if role is None else role
     if role not in ROLES:
         raise _err(f"unknown role {role!r}; valid: {', '.join(ROLES)}")
@@ -345,7 +350,8 @@ def choose(
     cands = []
     for opt in options(role):
         why = excluded(opt, role, shape, policy)
-        secs = None if why.startswith("n/a") else predict(op, at, d, shape, opt, calibration)
+        how = native_op if (opt.native and native_op) else op
+        secs = None if why.startswith("n/a") else predict(how, at, d, shape, opt, calibration)
         cands.append(Candidate(opt, secs, why))
     allowed = [(c.seconds, i, c) for i, c in enumerate(cands) if not c.excluded and c.seconds is not None]
     best = min(allowed, key=lambda t: (t[0], t[1]))[2]  # the engine's own is always allowed: never empty
@@ -362,6 +368,8 @@ def choose(
             f"; faster but excluded: {f.option.label(d, calibration.backend)} {f.seconds * 1e3:.3f} ms ({f.excluded})"  # type: ignore[operator]
         )
     notes = []
+    if native_op is not None and native_op != op:
+        notes.append(f"the engine's own call: an {native_op.replace('_', '-')} of the same bytes")
     if best.option.feedback:
         rb = {"float32": 4, "bfloat16": 2, "fp8": 1}[policy.residual_dtype]
         notes.append(
@@ -381,11 +389,19 @@ class Planner:
         self.calibration = calibration
         self._plans: dict[tuple, Plan] = {}
 
-    def plan(self, op: str, nbytes: int, dtype: str | torch.dtype, shape: GroupShape, role: str | None = None) -> Plan:
+    def plan(
+        self,
+        op: str,
+        nbytes: int,
+        dtype: str | torch.dtype,
+        shape: GroupShape,
+        role: str | None = None,
+        native_op: str | None = None,
+    ) -> Plan:
         d, _ = _check(op, nbytes, dtype)
-        key = (op, role or ROLE_OF[op], d, shape, size_class(nbytes))
+        key = (op, role or ROLE_OF[op], d, shape, size_class(nbytes), native_op)
         if key not in self._plans:
-            self._plans[key] = choose(op, nbytes, d, shape, self.policy, self.calibration, role)
+            self._plans[key] = choose(op, nbytes, d, shape, self.policy, self.calibration, role, native_op)
         return self._plans[key]
 
     @property

@@ -19,6 +19,9 @@ class OpStats:
     check_bytes: int = 0  # metadata-check descriptors sent to other ranks
     plan_bytes: int = 0  # token counts sent to plan an all-to-all's pieces (CPU, given splits, unchecked calls)
     elements: int = 0  # elements quantized by this rank
+    timed_calls: int = 0  # calls the planner timed (planned.RuntimePlanner.timed), any wire, the engine's own too
+    predicted_s: float = 0.0  # the planner's predicted seconds of those calls
+    measured_s: float = 0.0  # their measured wall seconds
 
     @property
     def ratio(self) -> float:
@@ -33,6 +36,9 @@ class OpStats:
             "plan_bytes": self.plan_bytes,
             "elements": self.elements,
             "ratio": self.ratio,
+            "timed_calls": self.timed_calls,
+            "predicted_s": self.predicted_s,
+            "measured_s": self.measured_s,
         }
 
 
@@ -65,6 +71,16 @@ class Stats:
         if self.parent is not None:
             self.parent.record(op, wire_bytes, dtype_bytes, elements, check_bytes, calls, plan_bytes)
 
+    def record_time(self, op: str, predicted_s: float, measured_s: float) -> None:
+        """One planned call: its predicted and measured seconds."""
+        with self._lock:
+            s = self.ops.setdefault(op, OpStats())
+            s.timed_calls += 1
+            s.predicted_s += float(predicted_s)
+            s.measured_s += float(measured_s)
+        if self.parent is not None:
+            self.parent.record_time(op, predicted_s, measured_s)
+
     def snapshot(self, reset: bool = False) -> dict[str, dict]:
         """{op: {calls, wire_bytes, dtype_bytes, check_bytes, plan_bytes, elements, ratio}}; reset=True clears this."""
         with self._lock:
@@ -82,8 +98,9 @@ PROCESS_STATS = Stats()  # every Buffer's records, summed: what this process sen
 
 
 def comm_stats(reset: bool = False) -> dict[str, dict]:
-    """{op: {calls, wire_bytes, dtype_bytes, check_bytes, plan_bytes, elements, ratio}} for this process; reset=True
-    clears."""
+    """{op: {calls, wire_bytes, dtype_bytes, check_bytes, plan_bytes, elements, ratio, timed_calls, predicted_s,
+    measured_s}} for this process (the times: calls an engine's planner chose, the engine's own ones included);
+    reset=True clears."""
     return PROCESS_STATS.snapshot(reset)
 
 
@@ -94,9 +111,13 @@ def reset_comm_stats() -> None:
 def format_comm_stats(stats: dict | None = None) -> str:
     """A plain-text table of comm_stats() for logs."""
     stats = comm_stats() if stats is None else stats
-    rows = [f"{'op':<28}{'calls':>8}{'wire MB':>12}{'dtype MB':>12}{'saved':>8}"]
+    timed = any(s.get("timed_calls") for s in stats.values())
+    head = f"{'op':<28}{'calls':>8}{'wire MB':>12}{'dtype MB':>12}{'saved':>8}"
+    rows = [head + (f"{'planned':>9}{'pred ms':>10}{'meas ms':>10}" if timed else "")]
     for op, s in stats.items():
-        rows.append(
-            f"{op:<28}{s['calls']:>8}{s['wire_bytes'] / 1e6:>12.3f}{s['dtype_bytes'] / 1e6:>12.3f}{s['ratio']:>7.3f}x"
-        )
+        row = f"{op:<28}{s['calls']:>8}{s['wire_bytes'] / 1e6:>12.3f}{s['dtype_bytes'] / 1e6:>12.3f}{s['ratio']:>7.3f}x"
+        if timed:
+            n = s.get("timed_calls", 0)
+            row += f"{n:>9}{s['predicted_s'] * 1e3:>10.1f}{s['measured_s'] * 1e3:>10.1f}" if n else f"{'-':>9}"
+        rows.append(row)
     return "\n".join(rows)

@@ -1,0 +1,229 @@
+"""The planner inside an engine: the switch's settings, the calibration it plans from, the choice per collective,
+the plan in the log, predicted and measured time in comm_stats(). The three adapters share this; each maps a
+Choice onto its own call (the engine's own collective, or fp8comm's with a WireConfig, flat or two-level).
+
+Calibration: a file written by `fp8comm calibrate` (checked: fp8comm version, device kind, ranks per node), or
+measured once over the world when the engine is built (gloo only: calibrate()). A measurement that cannot finish
+falls back, on every rank alike and with one warning, to the fixed choice: FP8, two levels where a group spans
+nodes (the adapters' defaults). Every rank plans from the same numbers, so every rank chooses alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import Fp8CommConfigError
+from . import topology
+from .calibration import Calibration, device_kind
+from .planner import NATIVE, GroupShape, Option, Plan, Planner, Policy, predict
+from .stats import PROCESS_STATS
+
+KEYS = ("allow_4bit", "calibration", "timeout_s")
+FALLBACK = Option("fp8", "two_level")  # the fixed choice (two levels only where the group spans nodes)
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """The engine switch: allow_4bit (gradients in 4 bits: the validated recipe, mxfp4 with error feedback),
+    calibration (an `fp8comm calibrate` file; None: measured over the world at build, gloo only), timeout_s (the
+    measurement's deadline; past it, the fixed choice with one warning)."""
+
+    allow_4bit: bool = False
+    calibration: str | None = None
+    timeout_s: float = 30.0
+
+
+def parse_settings(value: Any, where: str, *, four_bit: str = "") -> PlannerSettings | None:
+    """`where`'s value as PlannerSettings: true (defaults), false / None (off), or an object with KEYS. four_bit:
+    why this engine cannot take 4-bit gradients ("" when it can): allow_4bit is then an error naming it."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return PlannerSettings()
+    if not isinstance(value, Mapping):
+        raise Fp8CommConfigError(
+            f"{where} = {value!r} is not valid; valid: true, false, or an object with keys {', '.join(KEYS)}"
+        )
+    bad = [k for k in value if k not in KEYS]
+    if bad:
+        raise Fp8CommConfigError(f"unknown key(s) {bad} in {where}; valid keys: {', '.join(KEYS)}")
+    a4 = value.get("allow_4bit", False)
+    if not isinstance(a4, bool):
+        raise Fp8CommConfigError(f"{where}.allow_4bit must be true or false, got {a4!r}")
+    if a4 and four_bit:
+        raise Fp8CommConfigError(f"{where}.allow_4bit: {four_bit}")
+    path = value.get("calibration")
+    if path is not None and not isinstance(path, str):
+        raise Fp8CommConfigError(f"{where}.calibration must be a file path (string) or null, got {path!r}")
+    t = value.get("timeout_s", 30.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise Fp8CommConfigError(f"{where}.timeout_s must be a number > 0 (seconds), got {t!r}")
+    return PlannerSettings(allow_4bit=a4, calibration=path, timeout_s=float(t))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one collective runs: `option` (wire NATIVE: the engine's own), `plan` (None: the fixed choice, no
+    calibration), `two_level` (the option's levels where the group can take them)."""
+
+    option: Option
+    plan: Plan | None
+
+    @property
+    def native(self) -> bool:
+        return self.option.native
+
+    @property
+    def two_level(self) -> bool:
+        return self.option.levels == "two_level"
+
+
+def group_shape(split: topology.Split | None, size: int) -> GroupShape:
+    """The GroupShape of a group: nodes x members per node when it splits evenly; otherwise one node of `size`
+    members (uneven or unknown layouts run flat, and the node-local links are what a flat call on them pays)."""
+    if split is not None and split.nodes:
+        n = len(set(split.nodes))
+        if size % n == 0 and all(split.nodes.count(x) == size // n for x in set(split.nodes)):
+            return GroupShape(n, size // n)
+    return GroupShape(1, max(1, size))
+
+
+class RuntimePlanner:
+    """One engine's planner: load or measure the calibration (start), then choose per collective (choose), log
+    each plan once (rank 0, through `log`), and time the calls (timed)."""
+
+    def __init__(self, settings: PlannerSettings, policy: Policy, log: Callable[[str], None], where: str) -> None:
+        self.settings, self.policy, self.log, self.where = settings, policy, log, where
+        self.calibration: Calibration | None = None
+        self.fallback = ""  # why the fixed choice is used ("" while planning from a calibration)
+        self._planners: dict[Policy, Planner] = {}
+        self._logged: set[int] = set()
+        self.started = False
+
+    # ------------------------------------------------------------------------------------------- calibration
+    def check_file(self, device: torch.device | str, ranks_per_node: int | None) -> Calibration | None:
+        """Load and check the calibration file (no communication: call before any bytes move)."""
+        if self.settings.calibration is None:
+            return None
+        try:
+            cal = Calibration.load(self.settings.calibration, device=device_kind(device), ranks_per_node=ranks_per_node)
+        except FileNotFoundError:
+            raise Fp8CommConfigError(
+                f"{self.where}: calibration file {self.settings.calibration!r} not found (write one with "
+                "`fp8comm calibrate --out FILE`)"
+            ) from None
+        except Fp8CommConfigError as e:
+            raise Fp8CommConfigError(f"{self.where}: calibration file {self.settings.calibration!r}: {e}") from None
+        return cal
+
+    def start(self, device: torch.device | str, group: Any = None) -> None:
+        """Calibrate: the file, or a measurement over `group` (collective over its members; gloo only). Every rank
+        ends with the same calibration, or the same fixed choice (one CalibrationWarning)."""
+        from .calibrate import calibrate
+
+        rpn = _ranks_per_node()
+        cal = self.check_file(device, rpn)
+        if cal is None:
+            if dist.get_backend(group) != "gloo":
+                raise Fp8CommConfigError(
+                    f"{self.where}: the planner measures links on gloo groups only; this job runs "
+                    f"{dist.get_backend(group)!r}: give a calibration file (`fp8comm calibrate --out FILE` on the same "
+                    "nodes) in the planner's 'calibration' setting"
+                )
+            t0 = time.monotonic()
+            cal = calibrate(group, timeout_s=self.settings.timeout_s)
+            took = time.monotonic() - t0
+            if cal is None:
+                self.fallback = "calibration did not finish (see the warning)"
+                self.log(f"fp8comm planner: {self.fallback}; fixed choice: FP8, two levels where a group spans nodes")
+            else:
+                self.log(f"fp8comm planner: calibrated in {took:.2f} s ({_describe(cal)})")
+        else:
+            self.log(f"fp8comm planner: calibration from {self.settings.calibration} ({_describe(cal)})")
+        self.calibration = cal
+        self.started = True
+
+    # ------------------------------------------------------------------------------------------------ choices
+    def choose(
+        self,
+        op: str,
+        nbytes: int,
+        dtype: torch.dtype | str,
+        shape: GroupShape,
+        *,
+        two_level: bool,
+        native_op: str | None = None,
+    ) -> Choice:
+        """The option for one collective of `nbytes` (its size class's plan). two_level: the group can run two
+        levels (prepared node groups); native_op: the engine's own collective when it is another op than ours
+        (ZeRO-1/2 all-reduces its buckets where fp8comm reduce-scatters to the owners)."""
+        if self.calibration is None:
+            return Choice(FALLBACK if two_level else Option("fp8"), None)
+        pol = self.policy if two_level else replace(self.policy, two_level=False)
+        planner = self._planners.get(pol)
+        if planner is None:
+            planner = self._planners[pol] = Planner(pol, self.calibration)
+        p = planner.plan(op, nbytes, dtype, shape, native_op=native_op)
+        if id(p) not in self._logged:
+            self._logged.add(id(p))
+            self.log("fp8comm plan: " + p.describe())
+        return Choice(p.chosen, p)
+
+    @property
+    def plans(self) -> list[Plan]:
+        return [p for pl in self._planners.values() for p in pl.plans]
+
+    @contextmanager
+    def timed(
+        self,
+        op: str,
+        choice: Choice,
+        nbytes: int,
+        dtype: torch.dtype | str,
+        shape: GroupShape,
+        device: torch.device | str,
+        native_op: str | None = None,
+    ) -> Iterator[None]:
+        """Record this call's predicted and measured seconds in comm_stats()[op] (predicted_s, measured_s,
+        timed_calls): measured is the wall time of the block, the device synchronized at both ends on GPUs."""
+        if choice.plan is None or self.calibration is None:
+            yield
+            return
+        opt = choice.option
+        pred = predict(native_op if (opt.native and native_op) else op, nbytes, dtype, shape, opt, self.calibration)
+        _sync(device)
+        t0 = time.perf_counter()
+        yield
+        _sync(device)
+        PROCESS_STATS.record_time(op, pred, time.perf_counter() - t0)
+
+
+def _sync(device: torch.device | str) -> None:
+    d = torch.device(device)
+    if d.type == "cuda":
+        torch.cuda.synchronize(d)
+
+
+def _ranks_per_node() -> int | None:
+    """Ranks per node of the world (None: uneven)."""
+    table = topology.node_table()
+    counts = {n: table.nodes.count(n) for n in set(table.nodes)}
+    per = set(counts.values())
+    return per.pop() if len(per) == 1 else None
+
+
+def _describe(cal: Calibration) -> str:
+    return (
+        f"cross-node {cal.inter.bandwidth * 8 / 1e6:.0f} Mbit/s, node-local {cal.intra.bandwidth * 8 / 1e6:.0f} "
+        f"Mbit/s, {cal.ranks_per_node} ranks per node, {cal.device}, {cal.backend}"
+    )
+
+
+__all__ = ["NATIVE", "Choice", "PlannerSettings", "RuntimePlanner", "group_shape", "parse_settings"]

@@ -1,0 +1,110 @@
+"""fp8comm.comm.planned: the engine switch's settings and their errors, the group shape, the choice per collective
+(a plan per size class, logged once; the fixed choice without a calibration), predicted and measured time in
+comm_stats()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8comm.comm import comm_stats, reset_comm_stats
+from fp8comm.comm import linkmodel as lm
+from fp8comm.comm.calibration import Calibration, Link
+from fp8comm.comm.planned import FALLBACK, PlannerSettings, RuntimePlanner, group_shape, parse_settings
+from fp8comm.comm.planner import NATIVE, GroupShape, Option, Policy, predict
+from fp8comm.comm.topology import Split
+from fp8comm.errors import Fp8CommConfigError
+
+MiB = 1 << 20
+
+
+def cal(inter_bw: float, speed: float = 1e9) -> Calibration:
+    s = lm.CodecSpeed(pack=speed, unpack_sum=2 * speed, unpack=2 * speed)
+    return Calibration(Link(inter_bw, 1e-4), Link(10 * inter_bw, 1e-5), {"*": s}, "cpu", 2, "gloo")
+
+
+def test_settings_values():
+    assert parse_settings(True, "x") == PlannerSettings()
+    assert parse_settings(False, "x") is None and parse_settings(None, "x") is None
+    got = parse_settings({"allow_4bit": True, "calibration": "c.json", "timeout_s": 5}, "x")
+    assert got == PlannerSettings(True, "c.json", 5.0)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("yes", r"fp8_comm.planner = 'yes' is not valid; valid: true, false, or an object"),
+        ({"allow4bit": True}, r"unknown key\(s\) \['allow4bit'\] in fp8_comm.planner"),
+        ({"allow_4bit": 1}, r"allow_4bit must be true or false"),
+        ({"calibration": 3}, r"calibration must be a file path"),
+        ({"timeout_s": 0}, r"timeout_s must be a number > 0"),
+    ],
+)
+def test_settings_errors(value, match):
+    with pytest.raises(Fp8CommConfigError, match=match):
+        parse_settings(value, "fp8_comm.planner")
+
+
+def test_allow_4bit_where_the_engine_cannot():
+    with pytest.raises(Fp8CommConfigError, match=r"p.allow_4bit: no 4-bit wire here"):
+        parse_settings({"allow_4bit": True}, "p", four_bit="no 4-bit wire here")
+    assert parse_settings({"allow_4bit": False}, "p", four_bit="no 4-bit wire here") == PlannerSettings()
+
+
+def test_group_shape():
+    assert group_shape(Split((0, 1, 2, 3), (0, 0, 1, 1), 2, ""), 4) == GroupShape(2, 2)
+    assert group_shape(Split((0, 1, 2), (0, 0, 1), 0, "uneven"), 3) == GroupShape(1, 3)
+    assert group_shape(None, 4) == GroupShape(1, 4)
+
+
+def test_choice_per_class_logged_once_and_fixed_without_calibration():
+    lines: list[str] = []
+    rp = RuntimePlanner(PlannerSettings(), Policy(), lines.append, "test")
+    # no calibration (a measurement that did not finish): the fixed choice, FP8, two levels where possible
+    assert rp.choose("reduce_scatter", 4 * MiB, torch.bfloat16, GroupShape(2, 2), two_level=True).option == FALLBACK
+    assert rp.choose("reduce_scatter", 4 * MiB, "bf16", GroupShape(1, 4), two_level=False).option == Option("fp8")
+    assert lines == []
+    rp.calibration = cal(1e12)  # a link far faster than the codec: the engine's own
+    c = rp.choose("reduce_scatter", 4 * MiB, "bf16", GroupShape(2, 2), two_level=True)
+    assert c.option.wire == NATIVE and c.native and c.plan is not None
+    rp.choose("reduce_scatter", 3 * MiB, "bf16", GroupShape(2, 2), two_level=True)  # the same class: no new line
+    assert len(lines) == 1 and lines[0].startswith("fp8comm plan: reduce_scatter of gradients (bf16)")
+    rp.calibration = cal(1e6)
+    rp._planners.clear()
+    slow = rp.choose("reduce_scatter", 4 * MiB, "bf16", GroupShape(2, 2), two_level=True)
+    assert slow.option == Option("fp8", "two_level")  # 4 bits not allowed
+    flat = rp.choose("reduce_scatter", 4 * MiB, "bf16", GroupShape(2, 2), two_level=False)
+    assert flat.option == Option("fp8", "flat")  # no node groups: two levels excluded
+    rp4 = RuntimePlanner(PlannerSettings(allow_4bit=True), Policy(allow_4bit=True), lines.append, "test")
+    rp4.calibration = cal(1e6)
+    g = rp4.choose("reduce_scatter", 4 * MiB, "bf16", GroupShape(2, 2), two_level=True)
+    assert g.option == Option("mxfp4", "two_level", feedback=True)
+    w = rp4.choose("all_gather", 4 * MiB, "bf16", GroupShape(2, 2), two_level=True)
+    assert w.option.wire == "fp8"  # weights at most FP8
+
+
+def test_native_op_is_the_engines_own_call():
+    rp = RuntimePlanner(PlannerSettings(), Policy(), lambda s: None, "test")
+    rp.calibration = cal(1e8)
+    c = rp.choose("reduce_scatter", 8 * MiB, "bf16", GroupShape(1, 4), two_level=False, native_op="all_reduce")
+    native = c.plan.candidate(Option(NATIVE))
+    assert native.seconds == pytest.approx(predict("all_reduce", 8 * MiB, "bf16", GroupShape(1, 4), Option(NATIVE), rp.calibration))
+    assert "the engine's own call: an all-reduce" in c.plan.describe()
+
+
+def test_timed_records_predicted_and_measured():
+    reset_comm_stats()
+    rp = RuntimePlanner(PlannerSettings(), Policy(), lambda s: None, "test")
+    rp.calibration = cal(1e8)
+    shape = GroupShape(1, 4)
+    c = rp.choose("all_gather", 2 * MiB, "bf16", shape, two_level=False)
+    for _ in range(2):
+        with rp.timed("all_gather", c, 2 * MiB, "bf16", shape, "cpu"):
+            sum(range(1000))
+    s = comm_stats(reset=True)["all_gather"]
+    want = predict("all_gather", 2 * MiB, "bf16", shape, c.option, rp.calibration)
+    assert s["timed_calls"] == 2 and s["predicted_s"] == pytest.approx(2 * want) and s["measured_s"] > 0
+    fixed = RuntimePlanner(PlannerSettings(), Policy(), lambda s: None, "test")
+    with fixed.timed("all_gather", fixed.choose("all_gather", MiB, "bf16", shape, two_level=False), MiB, "bf16", shape, "cpu"):
+        pass
+    assert comm_stats() == {}  # the fixed choice predicts nothing
