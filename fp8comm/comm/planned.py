@@ -128,7 +128,7 @@ class RuntimePlanner:
         ends with the same calibration, or the same fixed choice (one CalibrationWarning)."""
         from .calibrate import calibrate
 
-        rpn = _ranks_per_node()
+        rpn = ranks_per_node()
         cal = self.check_file(device, rpn)
         if cal is None:
             if dist.get_backend(group) != "gloo":
@@ -211,8 +211,8 @@ def _sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(d)
 
 
-def _ranks_per_node() -> int | None:
-    """Ranks per node of the world (None: uneven)."""
+def ranks_per_node() -> int | None:
+    """Ranks per node of the world (None: uneven); gathers the node table once per world (collective)."""
     table = topology.node_table()
     counts = {n: table.nodes.count(n) for n in set(table.nodes)}
     per = set(counts.values())
@@ -226,4 +226,4 @@ def _describe(cal: Calibration) -> str:
     )
 
 
-__all__ = ["NATIVE", "Choice", "PlannerSettings", "RuntimePlanner", "group_shape", "parse_settings"]
+__all__ = ["NATIVE", "Choice", "PlannerSettings", "RuntimePlanner", "group_shape", "parse_settings", "ranks_per_node"]

@@ -18,8 +18,13 @@ and bad value is an error that names the key path and lists what is valid (with 
         "gemm":      {"enabled": false, "recipe": "blockwise", "skip_first_blocks": 0, "skip_last_blocks": 0,
                       "min_features": 16, "backend": "auto", "quant_backend": "auto"},
         "guard":     {"enabled": false, "threshold": 0.001, "patience": 3, "cooldown": 50},
-        "check": null                         # cross-rank metadata check per collective; null: FP8COMM_CHECK (on)
+        "check": null,                        # cross-rank metadata check per collective; null: FP8COMM_CHECK (on)
+        "planner": null                       # off; true, or {"allow_4bit": true, "calibration": FILE, "timeout_s": 30}
     }
+
+The planner (fp8comm.comm.planned) chooses per bucket-size class, from a calibration of the links and codecs, the
+fastest of DeepSpeed's own collective, FP8 or (with allow_4bit) the 4-bit recipe, flat or two-level; it turns the
+weight and gradient hooks on, and is an error beside an explicit gradients.fmt or weights.update_fmt.
 
 4 bits: "gradients": {"fmt": "mxfp4" | "nvfp4", "hadamard": 0 | 16 | 32} (the format fixes block and scale kind:
 leave block_size and scaling at their defaults or give the format's own, 32 / 16);
@@ -41,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from fp8comm.comm import FORMATS, KERNEL_BACKENDS, ROUNDINGS, SCALE_ENCODINGS, WIRES, GuardPolicy, WireConfig
 from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS, RESIDUAL_ALIASES, residual_dtype_name
 from fp8comm.comm.config import RESIDUAL_DTYPES as COMM_RESIDUAL_DTYPES
+from fp8comm.comm.planned import PlannerSettings, parse_settings
 from fp8comm.errors import Fp8CommConfigError
 from fp8comm.gemm import BACKENDS as GEMM_BACKENDS
 from fp8comm.gemm import RECIPES
@@ -181,6 +187,9 @@ class Fp8CommDeepSpeedConfig:
     moe: MoeConfig = field(default_factory=MoeConfig)
     gemm: GemmConfig = field(default_factory=GemmConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # The planner's settings (None: off); with it, weights and gradients are on, and gradients carry the 4-bit
+    # recipe (mxfp4, error feedback, unpartitioned residuals) when 4 bits are allowed: the plan picks per bucket.
+    planner: PlannerSettings | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -322,10 +331,12 @@ def parse(ds_config: dict | None) -> Fp8CommDeepSpeedConfig:
         raw = {"enabled": raw}
     if not isinstance(raw, dict):
         raise Fp8CommConfigError(f"{SECTION} must be an object or true/false, got {raw!r}")
-    valid = list(_TOP) + list(_SECTIONS)
-    kw = {}
+    valid = [*_TOP, *_SECTIONS, "planner"]
+    kw: dict = {}
     for k, v in raw.items():
-        if k in _TOP:
+        if k == "planner":
+            kw[k] = parse_settings(v, f"{SECTION}.planner")
+        elif k in _TOP:
             _check_value(f"{SECTION}.{k}", v, _TOP[k])
             kw[k] = v
         elif k in _SECTIONS:
@@ -334,6 +345,8 @@ def parse(ds_config: dict | None) -> Fp8CommDeepSpeedConfig:
         else:
             raise _unknown(k, f"{SECTION}.", valid)
     kw.setdefault("enabled", True)  # writing the section at all means "on" unless it says otherwise
+    if kw.get("planner") is not None:
+        kw = _with_planner(raw, kw)
     cfg = Fp8CommDeepSpeedConfig(**kw)
     if cfg.gemm.enabled:
         _check_recipe(cfg.gemm.recipe)
@@ -367,6 +380,50 @@ def parse(ds_config: dict | None) -> Fp8CommDeepSpeedConfig:
             "nothing, so there is no error to feed back; drop one of them"
         )
     return cfg
+
+
+def _with_planner(raw: dict, kw: dict) -> dict:
+    """The section under the planner: weights and gradients on; with allow_4bit the gradients carry the validated
+    4-bit recipe (mxfp4 + error feedback, residuals of the whole gradient); what the user set that the planner
+    decides is an error naming both."""
+    p = f"{SECTION}.planner"
+    a4 = kw["planner"].allow_4bit
+
+    def given(sec: str, key: str):
+        v = raw.get(sec)
+        return v.get(key) if isinstance(v, dict) else None
+
+    for sec, key, what in (
+        ("gradients", "fmt", "the gradient format"),
+        ("weights", "update_fmt", "the weights' update format"),
+    ):
+        if given(sec, key) is not None:
+            raise Fp8CommConfigError(
+                f"{p} and {SECTION}.{sec}.{key} both choose {what}: drop one (the planner picks DeepSpeed's own, FP8 "
+                "or, with allow_4bit, mxfp4 per bucket size)"
+            )
+    for sec in ("weights", "gradients"):
+        v = raw.get(sec)
+        if v is False or (isinstance(v, dict) and v.get("enabled") is False):
+            raise Fp8CommConfigError(
+                f"{p} with {SECTION}.{sec} off: the planner chooses the {sec}' wire (DeepSpeed's own among the "
+                "options); drop one of them"
+            )
+    if kw.get("mode") == "measure":
+        raise Fp8CommConfigError(f"{p} with mode 'measure': measure mode quantizes nothing; drop one of them")
+    if a4 and given("gradients", "error_feedback") is False:
+        raise Fp8CommConfigError(
+            f"{p}.allow_4bit with {SECTION}.gradients.error_feedback false: the validated 4-bit gradient recipe is "
+            "mxfp4 WITH error feedback; drop one of them"
+        )
+    out = dict(kw)
+    out["weights"] = WeightConfig(**{**asdict(kw.get("weights", WeightConfig())), "enabled": True})
+    g = asdict(kw.get("gradients", GradientConfig()))
+    g["enabled"] = True
+    if a4:
+        g.update(fmt="mxfp4", error_feedback=True, allow_unpartitioned_residuals=True, block_size=128, scaling="fp32")
+    out["gradients"] = GradientConfig(**g)
+    return out
 
 
 def _check_recipe(name: str) -> None:

@@ -27,7 +27,7 @@ from fp8comm.comm import Guard, GuardBucket, WireConfig, config_for, default_che
 from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError, Fp8CommUnsupportedError
 from fp8comm.gemm import Fp8Linear, convert_to_fp8
 
-from . import compat, levels, moe, zero3, zero12
+from . import compat, levels, moe, planning, zero3, zero12
 from .config import SECTION, Fp8CommDeepSpeedConfig, parse
 from .patching import PASSTHROUGH, TAG, Accounting, Patcher, log, tag, wrap_method
 from .residuals import CHECKPOINT_FORMAT, Residuals, checkpoint_file
@@ -62,6 +62,12 @@ class EngineState:
         self.splits: dict = {}  # global ranks of a group -> its fp8comm.comm.topology.Split (levels.py)
         self._flat_warned: set = set()
         self.grad_layouts: list[str] = []  # ZeRO-1/2: the gradient bucket layout lines logged (zero12._Reducer)
+        self.planner = planning.make(cfg, self._log)  # fp8_comm.planner (None: off)
+        self.shapes: dict = {}  # global ranks of a group -> its planner GroupShape (planning.shape_of)
+
+    def _log(self, msg: str) -> None:
+        if self.cfg.log and dist.is_initialized() and dist.get_rank() == 0:
+            _log_rank0(f"{msg} [engine {self.number}]")
 
     @property
     def engine(self):
@@ -124,6 +130,10 @@ class EngineState:
             out["guard"] = self.guard.summary()
         if self.grad_layouts:  # ZeRO-1/2: which collective and format each bucket layout took
             out["grad_layouts"] = list(self.grad_layouts)
+        if self.planner is not None:
+            out["plans"] = [p.to_dict() for p in self.planner.plans]
+            if self.planner.fallback:
+                out["planner_fallback"] = self.planner.fallback
         return out
 
     def detach(self) -> None:
@@ -203,6 +213,8 @@ def install(ds_config: dict, model: torch.nn.Module | None = None) -> EngineStat
     combo = compat.check_combination(ds_config, cfg, model)
     _install_dispatchers(cfg)
     es = EngineState(cfg)
+    if es.planner is not None:
+        planning.check(es)  # a calibration file from elsewhere is refused before the build moves any bytes
     if model is not None and cfg.gemm.enabled:
         g = cfg.gemm
         # ZeRO-3 holds a full weight only while it is gathered: keep no FP8 copy beyond its GEMM (Fp8Linear)
@@ -304,6 +316,8 @@ def _after_build(es: EngineState, engine) -> None:
     if (cfg.weights.enabled or cfg.gradients.enabled) and not cfg.measure_only:
         # Collective over the world, every rank at build: one gather, then the node groups in one order.
         es.splits = levels.prepare(engine, cfg.hierarchical)
+    if es.planner is not None:
+        planning.start(es, engine)  # collective over the world: the calibration every rank plans from
     if es.guard is not None:
         _guard_buckets(es, engine)
     if es.residuals is not None or es.guard is not None:
@@ -498,14 +512,23 @@ def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, con
         return head + ": MEASURE mode - DeepSpeed's own collectives run unchanged, fp8comm only counts bytes; " + gemm
     parts = []
     upd = cfg.weights.update_wire(None)
-    if cfg.weights.enabled and upd is not None:
+    if cfg.planner is not None:
+        how = "reduce-scatter" if combo["stage"] == 3 else "reduce to owners"
+        four = f", 4-bit ({cfg.gradients.describe()})" if cfg.planner.allow_4bit else ""
+        parts.append(
+            f"weight all-gather and gradient {how} PLANNED per bucket-size class: DeepSpeed's own, FP8 "
+            f"({cfg.weights.describe()}){four}, flat or two-level"
+        )
+    elif cfg.weights.enabled and upd is not None:
         parts.append(f"weight all-gather as 4-bit changes of the replica ({upd.describe()})")
     elif cfg.weights.enabled:
         parts.append(f"weight all-gather FP8 ({cfg.weights.describe()}{', hpZ' if combo['hpz'] > 1 else ''})")
     else:
         parts.append("weight all-gather native (DeepSpeed's own)")
     how = "reduce-scatter" if combo["stage"] == 3 else "reduce to owners"
-    if cfg.gradients.enabled:
+    if cfg.planner is not None:
+        pass
+    elif cfg.gradients.enabled:
         bits = "4-bit" if cfg.gradients.is_fp4 else "FP8"
         # ZeRO-1/2: every owned slice, on both paths (reduce-scatter, all-to-all); which buckets took which path
         # (and any guard fallback or slice several ranks consume) is logged per bucket layout at the backward
@@ -534,6 +557,14 @@ def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, con
         }[default_check_policy()]
     else:
         check = "on every call" if cfg.check else "off"
+    if cfg.planner is not None:
+        p = cfg.planner
+        bits = "4-bit gradients allowed: mxfp4 with error feedback" if p.allow_4bit else "FP8 at most"
+        cal = f"from {p.calibration}" if p.calibration else "measured at build"
+        parts.append(
+            f"planner on ({bits}; calibration {cal}; per bucket-size class the plan lines below, at its first "
+            "collective, say which wire)"
+        )
     if cfg.weights.enabled or cfg.gradients.enabled:
         hier = (
             "hierarchical on (two levels per group where it spans nodes, see the lines below; " + levels.FLAT_NOTE + ")"

@@ -39,6 +39,7 @@ slice of the replica so a resume restores the replica exactly.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -48,7 +49,7 @@ import torch.distributed as dist
 import fp8comm.comm as fc
 from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError
 
-from . import levels
+from . import levels, planning
 from .compat import S12
 from .patching import PASSTHROUGH, owner, say_rank0, tag, wrap_method
 
@@ -183,6 +184,7 @@ class _Batch:
     gb: object
     dtype: torch.dtype
     device: torch.device
+    decision: planning.Decision | None = None  # the plan and guard's route (two levels: decision.hier)
     pieces: list = field(default_factory=list)
     elements: int = 0
     calls: int = 0
@@ -244,16 +246,31 @@ class _Reducer:
         # DeepSpeed's own path all-reduces the whole bucket: a ring moves 2 (world-1)/world of it per rank.
         baseline = 2 * (world - 1) * n_total * itemsize // world
         es.acct.hit("zero12.grad_reduce")
-        how, gb = (
-            ("fp8", None) if es.cfg.measure_only or world == 1 else es.route("gradients", owned[0][1].device, self.fp4)
-        )
-        if es.cfg.measure_only or world == 1 or how == "bf16":  # guard fallback: residuals kept for the next step
+        nbytes = n_total * itemsize
+        if es.cfg.measure_only or world == 1:
+            d = planning.Decision("fp8", None, None, None)
+        else:  # the plan (DeepSpeed's own call is an all-reduce of the bucket), then the guard
+            d = planning.decide(
+                es,
+                "gradients",
+                owned[0][1].device,
+                self.fp4,
+                op="reduce_scatter",
+                nbytes=nbytes,
+                dtype=comm_dtype,
+                group=pg,
+                native_op="all_reduce",
+            )
+        how, gb = d.how, d.guard
+        if es.cfg.measure_only or world == 1 or how == "bf16":  # plan or guard: residuals kept for the next step
             self.flush()  # what waits was copied; it goes first, in its own format
             if world > 1:
                 es.acct.add("gradients", baseline, baseline, False)
                 if not es.cfg.measure_only:
-                    self.sent.append(("owned", "all-reduce", "flat", "bf16 (guard: DeepSpeed's own)", 1, n_total, ()))
-            return orig(owned_raw, communication_data_type, numel_per_bucket, log, divide, process_group)
+                    who = "planner" if d.choice is not None and d.choice.native else "guard"
+                    self.sent.append(("owned", "all-reduce", "flat", f"bf16 ({who}: DeepSpeed's own)", 1, n_total, ()))
+            with planning.timed(es, d, "reduce_scatter", nbytes, comm_dtype, owned[0][1].device, "all_reduce"):
+                return orig(owned_raw, communication_data_type, numel_per_bucket, log, divide, process_group)
         scale = None
         if divide and opt.gradient_average:  # same factor allreduce_bucket would divide by
             scale = float(opt.sequence_parallel_size) / world
@@ -283,13 +300,13 @@ class _Reducer:
                         params.get(name),
                     )
                 )
-        key = (id(pg), comm_dtype, scale, how)
+        key = (id(pg), comm_dtype, scale, how, d.hier is not None)
         b = self.batch
         if b is not None and (b.key != key or b.elements + n_total > self.limit or cur is None):
             self.flush()
             b = None
         if b is None:
-            b = _Batch(key, pg, world, me, scale, how, gb, comm_dtype, owned[0][1].device)
+            b = _Batch(key, pg, world, me, scale, how, gb, comm_dtype, owned[0][1].device, d)
         b.pieces += pieces
         b.elements += n_total
         b.calls += 1
@@ -338,7 +355,8 @@ class _Reducer:
         es, opt, H, world, me = self.es, self.opt, self.H, b.world, b.me
         rows = b.rows(H)
         rs = plan_reduce(rows)
-        hg = es.hier(b.pg)  # two levels where the DP group spans nodes (fp32 sums inside a node)
+        # two levels where the DP group spans nodes and the plan (if on) says so (fp32 sums inside a node)
+        hg = es.hier(b.pg) if b.decision is None else b.decision.hier
         # owners in the send buffer: rank order; the two-level all-to-all lays them out rail-major (local index,
         # then node) so that each node-local destination's rows are contiguous
         order = list(range(world))
@@ -382,7 +400,12 @@ class _Reducer:
         self.sent.append(
             ("owned", path, "two-level" if hg is not None else "flat", call_cfg.describe(), b.calls, b.elements, owners)
         )
-        with es.acct.fp8("gradients", baseline=b.baseline), torch.no_grad():
+        timer = (
+            planning.timed(es, b.decision, "reduce_scatter", b.elements * b.dtype.itemsize, b.dtype, b.device)
+            if b.decision is not None
+            else contextlib.nullcontext()
+        )
+        with es.acct.fp8("gradients", baseline=b.baseline), torch.no_grad(), timer:
             if rs:
                 acc = self.scratch.take("acc", part, torch.float32, b.device)
                 # fp32 output: every sender's contribution decoded straight into fp32, summed in fp32 in rank order
@@ -597,12 +620,25 @@ def _param_gather(
         )
     if es.updates is not None:
         return _update_gather(es, groups_flat, partitioned_param_groups, dp_process_group)
-    how, gb = es.route("weights", groups_flat[0].device)
-    if how == "bf16":  # the guard: DeepSpeed's own gather in the weights' dtype
+    # One decision for the step's gather (DeepSpeed gathers every parameter group in one call): the plan at the
+    # groups' total bytes, on the first group (every parameter group shares the DP layout), then the guard.
+    dev, dtype = groups_flat[0].device, groups_flat[0].dtype
+    nbytes = sum(f.numel() for f in groups_flat) * dtype.itemsize
+    d = planning.decide(
+        es, "weights", dev, False, op="all_gather", nbytes=nbytes, dtype=dtype, group=dp_process_group[0]
+    )
+    how, gb = d.how, d.guard
+    if how == "bf16":  # the plan or the guard: DeepSpeed's own gather in the weights' dtype
         _count_native(es, partitioned_param_groups, dp_process_group)
-        return orig(
-            groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor, allgather_bucket_size
-        )
+        with planning.timed(es, d, "all_gather", nbytes, dtype, dev):
+            return orig(
+                groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor, allgather_bucket_size
+            )
+    with planning.timed(es, d, "all_gather", nbytes, dtype, dev):
+        _quantized_gather(es, groups_flat, partitioned_param_groups, dp_process_group, d, gb)
+
+
+def _quantized_gather(es, groups_flat, partitioned_param_groups, dp_process_group, d, gb) -> None:
     wcfg = es.cfg.weights.wire(es.cfg.check)
     for flat, parts, pg in zip(groups_flat, partitioned_param_groups, dp_process_group):
         me, world = dist.get_rank(group=pg), dist.get_world_size(group=pg)
@@ -616,7 +652,8 @@ def _param_gather(
             )
         es.check_not_master(flat, "ZeRO-1/2 weight all-gather")
         with es.acct.fp8("weights"):
-            fc.all_gather_into(flat, src, pg, config=wcfg, guard=gb, hierarchical=es.hier(pg))
+            hg = es.hier(pg) if d.choice is None or d.choice.two_level else None
+            fc.all_gather_into(flat, src, pg, config=wcfg, guard=gb, hierarchical=hg)
 
 
 # ------------------------------------------------------------------------------------ 4-bit weight updates

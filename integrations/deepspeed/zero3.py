@@ -31,7 +31,7 @@ import torch.distributed as dist
 import fp8comm.comm as fc
 from fp8comm.errors import Fp8CommStateError, Fp8CommTypeError
 
-from . import levels
+from . import levels, planning
 from .compat import PP, S3
 from .patching import PASSTHROUGH, wrap_method
 
@@ -170,10 +170,22 @@ def _param_gather(orig):
             es.acct.add("weights", (world - 1) * n, (world - 1) * n, False)
             return orig(input_tensor, output_tensor, group)
         wire = es.cfg.weights
-        how, gb = es.route("weights", input_tensor.device)
-        if how == "bf16":  # the guard: DeepSpeed's own gather in the parameters' dtype
+        gathered = world * n
+        d = planning.decide(
+            es,
+            "weights",
+            input_tensor.device,
+            False,
+            op="all_gather",
+            nbytes=gathered,
+            dtype=input_tensor.dtype,
+            group=group,
+        )
+        how, gb = d.how, d.guard
+        if how == "bf16":  # the plan or the guard: DeepSpeed's own gather in the parameters' dtype
             es.acct.add("weights", (world - 1) * n, (world - 1) * n, False)
-            return orig(input_tensor, output_tensor, group)
+            h = orig(input_tensor, output_tensor, group)
+            return planning.handle(h, es, d, "all_gather", gathered, input_tensor.dtype, input_tensor.device)
         es.check_not_master(output_tensor, "ZeRO-3 parameter all-gather")
         sizes, secondary = _shard_sizes(input_tensor, params)
         if secondary:
@@ -184,18 +196,20 @@ def _param_gather(orig):
         spans, total = _spans(sizes, wire.block_size)
         baseline = (world - 1) * n  # DeepSpeed's all-gather of the unpadded shards
         wcfg = wire.wire(es.cfg.check)
-        hg = es.hier(group)  # two levels where the group spans nodes (the same bytes gathered inside a node)
+        hg = d.hier  # two levels where the group spans nodes and the plan (if on) says so
         with es.acct.fp8("weights", baseline=baseline):
             if total == input_tensor.numel():
-                return fc.all_gather_into(
+                h = fc.all_gather_into(
                     output_tensor, input_tensor, group, async_op=True, config=wcfg, guard=gb, hierarchical=hg
                 )
+                return planning.handle(h, es, d, "all_gather", gathered, input_tensor.dtype, input_tensor.device)
             pin = torch.zeros(total, dtype=input_tensor.dtype, device=input_tensor.device)
             for off, poff, k in spans:
                 pin[poff : poff + k].copy_(input_tensor[off : off + k])
             pout = torch.empty(world * total, dtype=input_tensor.dtype, device=input_tensor.device)
             h = fc.all_gather_into(pout, pin, group, async_op=True, config=wcfg, guard=gb, hierarchical=hg)
-        return _UnpadHandle(h, pout, output_tensor, spans, world)
+        h = _UnpadHandle(h, pout, output_tensor, spans, world)
+        return planning.handle(h, es, d, "all_gather", gathered, input_tensor.dtype, input_tensor.device)
 
     return _dist_allgather_fn
 
@@ -222,10 +236,25 @@ def _grad_reduce(orig, path: str):
         itemsize = tensors[0].element_size()
         baseline = (world - 1) * sum(chunks) * itemsize  # DeepSpeed's reduce-scatter of the unpadded layout
         es.acct.hit(f"zero3.grad_reduce.{path}")
-        how, gb = ("fp8", None) if es.cfg.measure_only else es.route("gradients", tensors[0].device, wire.is_fp4)
-        if es.cfg.measure_only or how == "bf16":  # the guard's fallback keeps residuals for the next FP8 step
+        nbytes = world * sum(chunks) * itemsize
+        if es.cfg.measure_only:
+            d = planning.Decision("fp8", None, None, None)
+        else:
+            d = planning.decide(
+                es,
+                "gradients",
+                tensors[0].device,
+                wire.is_fp4,
+                op="reduce_scatter",
+                nbytes=nbytes,
+                dtype=dtype,
+                group=pg,
+            )
+        how, gb = d.how, d.guard
+        if es.cfg.measure_only or how == "bf16":  # plan or guard fallback: residuals kept for the next FP8 step
             es.acct.add("gradients", baseline, baseline, False)
-            return orig(tensors, group)
+            with planning.timed(es, d, "reduce_scatter", nbytes, dtype, tensors[0].device):
+                return orig(tensors, group)
         spans, L = _spans(chunks, B)
         # Row r of [world, L] holds rank r's slice of every tensor (DeepSpeed's interleaving), each slice in
         # whole blocks of its own.
@@ -249,9 +278,12 @@ def _grad_reduce(orig, path: str):
                 pieces += [(name, n, r * c, r * L + poff, min(c, n - r * c)) for r in range(world) if n > r * c]
         out = torch.empty(L, dtype=dtype, device=flat.device)
         ef = None if es.residuals is None else es.residuals.assemble(pieces, flat.numel(), flat.device)
-        hg = es.hier(pg)  # two levels where the group spans nodes (fp32 sums inside a node)
+        hg = d.hier  # two levels where the group spans nodes and the plan (if on) says so (fp32 sums inside a node)
         rail = levels.rail_feedback(ef, hg)
-        with es.acct.fp8("gradients", baseline=baseline):
+        with (
+            es.acct.fp8("gradients", baseline=baseline),
+            planning.timed(es, d, "reduce_scatter", nbytes, dtype, flat.device),
+        ):
             fc.reduce_scatter_into(
                 out,
                 flat.view(-1),

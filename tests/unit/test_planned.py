@@ -88,7 +88,9 @@ def test_native_op_is_the_engines_own_call():
     rp.calibration = cal(1e8)
     c = rp.choose("reduce_scatter", 8 * MiB, "bf16", GroupShape(1, 4), two_level=False, native_op="all_reduce")
     native = c.plan.candidate(Option(NATIVE))
-    assert native.seconds == pytest.approx(predict("all_reduce", 8 * MiB, "bf16", GroupShape(1, 4), Option(NATIVE), rp.calibration))
+    assert native.seconds == pytest.approx(
+        predict("all_reduce", 8 * MiB, "bf16", GroupShape(1, 4), Option(NATIVE), rp.calibration)
+    )
     assert "the engine's own call: an all-reduce" in c.plan.describe()
 
 
@@ -105,6 +107,8 @@ def test_timed_records_predicted_and_measured():
     want = predict("all_gather", 2 * MiB, "bf16", shape, c.option, rp.calibration)
     assert s["timed_calls"] == 2 and s["predicted_s"] == pytest.approx(2 * want) and s["measured_s"] > 0
     fixed = RuntimePlanner(PlannerSettings(), Policy(), lambda s: None, "test")
-    with fixed.timed("all_gather", fixed.choose("all_gather", MiB, "bf16", shape, two_level=False), MiB, "bf16", shape, "cpu"):
+    with fixed.timed(
+        "all_gather", fixed.choose("all_gather", MiB, "bf16", shape, two_level=False), MiB, "bf16", shape, "cpu"
+    ):
         pass
     assert comm_stats() == {}  # the fixed choice predicts nothing

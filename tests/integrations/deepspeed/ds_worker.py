@@ -38,6 +38,7 @@ from ds_checks_grad import (  # noqa: E402
 from ds_checks_guard import guard_fallback, moe_guard_fallback  # noqa: E402
 from ds_checks_levels import CHECKS as LEVELS  # noqa: E402
 from ds_checks_moe import moe_ep2_one_step  # noqa: E402
+from ds_checks_planner import CHECKS as PLANNER  # noqa: E402
 from ds_checks_residuals import checkpoint_fp32_residuals_into_fp8  # noqa: E402
 from ds_checks_scope import engines_per_scope  # noqa: E402
 from ds_common import SMALL_BUCKET, SQNR, SQNR_STEPS, STEPS, TOL_COMM, TOL_GEMM, GradSqnr, baseline, check_ratio, parity  # noqa: E402
@@ -380,6 +381,7 @@ def _moe(fp8_extra: dict, name: str, against: str | None = None):
 
 SCENARIOS = {
     "levels": LEVELS,  # 4 ranks as 2 simulated nodes x 2 (test_deepspeed_levels.py)
+    "planner": PLANNER,  # 4 ranks as 2 simulated nodes x 2 (test_deepspeed_planner.py)
     "zero": [
         zero3_bf16_flag,
         zero2_bf16_fp32_accumulation,

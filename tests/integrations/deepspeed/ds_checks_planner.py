@@ -1,0 +1,184 @@
+"""The planner in a DeepSpeed engine (issue 30 items 3 and 6): "fp8_comm": {"planner": ...} on 4 ranks laid out as 2
+simulated nodes x 2 (LOCAL_WORLD_SIZE=2, GROUP_RANK=rank // 2). Calibration files are written here with chosen link
+figures, so the choice is known: a link far faster than any codec must give DeepSpeed's own collectives (then the run
+is bit-identical to DeepSpeed without fp8comm), a very slow one the quantized wire in two levels (4 bits for the
+gradients when allowed). The "planner" scenario of ds_worker.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import ds_train as T
+import torch.distributed as dist
+from ds_checks_levels import _Lines, _nodes, _same_everywhere
+
+import fp8comm.comm as fc
+import fp8comm.integrations.deepspeed as fd
+from fp8comm.comm import linkmodel as lm
+from fp8comm.comm.calibration import Calibration, Link
+from fp8comm.errors import Fp8CommConfigError
+
+STEPS = 3
+
+
+def _file(name: str, inter_bw: float, **kw) -> str:
+    """A calibration file: cross-node `inter_bw` bytes/s, node-local 10x that, every codec at 1e8 elements/s, 1 ms of
+    host time per quantized call (what fp8comm's Python costs a call here: tiny buckets stay DeepSpeed's own)."""
+    s = lm.CodecSpeed(pack=1e8, unpack_sum=2e8, unpack=2e8)
+    base = dict(
+        inter=Link(inter_bw, 1e-4),
+        intra=Link(10 * inter_bw, 1e-5),
+        codecs={"*": s},
+        device="cpu",
+        ranks_per_node=2,
+        backend="gloo",
+        call_overhead=1e-3,
+    )
+    path = Path(os.environ["FP8COMM_TEST_OUT"]) / f"{name}.json"
+    if dist.get_rank() == 0:
+        path.write_text(Calibration(**(base | kw)).to_json())
+    dist.barrier()
+    return str(path)
+
+
+@contextmanager
+def _captured():
+    """The adapter's log lines while the block runs (the plan lines come at each size class's first collective)."""
+    log = logging.getLogger("fp8comm.deepspeed")
+    h, level = _Lines(), log.level
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    try:
+        yield h.lines
+    finally:
+        log.removeHandler(h)
+        log.setLevel(level)
+
+
+def _planned(info, stage: int, planner, **zero):
+    _nodes()
+    fc.reset_comm_stats()
+    with _captured() as lines:
+        eng, _ = T.build(T.ds_config(stage, "bf16", {"planner": planner}, **zero))
+        run = T.train(eng, range(STEPS))
+    es = fd.engine_state(eng)
+    plans = [(p["op"], p["role"], p["size_class"], p["chosen"]) for p in run.stats["plans"]]
+    _same_everywhere(plans)
+    info.update(losses=run.losses, plans=plans, hooks=run.stats["hooks"], summary=es.summary)
+    stats = fc.comm_stats()
+    T.destroy(eng)
+    fd.uninstall()
+    return run, stats, lines, es
+
+
+def _plain(stage: int, **zero) -> list:
+    _nodes()
+    eng, _ = T.build(T.ds_config(stage, "bf16", None, **zero))
+    run = T.train(eng, range(STEPS))
+    T.destroy(eng)
+    return run.losses
+
+
+def planner_fast_link_is_deepspeeds_own(info):
+    """A link no codec can beat: every plan keeps DeepSpeed's own collective, and the run is DeepSpeed's, bit for
+    bit; the plans are logged (rank 0) and the calls timed into comm_stats."""
+    path = _file("fast", 1e13)
+    for stage in (2, 3):
+        run, stats, lines, es = _planned(info, stage, {"calibration": path})
+        plain = _plain(stage)  # every collective before any assertion: a rank that fails alone cannot hang the rest
+        assert run.stats["plans"] and all(p["chosen"].startswith("engine bf16") for p in run.stats["plans"]), info
+        hooks = run.stats["hooks"]
+        assert hooks.get("planner.gradients.native", 0) >= STEPS and hooks.get("planner.weights.native", 0) >= 1, hooks
+        assert not any(k.startswith("zero12.grad_reduce.fmt") for k in hooks), hooks
+        timed = {op: s for op, s in stats.items() if s.get("timed_calls")}
+        assert "reduce_scatter" in timed and timed["reduce_scatter"]["measured_s"] > 0, stats
+        assert timed["reduce_scatter"]["predicted_s"] > 0, stats
+        assert "PLANNED per bucket-size class" in es.summary and "planner on (FP8 at most" in es.summary, es.summary
+        plan_lines = [ln for ln in lines if ln.startswith("fp8comm plan:")]
+        if dist.get_rank() == 0:
+            assert len(plan_lines) == len(run.stats["plans"]), lines
+            assert all("engine bf16 (torch gloo)" in ln for ln in plan_lines), plan_lines
+            info[f"plan_lines_zero{stage}"] = plan_lines
+        else:
+            assert not plan_lines, plan_lines
+        assert run.losses == plain, (run.losses, plain)
+
+
+def planner_slow_link_quantizes(info):
+    """A slow link: FP8 in two levels for weights and gradients; with allow_4bit the gradients take the 4-bit
+    recipe (mxfp4 with error feedback: the residual store fills), the weights stay FP8."""
+    path = _file("slow", 1e5)
+    run, stats, _, es = _planned(info, 3, {"calibration": path})
+    plans3 = info["plans"]
+    run4, _, _, es4 = _planned(info, 2, {"calibration": path, "allow_4bit": True})
+    hooks = run.stats["hooks"]
+    assert hooks.get("planner.gradients.fp8.two_level", 0) >= STEPS, hooks
+    assert hooks.get("planner.weights.fp8.two_level", 0) >= 1, hooks
+    assert all("fp8 two-level" in p[3] for p in plans3), plans3
+    assert stats["reduce_scatter"]["timed_calls"] >= STEPS, stats
+    hooks = run4.stats["hooks"]
+    assert hooks.get("planner.gradients.mxfp4.two_level", 0) >= STEPS, hooks
+    n = sum(v for k, v in hooks.items() if k.startswith("zero12.grad_reduce.fmt."))
+    assert n and hooks.get("zero12.grad_reduce.fmt.mxfp4") == n, hooks
+    assert run4.stats["error_feedback"]["residuals"] > 0, run4.stats
+    assert "planner on (4-bit gradients allowed" in es4.summary, es4.summary
+    grads = [p for p in run4.stats["plans"] if p["role"] == "gradients"]
+    assert grads and all(p["chosen"] == "mxfp4 +EF two-level" for p in grads), grads
+    assert any("allow_unpartitioned_residuals" in n for p in grads for n in p["notes"]), grads
+    assert all(x == x for x in run4.losses), run4.losses
+
+
+def planner_measured_at_build(info):
+    """No file: the links and codecs are measured once over the world at build (gloo), every rank holds the same
+    calibration and the same plans."""
+    t0 = time.monotonic()
+    run, stats, lines, es = _planned(info, 2, True)
+    cal = es.planner.calibration
+    _same_everywhere(None if cal is None else cal.to_json())
+    assert cal is not None and not es.planner.fallback, es.planner.fallback
+    info["calibration"] = {
+        "inter_Bps": cal.inter.bandwidth,
+        "intra_Bps": cal.intra.bandwidth,
+        "first_engine_build_and_train_s": time.monotonic() - t0,
+    }
+    if dist.get_rank() == 0:
+        assert any(ln.startswith("fp8comm planner: calibrated in") for ln in lines), lines
+
+
+def planner_bad_calibration_file(info):
+    """A file from another ranks-per-node layout or fp8comm version: the same error on every rank, before the
+    engine is built."""
+    _nodes()
+    for name, kw, want in (
+        ("rpn4", {"ranks_per_node": 4}, "taken with 4 ranks per node, this job has 2"),
+        ("old", {"version": "0.0.1"}, "taken with fp8comm 0.0.1"),
+        ("gpu", {"device": "cuda:NVIDIA H200"}, "taken on device kind 'cuda:NVIDIA H200', this job runs on 'cpu'"),
+    ):
+        path = _file(name, 1e9, **kw)
+        try:
+            T.build(T.ds_config(2, "bf16", {"planner": {"calibration": path}}))
+        except Fp8CommConfigError as e:
+            assert want in str(e) and "fp8_comm.planner" in str(e), str(e)
+        else:
+            raise AssertionError(f"{name}: the calibration file was accepted")
+        fd.uninstall()
+    missing = str(Path(os.environ["FP8COMM_TEST_OUT"]) / "nope.json")
+    try:
+        T.build(T.ds_config(2, "bf16", {"planner": {"calibration": missing}}))
+    except Fp8CommConfigError as e:
+        assert "no such file" in str(e), str(e)
+    else:
+        raise AssertionError("a missing calibration file was accepted")
+    fd.uninstall()
+
+
+CHECKS = [
+    planner_bad_calibration_file,
+    planner_fast_link_is_deepspeeds_own,
+    planner_slow_link_quantizes,
+    planner_measured_at_build,
+]
