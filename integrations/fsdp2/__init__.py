@@ -9,6 +9,9 @@
     ...
     fp8comm.integrations.fsdp2.disable(model)              # FSDP2's own collectives again
 
+    fp8comm.integrations.fsdp2.enable(model, planner=True) # per size class: FSDP2's own, FP8 (or 4-bit gradients),
+                                                           # flat or two-level, from a calibration
+
 See docs/fsdp2.md for the options, what crosses the wire, and the limits.
 """
 

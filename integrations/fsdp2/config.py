@@ -5,6 +5,8 @@
     enable(model, gradients={"fmt": "e5m2", "rounding": "stochastic", "error_feedback": True}, check=False)
     enable(model, gradients={"fmt": "mxfp4", "hadamard": 32})   # 4-bit gradients (weights stay FP8)
     enable(model, hierarchical=False)                          # flat collectives (default: two levels per group)
+    enable(model, planner=True)                                # FSDP2's own / FP8 per size class, from a calibration
+    enable(model, planner={"allow_4bit": True}, gradients={"allow_unpartitioned_residuals": True})  # + 4-bit grads
 
 A direction is True/False or a dict of the keys below; an unknown key or bad value is an Fp8CommFsdp2Error that names
 the key and lists what is valid (with a "did you mean" for typos).
@@ -25,6 +27,7 @@ from fp8comm.comm import (
     residual_dtype_name,
 )
 from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS, HADAMARD
+from fp8comm.comm.planned import PlannerSettings, parse_settings
 from fp8comm.errors import Fp8CommConfigError
 
 
@@ -112,9 +115,28 @@ class Fp8CommFsdp2Config:
     # two levels (same bytes / fp32 inside a node, FP8 or 4-bit across nodes) for every shard group that spans
     # nodes with more than one member on each (fp8comm.comm.topology decides; others run flat); False: flat
     hierarchical: bool = True
+    # the planner (enable(planner=...)): per collective size class FSDP2's own collective, FP8 or (allow_4bit) the
+    # 4-bit gradient recipe, flat or two-level, from a calibration; None: the fixed formats above
+    planner: PlannerSettings | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def planned_wires(self) -> dict[str, str]:
+        """With the planner: per direction, what it may choose ("" for a direction that is off)."""
+        if self.planner is None:
+            return {}
+        own = "FSDP2's own"
+        fp8 = "e4m3 1x128 fp32 scales"
+        g = self.gradients
+        grads = f"{own}, {fp8} or mxfp4 + error feedback ({g.residual_dtype} residuals)" if g.fmt == "mxfp4" else None
+        return {
+            "weights": f"planned per size class: {own} or {fp8}" if self.weights.enabled else "",
+            "gradients": (f"planned per size class: {grads or f'{own} or {fp8}'}, fp32 accumulation")
+            if g.enabled
+            else "",
+        }
 
 
 def _pow2(v) -> str | None:
@@ -177,6 +199,57 @@ def _direction(name: str, raw, schema: dict, cls):
     return cls(**raw)
 
 
+# Keys of a direction's dict that set no format: allowed next to the planner (which chooses the format).
+_PLANNER_FREE_KEYS = {
+    "weights": ("enabled",),
+    "gradients": ("enabled", "residual_dtype", "allow_unpartitioned_residuals"),
+}
+
+
+def _planner_settings(value) -> PlannerSettings | None:
+    """The planner option (fp8comm.comm.planned's settings; FSDP2 carries 4-bit gradients, so allow_4bit is valid)."""
+    try:
+        return parse_settings(value, "planner")
+    except Fp8CommConfigError as e:
+        raise Fp8CommFsdp2Error(str(e)) from None
+
+
+def _planned_directions(
+    options: dict, settings: PlannerSettings, weights: WeightWire, gradients: GradientWire
+) -> tuple[WeightWire, GradientWire]:
+    """The directions' base configs under the planner; an explicit format next to it is an error naming both."""
+    given = options.get("planner")
+    for name, what in (("weights", "weight all-gather"), ("gradients", "gradient reduce-scatter")):
+        raw = options.get(name, True)
+        if isinstance(raw, bool):
+            continue
+        free = _PLANNER_FREE_KEYS[name]
+        keys = [k for k in raw if k not in free] if isinstance(raw, dict) else [type(raw).__name__]
+        if keys:
+            raise Fp8CommFsdp2Error(
+                f"planner={given!r} and {name}={raw!r} both set the {what}'s format: the planner chooses it per "
+                f"size class (FSDP2's own, FP8{' or 4 bits' if name == 'gradients' else ''}); drop {name}'s "
+                f"{', '.join(map(repr, keys))} or the planner (next to the planner {name} takes True/False"
+                + (f" or a dict of {', '.join(map(repr, free))})" if len(free) > 1 else ")")
+            )
+    if settings.allow_4bit and not gradients.enabled:
+        raise Fp8CommFsdp2Error(
+            f"planner={given!r} allows 4-bit gradients but gradients=False keeps FSDP2's own reduce-scatter: drop "
+            "allow_4bit or turn gradients on"
+        )
+    w = WeightWire(enabled=weights.enabled)  # FSDP2 keeps no weight replicas: weights travel in FP8 at most
+    g = GradientWire(
+        enabled=gradients.enabled,
+        # allow_4bit: the validated recipe (mxfp4 with error feedback, nearest rounding); FP8 buckets take
+        # fp8comm.comm.config_for(this, "fp8")
+        fmt="mxfp4" if settings.allow_4bit else "e4m3",
+        error_feedback=settings.allow_4bit,
+        residual_dtype=gradients.residual_dtype,
+        allow_unpartitioned_residuals=gradients.allow_unpartitioned_residuals,
+    )
+    return w, g
+
+
 def parse(**options) -> Fp8CommFsdp2Config:
     """The validated config for enable(model, **options); raises Fp8CommFsdp2Error naming the first bad option."""
     valid = [f.name for f in fields(Fp8CommFsdp2Config)]
@@ -192,12 +265,18 @@ def parse(**options) -> Fp8CommFsdp2Config:
     hierarchical = options.get("hierarchical", True)
     if not isinstance(hierarchical, bool):
         raise Fp8CommFsdp2Error(f"hierarchical must be True or False, got {hierarchical!r}")
+    planner = _planner_settings(options.get("planner"))
+    weights = _direction("weights", options.get("weights", True), _WEIGHT_KEYS, WeightWire)
+    gradients = _direction("gradients", options.get("gradients", True), _GRAD_KEYS, GradientWire)
+    if planner is not None:
+        weights, gradients = _planned_directions(options, planner, weights, gradients)
     cfg = Fp8CommFsdp2Config(
-        weights=_direction("weights", options.get("weights", True), _WEIGHT_KEYS, WeightWire),
-        gradients=_direction("gradients", options.get("gradients", True), _GRAD_KEYS, GradientWire),
+        weights=weights,
+        gradients=gradients,
         check=check,
         align_blocks=align,
         hierarchical=hierarchical,
+        planner=planner,
     )
     try:  # the combination (a 4-bit format's block and scales, hadamard only with 4 bits) is WireConfig's to judge
         cfg.gradients.wire(check)

@@ -11,12 +11,17 @@ weight can repeat after an optimizer step (stale weights).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-from fp8comm.comm import residual_nbytes, teardown
+from fp8comm.comm import config_for, residual_nbytes, teardown, topology
+from fp8comm.comm.planned import RuntimePlanner
+from fp8comm.comm.planner import Policy
+from fp8comm.errors import Fp8CommConfigError
 
 from . import hooks, layout
 from .config import Fp8CommFsdp2Config, Fp8CommFsdp2Error, parse
@@ -54,6 +59,7 @@ class Fsdp2Report:
     weight_cache: str = ""
     unmanaged: list = field(default_factory=list)  # parameters no FSDP2 module manages (no hook can see them)
     levels: list = field(default_factory=list)  # one line per shard group: two-level or flat, and why
+    planner: RuntimePlanner | None = None  # enable(planner=...): its calibration, and the plans decided so far
 
     @property
     def installed(self) -> list[str]:
@@ -72,18 +78,36 @@ class Fsdp2Report:
 
     def __str__(self) -> str:
         c = self.config
+        planned = c.planned_wires
         lines = [
             f"fp8comm FSDP2: {len(self.installed)} of {len(self.modules)} FSDP2 modules with FP8 hooks; "
-            f"weights {c.weights.describe()}; gradients {c.gradients.describe()}; metadata check "
+            f"weights {planned.get('weights') or c.weights.describe()}; "
+            f"gradients {planned.get('gradients') or c.gradients.describe()}; metadata check "
             f"{ {None: 'library default', True: 'every call', False: 'off'}[c.check] }; parameters "
             f"{'start whole blocks' if c.align_blocks else 'packed (blocks may straddle parameters)'}; "
             f"hierarchical {'on (two levels per shard group that spans nodes)' if c.hierarchical else 'off (flat)'}; "
             f"{self.gemms()}"
         ]
-        if self.residual_bytes:
+        if c.planner is not None:
+            p = c.planner
+            cal = (
+                f"calibration from {p.calibration}"
+                if p.calibration
+                else f"calibration measured over the world at enable() (timeout {p.timeout_s:g} s)"
+            )
+            if self.planner is not None and self.planner.fallback:
+                cal += f"; {self.planner.fallback}: the fixed choice (FP8, two levels where a group spans nodes)"
+            four = " or 4-bit gradients" if p.allow_4bit else ""
             lines.append(
-                f"  error-feedback residuals: {self.residual_bytes} bytes ({self.residual_bytes / 2**20:.2f} MiB) on "
-                f"every rank, {c.gradients.residual_dtype}, the size of each group's whole gradient"
+                f"  planner on: per collective size class FSDP2's own, FP8{four}, "
+                f"{'flat or two-level' if c.hierarchical else 'flat'}; {cal}; each plan logged on rank 0 at its "
+                "first call"
+            )
+        if self.residual_bytes:
+            b, upto = self.residual_bytes, "up to " if c.planner is not None else ""
+            lines.append(
+                f"  error-feedback residuals: {upto}{b} bytes ({b / 2**20:.2f} MiB) on every rank, "
+                f"{c.gradients.residual_dtype}, the size of each group's whole gradient"
             )
         w = max([len(m.name) for m in self.modules] + [8])
         for m in self.modules:
@@ -182,13 +206,16 @@ def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
     sizes = [fp.padded_sharded_param_size.numel() for fp in fps]
     block = (cfg.weights if cfg.weights.enabled else cfg.gradients).wire_block
     _, wn = layout.spans(sizes, block, cfg.align_blocks)
+    on = "planned (FSDP2's own or fp8)" if cfg.planner is not None else "fp8"
     entry = ModuleEntry(
         name,
         len(fps),
         sum(fp.sharded_param.numel() for fp in fps),
         mesh,
-        "fp8" if cfg.weights.enabled else "FSDP2's own",
-        "fp8" if cfg.gradients.enabled else "FSDP2's own",
+        on if cfg.weights.enabled else "FSDP2's own",
+        (on.replace("fp8", "fp8/mxfp4") if cfg.gradients.fmt == "mxfp4" else on)
+        if cfg.gradients.enabled
+        else "FSDP2's own",
         wn - sum(sizes),
         sum(sizes),
         notes,
@@ -199,7 +226,8 @@ def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
     if g.enabled and g.error_feedback and pg.mesh_info.shard_mesh_size > 1:
         # The residual is laid out like the reduce-scatter's wire input: shard group x this rank's wire row.
         grads = [fp.padded_sharded_param_size.numel() for fp in fps if fp.sharded_param.requires_grad]
-        _, wl = layout.spans(grads, g.wire_block, cfg.align_blocks)
+        # the planner may put the group on FP8 (1x128 blocks, flat): the largest layout its residual can take
+        _, wl = layout.spans(grads, max(g.wire_block, g.block_size) if cfg.planner else g.wire_block, cfg.align_blocks)
         entry.residual_elements = pg.mesh_info.shard_mesh_size * wl
         entry.residual_bytes = residual_nbytes(g.residual_dtype, entry.residual_elements)
     return entry
@@ -213,6 +241,15 @@ def _check_residual_memory(cfg: Fp8CommFsdp2Config, entries: list[ModuleEntry]) 
         return
     total = sum(e.residual_bytes for e in entries)
     per = _PER_ELEMENT[g.residual_dtype]
+    if cfg.planner is not None:
+        raise Fp8CommFsdp2Error(
+            f"planner={{'allow_4bit': True}} sends gradients in the validated 4-bit recipe, mxfp4 with error feedback "
+            f"(FP8 buckets keep the feedback too), which keeps each rank's quantization residual of every FSDP2 "
+            f"module's WHOLE (unsharded) gradient on every rank: {per} per element ({g.residual_dtype}), up to "
+            f"{total:,} bytes ({total / 2**20:.1f} MiB) for this model, while FSDP2 keeps 1/world of the gradients "
+            "per rank. Set gradients={'allow_unpartitioned_residuals': True} next to the planner to accept that "
+            "memory (gradients={'residual_dtype': 'bfloat16'} halves it, 'fp8' quarters it), or drop allow_4bit"
+        )
     raise Fp8CommFsdp2Error(
         f"gradients['error_feedback'] keeps each rank's quantization residual of every FSDP2 module's WHOLE "
         f"(unsharded) gradient on every rank: {per} per element ({g.residual_dtype}), {total:,} bytes "
@@ -225,8 +262,23 @@ def _check_residual_memory(cfg: Fp8CommFsdp2Config, entries: list[ModuleEntry]) 
 def enable(model: nn.Module, **options) -> Fsdp2Report:
     """Install FP8 all-gather / reduce-scatter hooks on every FSDP2 module of `model` (already fully_shard-ed).
 
-    Options (see config.py / docs/fsdp2.md): weights, gradients (True/False or a dict), check, align_blocks.
-    Returns an Fsdp2Report; raises Fp8CommFsdp2Error, changing nothing, for anything it cannot honour."""
+    Options (see config.py / docs/fsdp2.md): weights, gradients (True/False or a dict), check, align_blocks,
+    hierarchical, planner. Returns an Fsdp2Report; raises Fp8CommFsdp2Error, changing nothing, for anything it
+    cannot honour.
+
+    planner: True, or a dict of "allow_4bit" (bool), "calibration" (an `fp8comm calibrate` file) and "timeout_s"
+    (the measurement's deadline). It turns on both collectives it may choose, the weight all-gather and the
+    gradient reduce-scatter (a direction set to False stays FSDP2's own and is not planned), and decides per
+    collective size class, identically on every rank, from the calibration: FSDP2's own collective (its dtype),
+    FP8 (e4m3 1x128) or, with allow_4bit, 4-bit gradients (the validated recipe: mxfp4 with error feedback,
+    nearest rounding, which needs gradients={"allow_unpartitioned_residuals": True}; FP8 buckets then keep the
+    feedback), flat or two-level (two levels only for shard groups that run two-level; hierarchical=False: flat
+    only). Weights travel in FP8 at most (FSDP2 keeps no weight replicas). An explicit format for the same traffic
+    (a weights / gradients dict with format keys, a WeightWire / GradientWire) is an error naming both. Without a
+    calibration file enable() measures the links once over the world (gloo only; NCCL needs the file); a bad value
+    or a file from another fp8comm version, device kind or ranks-per-node layout is an error before any bytes
+    move. Rank 0 logs each plan at its first call; fp8comm.comm.comm_stats() gains predicted_s / measured_s /
+    timed_calls per op."""
     cfg = parse(**options)
     if getattr(model, _ATTR, None) is not None:
         raise Fp8CommFsdp2Error("fp8comm FSDP2 hooks are already enabled on this model; call disable(model) first")
@@ -243,16 +295,34 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
     report = Fsdp2Report(cfg, [e for *_, e in plan])
     _check_residual_memory(cfg, report.modules)
     report.unmanaged = _unmanaged(model, [pg for _, _, pg, _ in plan if pg is not None])
+    groups = [pg for _, _, pg, _ in plan if pg is not None]
+    planner, device = _planner(cfg, groups)  # its checks (no communication) before any bytes move
+    table = None
+    if planner is not None:  # before _levels makes node groups, so a refusal here leaves nothing behind
+        table = topology.node_table()  # collective over the world once (cached: _levels reuses it)
+        try:
+            planner.start(device)  # the file, or a measurement over the world (collective; gloo only)
+        except Fp8CommConfigError as e:
+            raise Fp8CommFsdp2Error(str(e)) from None
+        report.planner = planner
     splits = _levels(cfg, plan, report)  # collective over the world when on: every rank calls enable()
     installed = []
     for _name, m, pg, _ in plan:  # one entry per param group: its originals are saved before our hook goes on
         if pg is None:
             continue
-        installed.append((m, pg._all_gather_comm, pg._reduce_scatter_comm))
+        ag, rs = pg._all_gather_comm, pg._reduce_scatter_comm
+        installed.append((m, ag, rs))
+        pw = pr = None
+        if planner is not None and table is not None:
+            pw = hooks.Planned(planner, "all_gather", ag, {"fp8": cfg.weights.wire(cfg.check)}, table)
+            base = cfg.gradients.wire(cfg.check)
+            pr = hooks.Planned(planner, "reduce_scatter", rs, {"fp8": config_for(base, "fp8"), "mxfp4": base}, table)
         if cfg.weights.enabled:
-            m.set_custom_all_gather(hooks.Fp8AllGather(pg, cfg.weights, cfg.check, cfg.align_blocks, splits))
+            m.set_custom_all_gather(hooks.Fp8AllGather(pg, cfg.weights, cfg.check, cfg.align_blocks, splits, pw))
         if cfg.gradients.enabled:
-            m.set_custom_reduce_scatter(hooks.Fp8ReduceScatter(pg, cfg.gradients, cfg.check, cfg.align_blocks, splits))
+            m.set_custom_reduce_scatter(
+                hooks.Fp8ReduceScatter(pg, cfg.gradients, cfg.check, cfg.align_blocks, splits, pr)
+            )
     report.fp8_linears, report.weight_cache = _gathered_weight_cache(model)
     object.__setattr__(model, _ATTR, (cfg, installed, report))
     logger.info("%s", report)
@@ -266,6 +336,44 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _log_rank0(line: str) -> None:
+    if _rank() == 0:
+        logger.info("%s", line)
+
+
+def _planner(cfg: Fp8CommFsdp2Config, groups: list) -> tuple[RuntimePlanner | None, torch.device]:
+    """The RuntimePlanner of enable(planner=...), its input checked with no communication: the calibration file
+    (fp8comm version, device kind, ranks per node from torchrun's LOCAL_WORLD_SIZE when set; start() checks the
+    node table's figure again), or a gloo world to measure on."""
+    import torch.distributed as dist
+
+    device = groups[0].fsdp_params[0].sharded_param.device if groups and groups[0].fsdp_params else torch.device("cpu")
+    settings = cfg.planner
+    if settings is None:
+        return None, device
+    policy = Policy(
+        allow_4bit=settings.allow_4bit,
+        allow_4bit_updates=False,
+        replicas=False,  # FSDP2 keeps no weight replicas: weights travel in FP8 at most
+        two_level=cfg.hierarchical,
+        residual_dtype=cfg.gradients.residual_dtype,
+        residual_option="gradients['allow_unpartitioned_residuals']" if settings.allow_4bit else "",
+    )
+    planner = RuntimePlanner(settings, policy, _log_rank0, "fp8comm FSDP2 planner")
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    try:
+        planner.check_file(device, int(env) if env.isdigit() else None)
+    except Fp8CommConfigError as e:  # the file's checks: this adapter's error, the same words
+        raise Fp8CommFsdp2Error(str(e)) from None
+    if settings.calibration is None and dist.is_initialized() and dist.get_backend() != "gloo":
+        raise Fp8CommFsdp2Error(
+            f"fp8comm FSDP2 planner: the planner measures links on gloo groups only; this job runs "
+            f"{dist.get_backend()!r}: give a calibration file (`fp8comm calibrate --out FILE` on the same nodes) "
+            "as planner={'calibration': FILE}"
+        )
+    return planner, device
 
 
 def _levels(cfg: Fp8CommFsdp2Config, plan: list, report: Fsdp2Report) -> dict:
@@ -282,7 +390,7 @@ def _levels(cfg: Fp8CommFsdp2Config, plan: list, report: Fsdp2Report) -> dict:
     for ranks, entry in groups.values():
         s = splits[ranks]
         entry.notes.append(("two-level: " if s.two_level else "flat: ") + s.reason)
-        if s.two_level and entry.residual_elements:
+        if s.two_level and entry.residual_elements and cfg.planner is None:  # the planner may choose flat
             entry.residual_elements //= s.local  # the cross-node phase's residual: node count x wire row
             entry.residual_bytes = residual_nbytes(cfg.gradients.residual_dtype, entry.residual_elements)
     return splits

@@ -3,6 +3,12 @@
 FSDP2 calls them with keywords (output_tensor=, input_tensor=, group=, op=, async_op=) and allocates its buffers
 through allocate(). With async_op=True the return is a torch Work whose wait() finishes the FP8 call (decode or
 fp32 accumulation, then unpadding): FSDP2 waits only on dist.Work instances. Counters: hook_stats().
+
+With the planner (enable(planner=...)) a hook carries a Planned: per call it asks the RuntimePlanner for the
+call's size class (the same answer on every member of the group: bytes, dtype, group shape and calibration are the
+same) and runs FSDP2's own comm object (the `native` choice: exactly FSDP2's collective), or fp8comm's on the
+chosen wire, flat or two-level; the call is timed into comm_stats() (issue to completion: the wait() of the
+returned Work when FSDP2 asks for async_op, the call itself otherwise).
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 import fp8comm.comm as fc
+from fp8comm.comm import topology
+from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape
+from fp8comm.comm.planner import GroupShape
 
 from . import layout
 from .config import Fp8CommFsdp2Error, GradientWire, WeightWire
@@ -30,6 +39,7 @@ class DirectionStats:
     calls: int = 0
     fp8_calls: int = 0
     passthrough_calls: int = 0  # e.g. FSDP2's uint8 all-gather of mixed-dtype parameters (moved unchanged)
+    native_calls: int = 0  # the planner chose FSDP2's own collective (its bytes, counted as sent)
     unaligned_calls: int = 0  # layout not known: blocks may straddle parameters
     wire_bytes: int = 0  # sent to other ranks: FP8 payload + scales + block padding (+ passthrough bytes)
     check_bytes: int = 0  # fp8comm metadata-check descriptors sent to other ranks
@@ -101,6 +111,16 @@ class _Counted:
         return False
 
 
+def _native(direction: str, nbytes: int, elements: int) -> None:
+    with _LOCK:
+        s = _STATS.setdefault(direction, DirectionStats())
+        s.calls += 1
+        s.native_calls += 1
+        s.wire_bytes += nbytes
+        s.baseline_bytes += nbytes
+        s.elements += elements
+
+
 def _passthrough(direction: str, reason: str, nbytes: int) -> None:
     with _LOCK:
         s = _STATS.setdefault(direction, DirectionStats())
@@ -113,11 +133,12 @@ def _passthrough(direction: str, reason: str, nbytes: int) -> None:
 
 # ------------------------------------------------------------------------------------------------- handles
 class Fp8Work(dist.Work):
-    """A torch Work for FSDP2: wait() finishes the fp8comm handle, then `after()` (unpadding); idempotent."""
+    """A torch Work for FSDP2: wait() finishes the fp8comm handle, then `after()` (unpadding), then closes the
+    planner's timer when the call is timed (issue to this wait); idempotent."""
 
-    def __init__(self, handle, after=None) -> None:
+    def __init__(self, handle, after=None, timer=None) -> None:
         super().__init__()
-        self._handle, self._after, self._done = handle, after, False
+        self._handle, self._after, self._timer, self._done = handle, after, timer, False
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
@@ -125,19 +146,76 @@ class Fp8Work(dist.Work):
             if self._after is not None:
                 self._after()
             self._done = True
+            if self._timer is not None:
+                self._timer.__exit__(None, None, None)
         return True
 
     def is_completed(self) -> bool:
         return self._done
 
 
-def _finish(handle, after, async_op: bool):
+def _finish(handle, after, async_op: bool, timer=None):
     """A Work for FSDP2 to wait on (async_op), or None after finishing now (FSDP2's synchronous contract)."""
-    work = Fp8Work(handle, after)
+    work = Fp8Work(handle, after, timer)
     if async_op:
         return work
     work.wait()
     return None
+
+
+def _own(work, async_op: bool, timer):
+    """What FSDP2's own comm object returned, its completion timed: a wrapped Work (async_op) or None."""
+    if timer is None:
+        return work
+    if async_op and work is not None:
+        return Fp8Work(work, None, timer)
+    if work is not None:
+        work.wait()
+    timer.__exit__(None, None, None)
+    return None
+
+
+_PLAN_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}  # fp16: bf16's bytes
+
+
+def block_of(config: fc.WireConfig) -> int:
+    """Elements per scale on the wire: the config's block, or a 4-bit format's own (32 mxfp4, 16 nvfp4)."""
+    return config.spec.scaling.cols or config.block_size or 128
+
+
+class Planned:
+    """The planner's part of one hook: the model's RuntimePlanner, the op it plans, FSDP2's own comm object (the
+    `native` choice), the WireConfig of each quantized wire ("fp8", "mxfp4") and the node table the group shapes
+    come from (gathered at enable(); nothing here communicates)."""
+
+    def __init__(
+        self,
+        planner: RuntimePlanner,
+        op: str,
+        native,
+        configs: dict[str, fc.WireConfig],
+        table: topology.NodeTable,
+    ) -> None:
+        self.planner, self.op, self.native, self.configs, self.table = planner, op, native, configs, table
+        self._shapes: dict[int, GroupShape] = {}
+
+    def shape(self, group) -> GroupShape:
+        key = id(group)
+        if key not in self._shapes:
+            ranks = topology.group_ranks(group)
+            self._shapes[key] = group_shape(topology.split(ranks, self.table), len(ranks))
+        return self._shapes[key]
+
+    def start(self, group, nbytes: int, dtype: torch.dtype, two_level: bool, device: torch.device):
+        """(choice, timer): the plan of this call's size class, and its timer already running."""
+        d, shape = _PLAN_DTYPES[dtype], self.shape(group)
+        choice: Choice = self.planner.choose(self.op, nbytes, d, shape, two_level=two_level)
+        timer = self.planner.timed(self.op, choice, nbytes, d, shape, device)
+        timer.__enter__()
+        return choice, timer
+
+    def config(self, choice: Choice) -> fc.WireConfig:
+        return self.configs[choice.option.wire]
 
 
 def _unpad_after(dst: torch.Tensor, wire: torch.Tensor, sp):
@@ -179,10 +257,19 @@ class Fp8AllGather(_Levels, _Alloc, AllGather):
     """FP8 all-gather of one FSDP param group's flat shard: every rank decodes the same bytes (bit-identical
     replicas); raw-byte (uint8) and other non-float gathers pass through unchanged and are counted."""
 
-    def __init__(self, param_group, wire: WeightWire, check, align: bool, splits: dict | None = None) -> None:
+    def __init__(
+        self,
+        param_group,
+        wire: WeightWire,
+        check,
+        align: bool,
+        splits: dict | None = None,
+        planned: Planned | None = None,
+    ) -> None:
         self.param_group, self.wire, self.align = param_group, wire, align
         self.config = wire.wire(check)
         self.splits = splits or {}
+        self.planned = planned
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -197,21 +284,32 @@ class Fp8AllGather(_Levels, _Alloc, AllGather):
             raise Fp8CommFsdp2Error(
                 f"all-gather output has {output_tensor.numel()} elements, expected world ({world}) x input ({n})"
             )
+        config, hier, timer = self.config, self.hier(group), None
+        if self.planned is not None:
+            nbytes = world * n * input_tensor.element_size()
+            choice, timer = self.planned.start(group, nbytes, dt, hier is not None, input_tensor.device)
+            if choice.native:  # FSDP2's own all-gather, in its dtype
+                _native("weights", (world - 1) * n * input_tensor.element_size(), n)
+                work = self.planned.native(
+                    output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op
+                )
+                return _own(work, async_op, timer)
+            config, hier = self.planned.config(choice), hier if choice.two_level else None
         sizes = layout.ag_sizes(self.param_group, n)
-        sp, wn = layout.spans(sizes or [n], self.wire.block_size, self.align and sizes is not None)
+        sp, wn = layout.spans(sizes or [n], block_of(config), self.align and sizes is not None)
         counted = _Counted("weights", (world - 1) * n * input_tensor.element_size(), n, wn - n, sizes is not None)
         if layout.is_identity(sp, n, wn):
             # The input is FSDP2's view of this rank's slot in the output: quantized before any slot is written.
             with counted:
                 h = fc.all_gather_into(
-                    output_tensor, input_tensor, group, async_op=True, config=self.config, hierarchical=self.hier(group)
+                    output_tensor, input_tensor, group, async_op=True, config=config, hierarchical=hier
                 )
-            return _finish(h, None, async_op)
+            return _finish(h, None, async_op, timer)
         win = layout.pack_rows(input_tensor.view(1, n), sp, wn).view(-1)
         wout = torch.empty(world * wn, dtype=dt, device=input_tensor.device)
         with counted:
-            h = fc.all_gather_into(wout, win, group, async_op=True, config=self.config, hierarchical=self.hier(group))
-        return _finish(h, _unpad_after(output_tensor.view(world, n), wout.view(world, wn), sp), async_op)
+            h = fc.all_gather_into(wout, win, group, async_op=True, config=config, hierarchical=hier)
+        return _finish(h, _unpad_after(output_tensor.view(world, n), wout.view(world, wn), sp), async_op, timer)
 
 
 # ------------------------------------------------------------------------------------------ reduce-scatter
@@ -219,8 +317,17 @@ class Fp8ReduceScatter(_Levels, _Alloc, ReduceScatter):
     """FP8 reduce-scatter of one FSDP param group's flat gradients: each rank quantizes with its own block scales,
     the receiver sums in fp32; SUM, AVG and PREMUL_SUM are honoured exactly as FSDP2 passes them."""
 
-    def __init__(self, param_group, wire: GradientWire, check, align: bool, splits: dict | None = None) -> None:
+    def __init__(
+        self,
+        param_group,
+        wire: GradientWire,
+        check,
+        align: bool,
+        splits: dict | None = None,
+        planned: Planned | None = None,
+    ) -> None:
         self.splits = splits or {}
+        self.planned = planned
         if wire.error_feedback and not wire.allow_unpartitioned_residuals:
             # enable() refuses first, with the model's byte count; this guards hooks built by hand.
             raise Fp8CommFsdp2Error(
@@ -252,8 +359,19 @@ class Fp8ReduceScatter(_Levels, _Alloc, ReduceScatter):
                 f"reduce-scatter input has {input_tensor.numel()} elements, expected world ({world})"
                 f" x output ({L}); FSDP2 always pads to that"
             )
+        config, hier, timer = self.config, self.hier(group), None
+        if self.planned is not None:
+            nbytes = world * L * input_tensor.element_size()
+            choice, timer = self.planned.start(group, nbytes, dt, hier is not None, input_tensor.device)
+            if choice.native:  # FSDP2's own reduce-scatter, its op and dtype
+                _native("gradients", (world - 1) * L * input_tensor.element_size(), world * L)
+                work = self.planned.native(
+                    output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op
+                )
+                return _own(work, async_op, timer)
+            config, hier = self.planned.config(choice), hier if choice.two_level else None
         sizes = layout.rs_sizes(self.param_group, L)
-        sp, wl = layout.spans(sizes or [L], self.wire.wire_block, self.align and sizes is not None)
+        sp, wl = layout.spans(sizes or [L], block_of(config), self.align and sizes is not None)
         counted = _Counted(
             "gradients", (world - 1) * L * input_tensor.element_size(), world * L, world * (wl - L), sizes is not None
         )
@@ -267,11 +385,11 @@ class Fp8ReduceScatter(_Levels, _Alloc, ReduceScatter):
                     group,
                     op=kind,
                     async_op=True,
-                    config=self.config,
+                    config=config,
                     error_feedback=self.error_feedback,
-                    hierarchical=self.hier(group),
+                    hierarchical=hier,
                 )
-            return _finish(h, None, async_op)
+            return _finish(h, None, async_op, timer)
         win = layout.pack_rows(input_tensor.view(world, L), sp, wl, factor)
         wout = torch.empty(wl, dtype=dt, device=input_tensor.device)
         with counted:
@@ -281,11 +399,11 @@ class Fp8ReduceScatter(_Levels, _Alloc, ReduceScatter):
                 group,
                 op=kind,
                 async_op=True,
-                config=self.config,
+                config=config,
                 error_feedback=self.error_feedback,
-                hierarchical=self.hier(group),
+                hierarchical=hier,
             )
-        return _finish(h, _unpad_after(output_tensor.view(1, L), wout.view(1, wl), sp), async_op)
+        return _finish(h, _unpad_after(output_tensor.view(1, L), wout.view(1, wl), sp), async_op, timer)
 
 
 def is_ours(comm) -> bool:
