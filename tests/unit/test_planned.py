@@ -112,3 +112,26 @@ def test_timed_records_predicted_and_measured():
     ):
         pass
     assert comm_stats() == {}  # the fixed choice predicts nothing
+
+
+def test_gpu_timing_is_sampled_and_fp16_planned_as_bf16(monkeypatch):
+    """On a GPU each timed call synchronizes the device: only the first TIMED_ON_GPU calls of a plan are timed."""
+    import fp8comm.comm.planned as planned
+
+    monkeypatch.setattr(planned, "_sync", lambda device: None)
+    reset_comm_stats()
+    rp = RuntimePlanner(PlannerSettings(), Policy(), lambda s: None, "test")
+    rp.calibration = cal(1e8)
+    shape = GroupShape(1, 4)
+    c = rp.choose("all_gather", 2 * MiB, torch.float16, shape, two_level=False)
+    assert c.plan is rp.choose("all_gather", 2 * MiB, "bf16", shape, two_level=False).plan
+    for _ in range(planned.TIMED_ON_GPU + 3):
+        with rp.timed("all_gather", c, 2 * MiB, torch.float16, shape, "cuda"):
+            pass
+    assert comm_stats(reset=True)["all_gather"]["timed_calls"] == planned.TIMED_ON_GPU
+
+
+def test_missing_calibration_file_says_how_to_write_one(tmp_path):
+    rp = RuntimePlanner(PlannerSettings(calibration=str(tmp_path / "none.json")), Policy(), lambda s: None, "p")
+    with pytest.raises(Fp8CommConfigError, match=r"p: calibration file .*no such file.*fp8comm calibrate --out FILE"):
+        rp.check_file("cpu", 2)
