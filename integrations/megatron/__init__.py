@@ -1,5 +1,6 @@
 """fp8comm for Megatron-Core / Megatron-LM: FP8 or 4-bit gradient reduce-scatter (optional error feedback), FP8
-parameter all-gather or 4-bit weight updates (replica += change), FP8 MoE dispatch and combine.
+parameter all-gather or 4-bit weight updates (replica += change), FP8 MoE dispatch and combine; or, with the
+planner (--fp8comm-planner), per bucket-size class whichever of Megatron's own, FP8 or 4 bits is predicted fastest.
 
 Megatron-LM:  args = parse_args(extra_args_provider=add_args); ...; install(args)   (before the model is built)
 Megatron-Core: install(ddp_config=ddp_config, transformer_config=config, grad_reduce=True, param_gather=True)
@@ -29,6 +30,7 @@ from .install import (
 )
 from .installation import Installation
 from .installation import current as installation
+from .planning import summary as planner_summary
 from .replica_update import load_state_dict as load_replica_update_state_dict
 from .replica_update import nbytes as replica_update_nbytes
 from .replica_update import reset as reset_replica_updates
@@ -62,6 +64,7 @@ __all__ = [
     "reset_replica_updates",
     "Installation",
     "installation",
+    "planner_summary",
 ]
 
 __getattr__ = renamed(

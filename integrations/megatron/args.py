@@ -113,11 +113,11 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--fp8comm-grad-format",
         dest="fp8comm_grad_fmt",
         choices=GRAD_FORMATS,
-        default=_D.grad_fmt,
+        default=None,  # None: not given (the planner refuses a given format); Fp8CommMegatronConfig's default
         help="wire format of --fp8comm-grad-reduce: FP8 (e4m3, e5m2: --fp8comm-block-size and --fp8comm-scaling "
         "apply) or 4 bits, whose block and scale kind are fixed by the format (mxfp4: 1x32 blocks, E8M0 scales; "
         "nvfp4: 1x16 blocks, E4M3 scales + one fp32 scale per chunk); --fp8comm-rounding and "
-        "--fp8comm-error-feedback apply to all (default %(default)s)",
+        f"--fp8comm-error-feedback apply to all; an error with --fp8comm-planner (default {_D.grad_fmt})",
     )
     g.add_argument(
         "--fp8comm-hadamard",
@@ -137,7 +137,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "change since the last gather (fp32 master minus replica) in this format and every rank adds the decoded "
         "change to its replica (bit-identical on every rank; the quantization error is sent with the next change). "
         "Block and scale kind fixed by the format, as for --fp8comm-grad-format; replaces "
-        "--fp8comm-param-gather; needs bf16/fp16 params (default: off, Megatron's gather)",
+        "--fp8comm-param-gather; needs bf16/fp16 params; an error with --fp8comm-planner (default: off, "
+        "Megatron's gather)",
     )
     g.add_argument(
         "--fp8comm-block-size",
@@ -178,5 +179,43 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=MOE_GRAD_WIRES,
         default=_D.moe_grad_wire,
         help="wire for the MoE backward (token gradients of a hooked dispatch/combine) (default %(default)s)",
+    )
+    g.add_argument(
+        "--fp8comm-planner",
+        action="store_true",
+        default=_D.planner,
+        help="choose each DDP bucket's wire by predicted time, per bucket-size class and identically on every "
+        "rank: Megatron's own collective, FP8 or (--fp8comm-planner-allow-4bit) 4 bits, flat or two-level (two "
+        "levels only for data-parallel groups that --fp8comm-hierarchical splits). Turns on the collectives it "
+        "chooses for: the gradient reduce-scatter / all-reduce (--fp8comm-grad-reduce) and, with "
+        "--use-distributed-optimizer and bf16/fp16 params, the FP8 parameter all-gather (--fp8comm-param-gather); "
+        "an error with --fp8comm-grad-format or --fp8comm-param-update-format (the planner picks the format). Rank "
+        "0 logs each size class's plan (predicted ms per option, the one chosen); comm_stats() gains predicted_s "
+        "and measured_s per collective. Calibration: --fp8comm-planner-calibration, else measured over the world "
+        "at install (gloo only)",
+    )
+    g.add_argument(
+        "--fp8comm-planner-allow-4bit",
+        action="store_true",
+        default=_D.planner_allow_4bit,
+        help="the planner may put gradient buckets on 4 bits: the validated recipe, mxfp4 with error feedback and "
+        "nearest rounding (the residual: --fp8comm-error-feedback-dtype); weights stay at most FP8. Implies "
+        "--fp8comm-planner; an error with --fp8comm-hadamard or --fp8comm-rounding stochastic",
+    )
+    g.add_argument(
+        "--fp8comm-planner-calibration",
+        metavar="FILE",
+        default=_D.planner_calibration,
+        help="the planner's calibration: a file written by `fp8comm calibrate --out FILE` on the same kind of "
+        "device and ranks per node (checked at install, before any bytes move; needed on NCCL). Implies "
+        "--fp8comm-planner (default: measured over the world at install, gloo only)",
+    )
+    g.add_argument(
+        "--fp8comm-planner-timeout",
+        dest="fp8comm_planner_timeout_s",
+        type=float,
+        default=_D.planner_timeout_s,
+        help="seconds the planner's measurement at install may take; past it every rank uses the fixed choice "
+        "(FP8, two levels where a group spans nodes) with one warning (default %(default)s)",
     )
     return parser

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from fp8comm.comm import (
     CHECK_POLICIES,
@@ -16,6 +16,7 @@ from fp8comm.comm import (
     residual_dtype_name,
 )
 from fp8comm.comm.config import FP4_WIRE_FORMATS, FP8_FORMATS, HADAMARD
+from fp8comm.comm.planned import PlannerSettings, parse_settings
 from fp8comm.errors import Fp8CommConfigError
 
 FORMATS = FP8_FORMATS  # parameters and MoE tokens: FP8 only (one byte per element, the block size and scaling flags)
@@ -70,6 +71,14 @@ class Fp8CommMegatronConfig:
     # 4-bit gradients: block Hadamard transform of 16 or 32 elements before quantizing (0: none); the signs come
     # from one seed on every rank and the receiver applies the inverse to its fp32 sum
     hadamard: int = 0
+    # The planner (planning.py): per bucket-size class, Megatron's own collective, FP8 or (allow_4bit) the 4-bit
+    # recipe, flat or two-level, predicted from a calibration (a file, or measured over the world at install).
+    # planner_allow_4bit or planner_calibration imply planner; the planner turns the gradient hook on (and the FP8
+    # parameter gather where the distributed optimizer gathers bf16/fp16 params): planned() is what install runs.
+    planner: bool = False
+    planner_allow_4bit: bool = False
+    planner_calibration: str | None = None
+    planner_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.param_update_fmt is not None and self.param_update_fmt not in PARAM_UPDATE_FORMATS:
@@ -92,9 +101,31 @@ class Fp8CommMegatronConfig:
         object.__setattr__(self, "error_feedback_dtype", residual_dtype_name(self.error_feedback_dtype))
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
             raise Fp8CommMegatronError(f"fp8comm: block_size must be a positive int, got {self.block_size!r}")
-        for name in ("grad_reduce", "param_gather", "moe_dispatch", "hierarchical", "error_feedback", "guard"):
+        for name in (
+            "grad_reduce",
+            "param_gather",
+            "moe_dispatch",
+            "hierarchical",
+            "error_feedback",
+            "guard",
+            "planner",
+            "planner_allow_4bit",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise Fp8CommMegatronError(f"fp8comm: {name} must be True or False, got {getattr(self, name)!r}")
+        if self.planner_calibration is not None and (
+            not isinstance(self.planner_calibration, str) or not self.planner_calibration
+        ):
+            raise Fp8CommMegatronError(
+                f"fp8comm: planner_calibration must be a file path or None, got {self.planner_calibration!r}"
+            )
+        if self.planner_allow_4bit or self.planner_calibration is not None:
+            object.__setattr__(self, "planner", True)  # --fp8comm-planner-allow-4bit / -calibration imply it
+        if self.planner:
+            try:
+                self.planner_settings  # noqa: B018 - validates the timeout
+            except Fp8CommConfigError as e:
+                raise Fp8CommMegatronError(f"fp8comm: {e}") from None
         if self.hadamard not in HADAMARD or isinstance(self.hadamard, bool):
             raise Fp8CommMegatronError(f"fp8comm: hadamard={self.hadamard!r} is not one of {HADAMARD}")
         try:
@@ -103,6 +134,33 @@ class Fp8CommMegatronConfig:
                 self.wire("grad")  # the 4-bit options must fit the format (e.g. nvfp4's 16-element blocks)
         except Fp8CommConfigError as e:
             raise Fp8CommMegatronError(f"fp8comm: {e}") from None
+
+    @property
+    def planner_settings(self) -> PlannerSettings | None:
+        """The planner's settings (fp8comm.comm.planned), None when it is off."""
+        if not self.planner:
+            return None
+        value: dict[str, object] = {"allow_4bit": self.planner_allow_4bit, "timeout_s": self.planner_timeout_s}
+        if self.planner_calibration is not None:
+            value["calibration"] = self.planner_calibration
+        return parse_settings(value, "--fp8comm-planner")
+
+    def planned(self, dist_opt: bool | None = True, params_fp32: bool = False, te_quantized: bool = False):
+        """The settings install() runs under the planner (self when it is off): the gradient hook on; the FP8
+        parameter gather on where the distributed optimizer gathers bf16/fp16 params (dist_opt not False, no fp32
+        params, no Transformer Engine quantized params); with allow_4bit the gradients' base config is the
+        validated recipe, mxfp4 with error feedback (buckets the plan puts on FP8 send config_for(base, "fp8"))."""
+        if not self.planner:
+            return self
+        gather = self.param_gather or (dist_opt is not False and not params_fp32 and not te_quantized)
+        four = self.planner_allow_4bit
+        return replace(
+            self,
+            grad_reduce=True,
+            param_gather=gather and self.param_update_fmt is None,
+            grad_fmt="mxfp4" if four else self.grad_fmt,
+            error_feedback=self.error_feedback or four,
+        )
 
     @property
     def guard_policy(self) -> GuardPolicy:
@@ -139,18 +197,29 @@ class Fp8CommMegatronConfig:
         if not self.any:
             return "fp8comm: no hook enabled (Megatron communication unchanged)" + gemms
         grad = {True: "grad reduce-scatter", False: "grad all-reduce", None: "grad reduce-scatter/all-reduce"}
+        planned = self.planner
         fp8 = [
             n
             for n, f in (
-                (grad[dist_opt], self.grad_reduce and not self.grad_fp4),
-                ("param all-gather", self.param_gather),
+                (grad[dist_opt], self.grad_reduce and not self.grad_fp4 and not planned),
+                ("param all-gather", self.param_gather and not planned),
                 ("MoE dispatch", self.moe_dispatch),
                 ("MoE combine", self.moe_combine == "fp8"),
             )
             if f
         ]
         head = "FP8 " + ", ".join(fp8) if fp8 else ""
-        if self.grad_reduce and self.grad_fp4:
+        if planned:
+            what = grad[dist_opt] + (" and param all-gather" if self.param_gather else "")
+            four = f", {self.grad_fmt} + error feedback for gradients" if self.planner_allow_4bit else ""
+            cal = self.planner_calibration or "measured over the world at install"
+            head = (
+                f"{what} PLANNED per bucket-size class (Megatron's own, FP8{four}; flat or two-level; calibration: "
+                f"{cal})" + ("; " + head if head else "")
+            )
+            if not self.param_gather and dist_opt is not False:  # plain DDP gathers no parameters
+                head += "; param all-gather Megatron's own (planned only for bf16/fp16 params, distributed optimizer)"
+        elif self.grad_reduce and self.grad_fp4:
             had = f", Hadamard 1x{self.hadamard}" if self.hadamard else ""
             head += ("; " if head else "") + f"{self.grad_fmt} {grad[dist_opt]} ({FP4_LAYOUT[self.grad_fmt]}{had})"
         if self.param_update_fmt is not None:
@@ -214,7 +283,21 @@ class Fp8CommMegatronConfig:
                 "extra_args_provider=fp8comm.integrations.megatron.add_args to parse_args (or call install() "
                 "with keywords instead of args)"
             )
-        return cls(**{f.name: getattr(args, "fp8comm_" + f.name) for f in fields(cls)})
+        kw = {f.name: getattr(args, "fp8comm_" + f.name) for f in fields(cls)}
+        for name in GIVEN_OR_DEFAULT:  # argparse default None: not given (the planner refuses a given one)
+            if kw[name] is None:
+                kw[name] = cls.__dataclass_fields__[name].default
+        return cls(**kw)
+
+    @staticmethod
+    def given_in_args(args) -> set[str]:
+        """Fields whose flag the command line gave (of GIVEN_OR_DEFAULT: their argparse default is None)."""
+        return {name for name in GIVEN_OR_DEFAULT if getattr(args, "fp8comm_" + name, None) is not None}
+
+
+# Fields whose flag defaults to None in add_args so that install() can tell a given value from the default: the
+# planner chooses what they set, and naming both is an error.
+GIVEN_OR_DEFAULT = ("grad_fmt",)
 
 
 # Per-hook counters (this process): proof that each installed hook actually ran, next to fp8comm.comm.comm_stats().
@@ -229,7 +312,8 @@ def count(hook: str, key: str, n: int = 1) -> None:
 def hook_stats(reset: bool = False) -> dict[str, dict[str, int]]:
     """{hook: {fp8_calls, passthrough_calls (group of one rank: nothing to move), elements, [hook-specific]}}.
 
-    Hooks: grad_reduce_scatter, grad_all_reduce (plain DDP), param_all_gather, param_update (the 4-bit
+    Hooks: grad_reduce_scatter, grad_all_reduce (plain DDP), param_all_gather (each with `native_calls`: buckets
+    the planner gave Megatron's own collective), param_update (the 4-bit
     weight-update all-gather: `update_calls` and their `wire_bytes` / `dtype_bytes` (what Megatron's gather of the
     same elements would send), `full_calls` (first gathers, in the buffer's dtype) and their `full_wire_bytes` /
     `full_dtype_bytes`, `staged_steps`), moe_dispatch, moe_combine (calls

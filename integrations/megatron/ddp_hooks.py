@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fp8comm import comm as fcomm
+from fp8comm.comm.planned import Choice
+from fp8comm.comm.planner import NATIVE, Option
 
-from . import error_feedback, guard, replica_update
+from . import error_feedback, guard, planning, replica_update
 from .config import Fp8CommMegatronConfig, Fp8CommMegatronError, count
 from .installation import hierarchical_groups, installed
 
@@ -195,26 +198,82 @@ def why_flat() -> str:
     return "no data-parallel group"
 
 
-def _options(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group) -> dict:
-    kw = {"config": cfg.wire(kind, _check(cfg, kind, t, group))}
+def _levels(cfg: Fp8CommMegatronConfig, group):
+    """This group's node groups (None: flat, as install() decided, or two levels off)."""
+    return hierarchical_groups(group) if cfg.hierarchical else None
+
+
+def _options(cfg: Fp8CommMegatronConfig, kind: str, t: torch.Tensor, group, route=None) -> dict:
+    kw: dict[str, Any] = {"config": cfg.wire(kind, _check(cfg, kind, t, group))}
     if cfg.hierarchical:  # this group's node groups, or None where install() decided it runs flat
         kw["hierarchical"] = hierarchical_groups(group)
+        if route is not None and not route.choice.two_level:  # the plan runs this size class flat
+            kw["hierarchical"] = None
     return kw
 
 
-def _grad_collective(hook: str, orig_call, fcomm_fn, cfg: Fp8CommMegatronConfig, output, input, op, group, async_op):
+def _plan(cfg: Fp8CommMegatronConfig, op: str, t: torch.Tensor, group):
+    """The planner's Route for this bucket collective (None: planner off); the same on every rank of the group."""
+    if not cfg.planner:
+        return None
+    return planning.route(op, t, group, two_level=_levels(cfg, group) is not None)
+
+
+def _native(orig_call, route, async_op: bool, t: torch.Tensor):
+    """Megatron's own collective for a bucket the plan or the guard gives it: exactly Megatron's call, timed when
+    planned (inside a coalescing block: from the call to the wait of the block's handle, after the real manager)."""
+    rp = installed().planner
+    if route is None or rp is None or route.choice.plan is None:
+        return orig_call()
+    native = Option(NATIVE)
+    stack = _batches()
+    if not stack and not async_op:  # synchronous: timed around the call
+        with rp.timed(route.op, Choice(native, route.choice.plan), route.nbytes, route.dtype, route.shape, t.device):
+            return orig_call()
+    timer = planning.Timer(route, native, t.device)
+    out = orig_call()
+    if stack:
+        stack[-1].items.append(planning.TimerStop(timer))
+        return out
+    if out is None:
+        timer.stop()
+        return out
+    return planning.TimedHandle(out, timer)
+
+
+def _timed_start(start, route, config, two_level: bool, t: torch.Tensor):
+    """`start` whose handle also records predicted vs measured seconds from the launch to its wait (planned)."""
+    if route is None or route.choice.plan is None:
+        return start
+
+    def timed():
+        timer = planning.Timer(route, planning.ran(route, config, two_level), t.device)
+        return planning.TimedHandle(start(), timer)
+
+    return timed
+
+
+def _grad_collective(
+    hook: str, orig_call, fcomm_fn, cfg: Fp8CommMegatronConfig, output, input, op, group, async_op, plan_op: str
+):
     """The gradient reduction both paths share (reduce-scatter into a shard, all-reduce in place): pass-through for
-    one-rank groups, the guard's bf16 route (orig_call: Megatron's own collective), error feedback keyed by the
-    bucket's gradient buffer `input`, then fp8comm's FP8 or 4-bit collective, issued now or at the block's exit."""
+    one-rank groups, the planner's choice (Megatron's own, FP8 or 4 bits, flat or two-level), the guard's bf16 route
+    (orig_call: Megatron's own collective), error feedback keyed by the bucket's gradient buffer `input`, then
+    fp8comm's FP8 or 4-bit collective, issued now or at the block's exit."""
     if _size(group) == 1:  # nothing crosses a link: quantizing would only lose precision
         count(hook, "passthrough_calls")
         return orig_call()
-    wire, bucket = guard.route("grad", input, fp4=cfg.grad_fp4)
+    route = _plan(cfg, plan_op, input, group)
+    if route is not None and route.native:  # the plan gives this size class Megatron's own collective
+        count(hook, "native_calls")
+        return _native(orig_call, route, async_op, input)
+    fp4 = cfg.grad_fp4 and (route is None or route.choice.option.wire != "fp8")
+    wire, bucket = guard.route("grad", input, fp4=fp4)
     if wire == "bf16":  # the numerics guard sends this bucket through Megatron's own collective for now
-        return orig_call()
+        return _native(orig_call, route, async_op, input)
     ef = error_feedback.for_bucket(input) if cfg.error_feedback else None
-    opts = _options(cfg, "grad", input, group)
-    if wire == "fp8" and cfg.grad_fp4:  # a 4-bit bucket the guard demoted: E4M3 with 1x128 fp32 scales meanwhile
+    opts = _options(cfg, "grad", input, group, route)
+    if wire == "fp8" and cfg.grad_fp4:  # a 4-bit bucket the plan puts on FP8 or the guard demoted: E4M3 1x128 fp32
         opts["config"] = fcomm.config_for(opts["config"], "fp8")
 
     def start():
@@ -222,7 +281,8 @@ def _grad_collective(hook: str, orig_call, fcomm_fn, cfg: Fp8CommMegatronConfig,
         count(hook, "elements", input.numel())
         return fcomm_fn(output, input, group, op, async_op=True, error_feedback=ef, guard=bucket, **opts)
 
-    return _issue(start, async_op)
+    two = opts.get("hierarchical") is not None
+    return _issue(_timed_start(start, route, opts["config"], two, input), async_op)
 
 
 def make_reduce_scatter(orig, cfg: Fp8CommMegatronConfig):
@@ -247,6 +307,7 @@ def make_reduce_scatter(orig, cfg: Fp8CommMegatronConfig):
             op,
             group,
             async_op,
+            "reduce_scatter",
         )
 
     fp8comm_reduce_scatter.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -336,6 +397,7 @@ def _fp8_all_reduce(orig, cfg: Fp8CommMegatronConfig, tensor, op, group, async_o
         op,
         group,
         async_op,
+        "all_reduce",
     )
 
 
@@ -351,6 +413,9 @@ def make_all_gather(orig, cfg: Fp8CommMegatronConfig):
         if cfg.param_update:
             return _update_gather(orig, output, input, group, async_op)
         if output.dtype == torch.float32:
+            if cfg.planner:  # the planner turned the gather on for bf16/fp16 buffers: an fp32 one keeps Megatron's
+                count("param_all_gather", "passthrough_calls")
+                return orig(output, input, group=group, async_op=async_op)
             raise Fp8CommMegatronError(
                 "fp8comm: FP8 param all-gather on an fp32 parameter buffer would overwrite the distributed "
                 "optimizer's fp32 master weights (they share that buffer) with FP8-rounded values; train with "
@@ -359,18 +424,23 @@ def make_all_gather(orig, cfg: Fp8CommMegatronConfig):
         if _size(group) == 1:
             count("param_all_gather", "passthrough_calls")
             return orig(output, input, group=group, async_op=async_op)
+        call = lambda: orig(output, input, group=group, async_op=async_op)
+        route = _plan(cfg, "all_gather", output, group)
+        if route is not None and route.native:  # the plan gives this size class Megatron's own gather
+            count("param_all_gather", "native_calls")
+            return _native(call, route, async_op, output)
         wire, bucket = guard.route("param", output)  # output: the bucket's persistent parameter buffer
         if wire == "bf16":
-            return orig(output, input, group=group, async_op=async_op)
+            return _native(call, route, async_op, output)
+        opts = _options(cfg, "param", input, group, route)
 
         def start():
             count("param_all_gather", "fp8_calls")
             count("param_all_gather", "elements", input.numel())
-            return fcomm.all_gather_into(
-                output, input, group, async_op=True, guard=bucket, **_options(cfg, "param", input, group)
-            )
+            return fcomm.all_gather_into(output, input, group, async_op=True, guard=bucket, **opts)
 
-        return _issue(start, async_op)
+        two = opts.get("hierarchical") is not None
+        return _issue(_timed_start(start, route, opts["config"], two, output), async_op)
 
     fp8comm_all_gather.__wrapped__ = orig  # type: ignore[attr-defined]
     return fp8comm_all_gather

@@ -12,14 +12,16 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fp8comm.comm import teardown as fcomm_teardown
+from fp8comm.comm import topology
 
-from . import ddp_hooks, error_feedback, guard, moe_hooks, replica_update
+from . import ddp_hooks, error_feedback, guard, moe_hooks, planning, replica_update
 from .config import FP4_LAYOUT, HOOKED_DISPATCHERS, Fp8CommMegatronConfig, Fp8CommMegatronError
 from .installation import begin, current, end
 
@@ -296,9 +298,51 @@ def _facts_from_configs(ddp_config, transformer_config, params_dtype) -> _Facts:
     return f
 
 
-def validate(cfg: Fp8CommMegatronConfig, f: _Facts) -> list[str]:
-    """Settings that would corrupt training or make a hook silently do nothing."""
+def planned(cfg: Fp8CommMegatronConfig, f: _Facts) -> Fp8CommMegatronConfig:
+    """What install() runs: cfg, or under the planner the hooks it chooses for turned on (Fp8CommMegatronConfig.
+    planned: the FP8 parameter gather only where the distributed optimizer gathers bf16/fp16 params)."""
+    return cfg.planned(f.dist_opt, f.params_dtype == torch.float32, bool(f.te_quantized))
+
+
+def planner_conflicts(cfg: Fp8CommMegatronConfig, given: Collection[str] = ()) -> list[str]:
+    """Settings the planner decides, given beside it (given: fields set explicitly, e.g. `--fp8comm-grad-format
+    e4m3`, which equals the default), and what the 4-bit recipe excludes. No communication."""
+    if not cfg.planner:
+        return []
     errs = []
+    if "grad_fmt" in given or cfg.grad_fmt != Fp8CommMegatronConfig().grad_fmt:
+        errs.append(
+            f"--fp8comm-planner and --fp8comm-grad-format {cfg.grad_fmt} both choose the gradients' wire: drop one "
+            "(the planner picks Megatron's own, FP8 or, with --fp8comm-planner-allow-4bit, mxfp4 with error feedback "
+            "per bucket-size class)"
+        )
+    if cfg.param_update_fmt is not None:
+        errs.append(
+            f"--fp8comm-planner and --fp8comm-param-update-format {cfg.param_update_fmt} both choose the parameter "
+            "all-gather's wire: drop one (the planner gathers weights in FP8 at most; 4-bit weight updates are not "
+            "planned)"
+        )
+    if cfg.planner_allow_4bit and cfg.hadamard:
+        errs.append(
+            f"--fp8comm-planner-allow-4bit with --fp8comm-hadamard {cfg.hadamard}: the validated 4-bit gradient "
+            "recipe the planner may choose is mxfp4 with error feedback and no transform; drop --fp8comm-hadamard"
+        )
+    if cfg.planner_allow_4bit and cfg.rounding != "nearest":
+        errs.append(
+            f"--fp8comm-planner-allow-4bit with --fp8comm-rounding {cfg.rounding}: the validated 4-bit gradient "
+            "recipe rounds to nearest (with error feedback); drop --fp8comm-rounding"
+        )
+    why = planning.refusal(cfg)
+    if why:
+        errs.append(why)
+    return errs
+
+
+def validate(cfg: Fp8CommMegatronConfig, f: _Facts, given: Collection[str] = ()) -> list[str]:
+    """Settings that would corrupt training or make a hook silently do nothing (under the planner: its conflicts,
+    then the checks of what it turns on). given: the fields set explicitly (planner_conflicts)."""
+    errs = planner_conflicts(cfg, given)
+    cfg = planned(cfg, f)
     fp8_ddp = cfg.grad_reduce or cfg.param_gather  # the hooks --fp8comm-hierarchical applies to
     ddp = fp8_ddp or cfg.param_update
     if ddp and f.fsdp:
@@ -424,10 +468,14 @@ def install(
     is built, or install(ddp_config=..., transformer_config=..., grad_reduce=True, ...) for Megatron-Core.
 
     `options` are Fp8CommMegatronConfig fields (fmt, grad_fmt, block_size, scaling, rounding, hierarchical, check,
-    moe_grad_wire, moe_combine, error_feedback, error_feedback_dtype, guard*, param_update_fmt). Raises
-    Fp8CommMegatronError, with nothing patched, on an unsupported version, a missing Megatron name or a combination
-    that would corrupt training or silently do nothing. Called again while installed: the same settings are a
-    no-op (Megatron-LM calls model_provider once per virtual pipeline stage), other settings an error.
+    moe_grad_wire, moe_combine, error_feedback, error_feedback_dtype, guard*, param_update_fmt, planner,
+    planner_allow_4bit, planner_calibration, planner_timeout_s). Raises Fp8CommMegatronError, with nothing patched,
+    on an unsupported version, a missing Megatron name, a combination that would corrupt training or silently do
+    nothing, or a planner calibration file from another fp8comm version, device kind or ranks per node. Called again
+    while installed: the same settings are a no-op (Megatron-LM calls model_provider once per virtual pipeline
+    stage), other settings an error. Returns the settings it runs (under the planner: the hooks it turned on).
+    With the planner, install() is collective over the world (the node table, and the measurement when no
+    calibration file is given).
     """
     if args is not None:
         if (
@@ -443,12 +491,16 @@ def install(
             raise Fp8CommMegatronError("fp8comm: pass either args (from add_args) or keywords, not both")
         cfg = Fp8CommMegatronConfig.from_args(args)
         facts = _facts_from_args(args)
+        given = Fp8CommMegatronConfig.given_in_args(args)
     else:
         cfg = Fp8CommMegatronConfig(
             grad_reduce=bool(grad_reduce), param_gather=bool(param_gather), moe_dispatch=bool(moe_dispatch), **options
         )
         facts = _facts_from_configs(ddp_config, transformer_config, params_dtype)
-    errs = validate(cfg, facts)  # also when no hook is on: e.g. --fp8comm-error-feedback alone would do nothing
+        given = set(options)
+    # also when no hook is on: e.g. --fp8comm-error-feedback alone would do nothing
+    errs = validate(cfg, facts, given)
+    cfg = planned(cfg, facts)  # under the planner: the hooks it chooses for turned on
     active = current()
     if active is not None:
         # Megatron-LM calls model_provider once per virtual pipeline stage: an install() placed there runs again
@@ -474,11 +526,28 @@ def install(
     if errs:
         raise Fp8CommMegatronError("fp8comm: refusing to install:\n  - " + "\n  - ".join(errs))
     patches = _patches(cfg, features)
+    plan_log: list[str] = []
+
+    def log_plan(line: str) -> None:  # every rank keeps its lines (planner_summary); rank 0 prints them
+        plan_log.append(line)
+        _log(line)
+
+    # The planner's calibration file is checked against this version, device kind and ranks per node (the node
+    # table: one all_gather_object over the world) before anything is created or patched.
+    rp = planning.prepare(cfg, log_plan) if cfg.planner else None
     # Two-level node groups (the default): decided and created now, on every rank in one order (collective over
     # the world), never lazily by a hook that only the members of one data-parallel group reach.
     node_groups = ddp_hooks.prepare_node_groups() if cfg.hierarchical and fp8_hooks(cfg) else {}
+    if rp is not None:
+        try:
+            planning.start(rp)  # the file, or a measurement over the world (collective, once)
+        except BaseException:
+            fcomm_teardown(ddp_hooks.HOLDER)  # the node groups just taken: nothing stays behind a failed install
+            raise
     inst = begin(cfg)
     inst.node_groups.update(node_groups)
+    if rp is not None:
+        inst.planner, inst.plan_log, inst.node_table = rp, plan_log, topology.node_table()  # cached: no communication
     for split in node_groups.values():
         _log("fp8comm: data-parallel " + split.describe())
     flat = ""

@@ -34,6 +34,13 @@ class Installation:
     replicas: dict[int, tuple[weakref.ref, Any]] = field(default_factory=dict)
     guard: Guard | None = None
     guard_keys: dict[tuple[str, int], tuple[weakref.ref, str]] = field(default_factory=dict)  # (kind, id) -> key
+    # --fp8comm-planner: the RuntimePlanner (fp8comm.comm.planned; None: off), the world's node table gathered at
+    # install (group shapes are computed from it without communication), group ranks -> GroupShape, and every line
+    # the planner logged on this rank (rank 0 prints them)
+    planner: Any = None
+    node_table: Any = None
+    shapes: dict = field(default_factory=dict)
+    plan_log: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.cfg.guard and self.guard is None:
