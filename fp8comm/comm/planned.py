@@ -108,6 +108,7 @@ class RuntimePlanner:
         self._logged: set[int] = set()
         self._timed: dict[tuple[str, int], int] = {}  # (op, id(plan)) -> calls timed on a GPU (TIMED_ON_GPU)
         self.started = False
+        self.calibrate_s: float | None = None  # seconds the measurement took (None: from a file, or not started)
 
     # ------------------------------------------------------------------------------------------- calibration
     def check_file(self, device: torch.device | str, ranks_per_node: int | None) -> Calibration | None:
@@ -139,7 +140,7 @@ class RuntimePlanner:
                 )
             t0 = time.monotonic()
             cal = calibrate(group, timeout_s=self.settings.timeout_s)
-            took = time.monotonic() - t0
+            took = self.calibrate_s = time.monotonic() - t0
             if cal is None:
                 self.fallback = "calibration did not finish (see the warning)"
                 self.log(f"fp8comm planner: {self.fallback}; fixed choice: FP8, two levels where a group spans nodes")

@@ -144,6 +144,7 @@ def planner_measured_at_build(info):
         "inter_Bps": cal.inter.bandwidth,
         "intra_Bps": cal.intra.bandwidth,
         "first_engine_build_and_train_s": time.monotonic() - t0,
+        "calibrate_s": es.planner.calibrate_s,
     }
     if dist.get_rank() == 0:
         assert any(ln.startswith("fp8comm planner: calibrated in") for ln in lines), lines
