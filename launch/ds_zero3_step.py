@@ -7,6 +7,8 @@
     launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --fp8    # ZeRO-2 (also --stage 1)
     launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --fp8 --grad-fmt mxfp4 --update-fmt mxfp4  # 4 bits
     launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --bias --gelu --bucket-size 1.6e7   # HF's "auto" size
+    launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --fp8 --grad-fmt mxfp4 --error-feedback   # the recipe
+    launch/cluster.py run -- launch/ds_zero3_step.py --stage 2 --planner 4bit    # "planner": {"allow_4bit": true}
 
 `--profile DIR` writes a cProfile of each rank's steady-state steps (DIR/rank<r>.prof) to find non-link time.
 
@@ -35,6 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-fmt", default="e4m3", help="with --fp8: gradients.fmt (e4m3, e5m2, mxfp4, nvfp4)")
     p.add_argument("--hadamard", type=int, default=0, help="with --fp8 and a 4-bit --grad-fmt: 0, 16 or 32")
     p.add_argument("--update-fmt", default=None, help="with --fp8, ZeRO-1/2: weights.update_fmt (mxfp4, nvfp4)")
+    p.add_argument(
+        "--error-feedback",
+        action="store_true",
+        help="with --fp8: gradients.error_feedback (and allow_unpartitioned_residuals under ZeRO-2/3)",
+    )
+    p.add_argument(
+        "--planner",
+        choices=("on", "4bit"),
+        default=None,
+        help="the fp8_comm section's planner (implies --fp8): 'on' = true, '4bit' = {\"allow_4bit\": true}",
+    )
+    p.add_argument("--calibration", default=None, help="with --planner: a calibration file (default: measured)")
     p.add_argument(
         "--hierarchical",
         action=argparse.BooleanOptionalAction,
@@ -72,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch import nn
 
     import fp8comm.integrations.deepspeed as fd
+    from fp8comm.comm import comm_stats
     from fp8comm.distributed import link_bytes, link_ifname
 
     torch.set_num_threads(1)
@@ -97,14 +112,28 @@ def main(argv: list[str] | None = None) -> int:
     if a.bucket_size is not None:
         ds["zero_optimization"]["reduce_bucket_size"] = int(a.bucket_size)
         ds["zero_optimization"]["allgather_bucket_size"] = int(a.bucket_size)
+    if a.planner:
+        a.fp8 = True
+        if a.grad_fmt != "e4m3" or a.update_fmt or a.error_feedback:
+            p.error("--planner chooses the formats: drop --grad-fmt / --update-fmt / --error-feedback")
     if a.fp8:
         ds["fp8_comm"] = {"enabled": True, "gemm": False}
+        if a.planner:
+            plan: dict = {"allow_4bit": a.planner == "4bit"}
+            if a.calibration:
+                plan["calibration"] = a.calibration
+            ds["fp8_comm"]["planner"] = plan
         if a.hierarchical is not None:
             ds["fp8_comm"]["hierarchical"] = a.hierarchical
         if a.grad_fmt != "e4m3" or a.hadamard:  # only keys that differ: the script also runs older checkouts
             ds["fp8_comm"]["gradients"] = {"fmt": a.grad_fmt, "hadamard": a.hadamard}
         if a.update_fmt:
             ds["fp8_comm"]["weights"] = {"update_fmt": a.update_fmt}
+        if a.error_feedback:
+            g = ds["fp8_comm"].setdefault("gradients", {})
+            g["error_feedback"] = True
+            if a.stage > 1:
+                g["allow_unpartitioned_residuals"] = True
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = fd.initialize(model=model, optimizer=opt, config=ds)
     ifname = link_ifname()
@@ -165,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
             "loss_first": round(losses[0], 6),
             "loss_last": round(losses[-1], 6),
             "fp8comm_hook_stats": fd.hook_stats(engine) if a.fp8 else None,
+            # the planner's calls: predicted and measured seconds per op (comm_stats), summed over the run
+            "planned_times": {
+                op: {k: v[k] for k in ("timed_calls", "predicted_s", "measured_s")}
+                for op, v in comm_stats().items()
+                if v.get("timed_calls")
+            },
         }
         print("ds_zero3_step summary: " + json.dumps(summary, default=str), flush=True)
     dist.barrier()
