@@ -9,8 +9,14 @@ What is timed (on every rank, at once, as a collective would load the machine):
   exchange starts after a barrier): a node's figure is all its rail bytes over the window until its last rail
   exchange ends (Calibration.inter is a node's cross-node bandwidth, all its NICs; a sum of the ranks' own rates
   would count a pair that finished early and left the link to the others twice);
-- codecs: pack and unpack_sum of each codec at two sizes (calibration.measure_codecs); unpack is set to
-  unpack_sum's speed and error feedback's residual to unpack's (not timed: the start-up budget).
+- codecs: pack and unpack_sum of each codec at two sizes (calibration.measure_codecs; the fixed cost per kernel
+  call from the two), then again at LARGE_ELEMS with every rank at once after a barrier (calls long enough to
+  overlap; on CPU FP8's compiled kernel, whose first call compiles): CodecSpeed.above for calls of that size and
+  more; unpack is set to unpack_sum's speed and error feedback's residual to unpack's (not timed: the start-up
+  budget);
+- call_overhead: the metadata check every quantized call makes (one all_gather of 16 + 2 x world int64), timed
+  in bursts on the private group (Python's own cost per call is not in it). The small link exchange is timed in
+  bursts too (BURST back to back per window: a barrier's skew amortized).
 Rank 0 keeps the SLOWEST per level (the node-local link of the slowest rank, the cross-node bandwidth of the slowest
 node, the highest latency) and each codec's slowest rank: a collective step ends when its slowest member does, so a
 plan from the typical rank would promise what the collective cannot deliver.
@@ -43,12 +49,14 @@ import statistics
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import Fp8CommConfigError
+from ..quant.dispatch import COMPILE_MIN_NUMEL
 from . import topology
 from .calibration import WIRE_CONFIGS, Calibration, Link, device_kind, measure_codecs
 from .linkmodel import CodecSpeed
@@ -58,6 +66,9 @@ PHASES = ("ready", "links", "codecs")
 SIZES = (16 << 10, 2 << 20)  # bytes per exchange: small (latency), large (bandwidth, from the difference)
 CODEC_ELEMS = (1 << 14, 1 << 18)  # elements per codec call, small and large
 TAG = 0xCA1  # point-to-point tag on the private group
+LARGE_ELEMS = COMPILE_MIN_NUMEL  # codecs timed at this size too: large calls' kernel, every rank at once
+SMALL_REPS = 3  # windows of small exchanges (and of check gathers) per rep of the large exchange
+BURST = 4  # small exchanges (and metadata-check gathers) timed back to back per window: a barrier's skew amortized
 _POLL_S = 0.005
 _epochs: dict[tuple[int, ...], int] = {}
 
@@ -148,7 +159,7 @@ def calibrate(
 
     # ---- measure: links on a private gloo group, then codecs; any failure is reported, never raised
     mine: dict[str, Any] = {"rank": me}
-    pg = None
+    pg: Any = None
     try:
         pg = dist.ProcessGroupGloo(
             dist.PrefixStore("pg/", kv), me, world, datetime.timedelta(seconds=max(0.1, deadline - time.monotonic()))
@@ -162,6 +173,14 @@ def calibrate(
         timings: dict = {}
         speeds = measure_codecs(codecs, elems=codec_elems, reps=reps, kinds=("pack", "unpack_sum"), timings=timings)
         mine["codecs"] = {k: [s.pack, s.unpack_sum] for k, s in speeds.items()}
+        mine["codec_fixed"] = {k: s.fixed for k, s in speeds.items()}
+        # every codec again at LARGE_ELEMS, all ranks at once after a barrier: calls long enough to overlap (ranks
+        # sharing cores slow each other, as in a collective), with the kernel a large call runs (CPU FP8: the
+        # compiled one above COMPILE_MIN_NUMEL, the torch reference below; its first call compiles)
+        if codec_elems[1] < LARGE_ELEMS:
+            pg.barrier().wait(datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            big = measure_codecs(codecs, elems=LARGE_ELEMS, reps=reps, kinds=("pack", "unpack_sum"), timings=timings)
+            mine["codecs_large"] = {k: [LARGE_ELEMS, s.pack, s.unpack_sum] for k, s in big.items()}
         mine["codecs_s"] = time.monotonic() - t0
         mine["first_calls_s"] = sum(t["first_call_s"] for t in timings.values())
         mine["kernel"] = next(iter(speeds.values())).source
@@ -329,16 +348,33 @@ def _time_links(
         if peer is not None:
             exchange(peer, *bufs[0])  # untimed: first use of the pair
         times: list[list[float]] = []
-        for a, b in bufs:
+        for i, (a, b) in enumerate(bufs):
+            # the small size: per exchange of a burst (the barrier's skew amortized), SMALL_REPS x reps windows
+            # (cheap; latency is noisy on shared cores)
+            burst, n = (BURST, SMALL_REPS * reps) if i == 0 else (1, reps)
             ts = []
-            for _ in range(reps):
+            for _ in range(n):
                 wait(pg.barrier())
                 t0 = time.perf_counter()
                 if peer is not None:
-                    exchange(peer, a, b)
-                ts.append(time.perf_counter() - t0)
+                    for _ in range(burst):
+                        exchange(peer, a, b)
+                ts.append((time.perf_counter() - t0) / burst)
             times.append(ts)
         out[level] = times if peer is not None else None
+    # the metadata check every quantized call makes (fp8comm.comm.checks): one all_gather of (16 + 2*world) int64
+    world = len(nodes)
+    mine = torch.zeros(16 + 2 * world, dtype=torch.int64)
+    table = [[torch.empty_like(mine) for _ in range(world)]]
+    wait(pg.allgather(table, [mine]))  # untimed: first use
+    check = []
+    for _ in range(SMALL_REPS * reps):
+        wait(pg.barrier())
+        t0 = time.perf_counter()
+        for _ in range(BURST):
+            wait(pg.allgather(table, [mine]))
+        check.append((time.perf_counter() - t0) / BURST)
+    out["check"] = [check]
     wait(pg.barrier())
     return out
 
@@ -393,13 +429,24 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     for name in rows[0]["codecs"]:
         pack = min(r["codecs"][name][0] for r in rows)
         usum = min(r["codecs"][name][1] for r in rows)
-        codecs[name] = CodecSpeed(
-            pack,
-            usum,
-            usum,
+        fixed = max(r.get("codec_fixed", {}).get(name, 0.0) for r in rows)
+        src = (
             f"calibrate: slowest of {world} ranks, pack and unpack_sum timed at two sizes (unpack set to unpack_sum, "
-            "residual to unpack: not timed)",
+            "residual to unpack: not timed), fixed cost per kernel call from the two sizes"
         )
+        codecs[name] = CodecSpeed(pack, usum, usum, src, fixed=fixed)
+        big = [r["codecs_large"][name] for r in rows if name in r.get("codecs_large", {})]
+        if big:  # calls of >= LARGE_ELEMS: the speeds timed at that size, every rank at once (their kernel)
+            lp, lu = min(b[1] for b in big), min(b[2] for b in big)
+            src_big = (
+                f"calibrate: slowest of {world} ranks, calls >= {big[0][0]} elements: timed at that size, every rank "
+                "at once (the kernel large calls run)"
+            )
+            codecs[name] = replace(codecs[name], above=(int(big[0][0]), CodecSpeed(lp, lu, lu, src_big)))
+    # the metadata check's gather every quantized call adds (the slowest rank's median); Python's own cost per call
+    # is not in it
+    checks = [statistics.median(r["links"]["check"][0]) for r in rows if r["links"].get("check")]
+    call_overhead = max(checks) if checks else 0.0
     spent = {
         "links_s": max(r["links_s"] for r in rows),
         "codecs_s": max(r["codecs_s"] for r in rows),
@@ -415,13 +462,15 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
         ranks_per_node=per_node,
         backend="gloo",
         world_size=world,
+        call_overhead=call_overhead,
         source=(
             f"fp8comm calibrate, {time.strftime('%Y-%m-%d %H:%M')}: {n_nodes} node(s) x {per_node} ranks, gloo, "
             f"exchanges of {sizes[0]} and {sizes[1]} bytes, slowest rank / node per level"
         ),
         notes=(
             *notes,
-            "node_local_cap not measured (None); call_overhead not measured (0)",
+            "node_local_cap not measured (None); call_overhead: the metadata check's all_gather of (16 + 2 x world) "
+            f"int64 ({call_overhead * 1e6:.0f} us), not Python's own cost per call",
             f"time: {spent['decided_s']:.2f} s in all, {spent['first_calls_s']:.2f} s of it first codec calls "
             f"(compiles, caches); links {spent['links_s']:.2f} s, codecs {spent['codecs_s']:.2f} s",
         ),

@@ -112,8 +112,7 @@ class Calibration:
                 raise _err(f"codec speed for unknown codec {name!r}; valid: {', '.join(WIRE_CONFIGS)}, '*'")
             if not isinstance(s, CodecSpeed):
                 raise _err(f"codec {name!r}: a CodecSpeed is needed, got {type(s).__name__}")
-            for k in SPEED_KINDS:
-                _positive(f"codec {name!r} {k}", getattr(s, k), allow_zero=k == "residual")
+            _check_speed(name, s)
         object.__setattr__(self, "codecs", dict(self.codecs))
         object.__setattr__(self, "notes", tuple(self.notes))
 
@@ -171,16 +170,7 @@ class Calibration:
             "intra": {"bandwidth": self.intra.bandwidth, "latency": self.intra.latency},
             "node_local_cap": self.node_local_cap,
             "call_overhead": self.call_overhead,
-            "codecs": {
-                k: {
-                    "pack": s.pack,
-                    "unpack_sum": s.unpack_sum,
-                    "unpack": s.unpack,
-                    "residual": s.residual,
-                    "source": s.source,
-                }
-                for k, s in self.codecs.items()
-            },
+            "codecs": {k: _speed_dict(s) for k, s in self.codecs.items()},
             "source": self.source,
             "notes": list(self.notes),
         }
@@ -225,16 +215,27 @@ class Calibration:
             m = obj(d, key)
             return Link(num(m, "bandwidth", key + "."), num(m, "latency", key + "."))
 
-        codecs = {}
-        for name, m in obj(d, "codecs").items():
-            p = f"codecs.{name}."
-            codecs[name] = CodecSpeed(
+        def speed(m: Mapping, p: str) -> CodecSpeed:
+            above = None
+            if m.get("above") is not None:
+                b = obj(m, "above", p)
+                lim = get(b, "numel", p + "above.")
+                if isinstance(lim, bool) or not isinstance(lim, int) or lim < 1:
+                    raise _err(f"field {p + 'above.numel'!r}{at} must be an int >= 1, got {lim!r}")
+                above = (lim, speed(b, p + "above."))
+            return CodecSpeed(
                 num(m, "pack", p),
                 num(m, "unpack_sum", p),
                 num(m, "unpack", p),
                 source=str(m.get("source", "")),
                 residual=num(m, "residual", p) if "residual" in m else 0.0,
+                fixed=num(m, "fixed", p) if "fixed" in m else 0.0,
+                above=above,
             )
+
+        codecs = {}
+        for name, m in obj(d, "codecs").items():
+            codecs[name] = speed(m, f"codecs.{name}.")
         rpn = get(d, "ranks_per_node")
         if isinstance(rpn, bool) or not isinstance(rpn, int):
             raise _err(f"field 'ranks_per_node'{at} must be an int, got {rpn!r}")
@@ -272,6 +273,27 @@ class Calibration:
         if not p.is_file():
             raise _err(f"no such file: {p}")
         return cls.from_json(p.read_text(), device=device, ranks_per_node=ranks_per_node, where=str(p))
+
+
+def _check_speed(name: str, s: CodecSpeed) -> None:
+    for k in SPEED_KINDS:
+        _positive(f"codec {name!r} {k}", getattr(s, k), allow_zero=k == "residual")
+    _positive(f"codec {name!r} fixed", s.fixed, allow_zero=True)
+    if s.above is not None:
+        at, b = s.above
+        if isinstance(at, bool) or not isinstance(at, int) or at < 1 or not isinstance(b, CodecSpeed):
+            raise _err(f"codec {name!r}: above must be (numel >= 1, CodecSpeed), got {s.above!r}")
+        _check_speed(name, b)
+
+
+def _speed_dict(s: CodecSpeed) -> dict:
+    d: dict = {"pack": s.pack, "unpack_sum": s.unpack_sum, "unpack": s.unpack, "residual": s.residual}
+    if s.fixed:
+        d["fixed"] = s.fixed
+    if s.above is not None:
+        d["above"] = {"numel": s.above[0], **_speed_dict(s.above[1])}
+    d["source"] = s.source
+    return d
 
 
 # ------------------------------------------------------------------------------------------- codec speeds
@@ -385,7 +407,9 @@ def _measure(
     how = f"{sizes[0]} elements" if len(sizes) == 1 else f"{sizes[0]} and {sizes[1]} elements, from the difference"
     untimed = f"; not timed: {', '.join(filled)} (unpack at unpack_sum's speed)" if filled else ""
     src = f"measured here ({device_kind(dev)}, {how}, kernel {kern}, {time.strftime('%Y-%m-%d %H:%M')}{untimed})"
-    return CodecSpeed(speed["pack"], speed["unpack_sum"], speed["unpack"], src, speed["residual"])
+    # two sizes: the fixed cost per kernel call, the mean intercept of the kinds timed (0 from one size)
+    fixed = sum(t["fixed_s"].values()) / len(t["fixed_s"]) if t["fixed_s"] else 0.0
+    return CodecSpeed(speed["pack"], speed["unpack_sum"], speed["unpack"], src, speed["residual"], fixed)
 
 
 def _time_kinds(

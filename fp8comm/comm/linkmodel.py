@@ -225,10 +225,23 @@ class CodecSpeed:
     unpack: float
     source: str = ""
     residual: float = 0.0
+    # seconds each codec kernel call costs beyond its elements (the intercept of two timed sizes: launches, Python,
+    # allocation), charged per codec stage per piece; 0: not modelled
+    fixed: float = 0.0
+    # (numel, speeds): calls whose kernel is chosen from at least `numel` elements run at these speeds (another
+    # kernel: on CPU, FP8 from dispatch.COMPILE_MIN_NUMEL runs compiled, not the torch reference; or timed with every
+    # rank at once); None: these speeds at every size
+    above: tuple[int, CodecSpeed] | None = None
 
     @property
     def residual_speed(self) -> float:
         return self.residual or self.unpack
+
+    def at(self, numel: int | None) -> CodecSpeed:
+        """The speeds of the kernel a call chosen from `numel` elements runs (self unless `above` applies)."""
+        if self.above is not None and numel is not None and numel >= self.above[0]:
+            return self.above[1].at(numel)
+        return self
 
 
 @dataclass(frozen=True)
@@ -307,9 +320,12 @@ def time(
     def wire(name: str, levels: Levels, steps: int) -> None:
         st.append((name, m.wire_s(levels, steps * pieces)))
 
-    def work(name: str, cc: Codec, kind: str, count: int) -> None:
+    def work(name: str, cc: Codec, kind: str, count: int, numel: int | None = None, calls: bool = True) -> None:
+        # numel: the elements the call's kernel is chosen from (as comm/core.py and comm/levels.py choose it);
+        # calls: the stage is codec kernel calls (once per piece: CodecSpeed.fixed each), not a plain-dtype sum
         if cc.quantized and count:
-            st.append((name, count / getattr(m.speed(cc), kind)))
+            s = m.speed(cc).at(numel)
+            st.append((name, count / getattr(s, kind) + (max(pieces, 1) * s.fixed if calls else 0.0)))
 
     def split(levels: Levels) -> tuple[Levels, Levels]:  # (the rails' part, the node-local part)
         return (
@@ -319,43 +335,43 @@ def time(
 
     def rs() -> None:
         if algo == "flat":
-            work("pack", c, "pack", w * L)
+            work("pack", c, "pack", w * L, w * L)
             if feedback:
-                work("residual", c, "residual_speed", w * L)
+                work("residual", c, "residual_speed", w * L, w * L)
             wire("wire", bytes("reduce_scatter", algo, c, g, n, elems, pieces), 1)
-            work("unpack_sum", c, "unpack_sum", w * L)
+            work("unpack_sum", c, "unpack_sum", w * L, w * L)
             return
         lc = _local("reduce_scatter", c, local, dtype)
         rails, loc = split(bytes("reduce_scatter", algo, c, g, n, elems, pieces, local, dtype))
-        work("local pack", lc, "pack", w * L)
+        work("local pack", lc, "pack", w * L, w * L)
         wire("local wire", loc, 1)  # one all_to_all inside the node
         # the receiver's fp32 sum of g chunks of n*L: charged at the decode-and-add speed (a plain dtype too)
-        work("local sum", lc if lc.quantized else c, "unpack_sum", n * L * g if g > 1 else 0)
-        work("pack", c, "pack", n * L)
+        work("local sum", lc if lc.quantized else c, "unpack_sum", n * L * g if g > 1 else 0, n * L, lc.quantized)
+        work("pack", c, "pack", n * L, n * L)
         if feedback:  # the residual covers the rail quantization: the n*L partial sums this rank sends
-            work("residual", c, "residual_speed", n * L)
+            work("residual", c, "residual_speed", n * L, n * L)
         wire("rails wire", rails, 1)
-        work("unpack_sum", c, "unpack_sum", n * L)
+        work("unpack_sum", c, "unpack_sum", n * L, n * L)
 
     def ag() -> None:
-        work("pack", c, "pack", L)
+        work("pack", c, "pack", L, L)
         if algo in ("flat", "ring"):  # the backend's all_gather of the packed shard: a ring
             wire("wire", bytes("all_gather", algo, c, g, n, elems, pieces), w - 1)
-            work("unpack", c, "unpack", w * L)
+            work("unpack", c, "unpack", w * L, w * L)
             return
         lc = _local("all_gather", c, local, dtype)
         rails, loc = split(bytes("all_gather", algo, c, g, n, elems, pieces, local, dtype))
         wire("rails wire", rails, n - 1)
         if not lc.quantized:
-            work("unpack", c, "unpack", n * L)  # decoded once, gathered inside the node in the plain dtype
+            work("unpack", c, "unpack", n * L, w * L)  # decoded once, gathered inside the node in the plain dtype
         wire("local wire", loc, g - 1)
         if lc.quantized:
-            work("unpack", c, "unpack", w * L)
+            work("unpack", c, "unpack", w * L, w * L)
 
     if op == "all_to_all":
-        work("pack", c, "pack", w * L)
+        work("pack", c, "pack", w * L, w * L)
         wire("wire", lv, 1)
-        work("unpack", c, "unpack", w * L)
+        work("unpack", c, "unpack", w * L, w * L)
     elif algo == "gloo" or (algo == "ring" and not c.quantized):
         rounds = 2 if op == "all_reduce" or (algo == "gloo" and op == "reduce_scatter") else 1
         wire("wire", lv, rounds * (w - 1))

@@ -123,14 +123,21 @@ def _spawn(args, kw: dict, local: int) -> int:
     return int(codes[0] or 0)
 
 
-def _worker(rank: int, world: int, local: int, port: int, argd: dict, kw: dict) -> None:
+def join(rank: int, world: int, local: int, port: int, store_timeout_s: float = 60.0) -> None:
+    """A started rank joins the gloo world on 127.0.0.1:port as `local` ranks per node, its threads its share."""
     import torch
     import torch.distributed as dist
 
     os.environ["LOCAL_WORLD_SIZE"] = str(local)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=store_timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+
+
+def _worker(rank: int, world: int, local: int, port: int, argd: dict, kw: dict) -> None:
+    import torch.distributed as dist
+
+    join(rank, world, local, port)
     code = 1
     try:
         code = _rank(argparse.Namespace(**argd), kw)

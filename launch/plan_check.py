@@ -1,0 +1,397 @@
+#!/usr/bin/env python3
+"""The planner's predictions against measurement, in one launch (issue 30 item 5): calibrate, then time the rows of
+`fp8comm bench comm`, then print per row the measured and the predicted milliseconds and whether they agree within
+20%.
+
+  .venv/bin/python launch/plan_check.py                         4 gloo ranks on 127.0.0.1 as 2 nodes x 2
+  .venv/bin/python launch/plan_check.py --nproc 8 --local-size 4 --json out.json
+  launch/cluster.py --name pc up --nodes 2 --rate 1gbit         the simulated cluster: one torchrun per node
+  launch/cluster.py --name pc run --nproc-per-node 2 -- launch/plan_check.py --json out.json
+  launch/plan_check.py --from out.json                          re-predict a saved run's measurements with this
+                                                                checkout's model (its calibration, or --calibration)
+
+Every rank first runs fp8comm.comm.calibrate.calibrate() over the world (the calibration an engine would take at
+build), then fp8comm.tools.bench.comm's own table (its timing: median per call, barrier before each, the slowest
+rank's; `--ops`, `--min-size`, ... are bench comm's options, with this check's defaults). Rank 0 predicts each row
+with fp8comm.comm.planner.predict (the planner's own numbers) from that calibration:
+
+  bench comm row   the planner's option                      prediction
+  bf16 / fp32      Option("native") in bf16 / fp32           torch's gloo call (planner.predict)
+  fp8, mxfp4       Option(codec, "flat")                     fp8comm's flat call (planner.predict)
+  fp8-2l, mxfp4-2l Option(codec, "two_level")                fp8comm's two-level call (planner.predict)
+  bf16-ring        (not an option: fp8comm's bench baseline) linkmodel.time(op, "ring", "bf16", ...)
+
+mxfp4 rows are bench comm's (no error feedback), so they are predicted without it. Rows of a codec the calibration
+did not time are left out. The summary counts the planner's options and every row apart; exit 0 whatever the count
+(it is a measurement, not a test), 1 when the calibration fell back or a rank failed, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TOLERANCE = 0.20
+# bench comm's variant -> (planner wire, levels) or None for the ring baseline
+VARIANTS: dict[str, tuple[str, str] | None] = {
+    "bf16": ("native", "flat"),
+    "fp32": ("native", "flat"),
+    "bf16-ring": None,
+    "fp8": ("fp8", "flat"),
+    "fp8-2l": ("fp8", "two_level"),
+    "fp8-e8m0": ("fp8_e8m0", "flat"),
+    "fp8-e8m0-2l": ("fp8_e8m0", "two_level"),
+    "mxfp4": ("mxfp4", "flat"),
+    "mxfp4-2l": ("mxfp4", "two_level"),
+    "nvfp4": ("nvfp4", "flat"),
+    "nvfp4-2l": ("nvfp4", "two_level"),
+}
+DEFAULTS = {
+    "nproc": 4,
+    "ops": "all_gather,reduce_scatter",
+    "min_size": 64 << 10,
+    "max_size": 16 << 20,
+    "factor": 4,
+    "scales": "fp32",
+    "fp4": "mxfp4",
+    "ef_steps": 0,
+    "check_cost_size": 0,
+    "timeout": 1800.0,
+}
+
+
+# ------------------------------------------------------------------------------------------ the comparison
+def option_label(variant: str) -> str:
+    """The table's option column for a bench comm variant."""
+    v = VARIANTS[variant]
+    if v is None:
+        return "bf16 ring (bench baseline)"
+    wire, levels = v
+    if wire == "native":
+        return f"engine's own {variant} (torch gloo)"
+    return f"{wire} {'two-level' if levels == 'two_level' else 'flat'}"
+
+
+def predict_row(row: dict, cal, nodes: int, local: int) -> float | None:
+    """Predicted seconds of one bench comm row (its op, size, variant) from `cal` on a group of nodes x local, or
+    None where the row is not predicted (an unknown variant, a codec the calibration lacks, two levels on a group
+    that does not span nodes)."""
+    from fp8comm.comm import linkmodel
+    from fp8comm.comm.planner import GroupShape, Option, predict
+    from fp8comm.tools.bench.comm import _full_count
+
+    variant = row["variant"]
+    if variant not in VARIANTS:
+        return None
+    world = nodes * local
+    elems = _full_count(row["op"], row["count"], world, row.get("hidden", 4096))
+    spec = VARIANTS[variant]
+    if spec is None:
+        return linkmodel.time(row["op"], "ring", "bf16", cal.machine(nodes, local), elems).seconds
+    wire, levels = spec
+    shape = GroupShape(nodes, local)
+    if levels == "two_level" and not shape.spans_nodes:
+        return None
+    if wire != "native" and wire not in cal.codecs and "*" not in cal.codecs:
+        return None
+    dtype = "fp32" if variant == "fp32" else "bf16"
+    return predict(row["op"], elems * (4 if dtype == "fp32" else 2), dtype, shape, Option(wire, levels), cal)
+
+
+def compare(rows: list[dict], cal, nodes: int, local: int, tolerance: float = TOLERANCE) -> list[dict]:
+    """One entry per predicted bench comm row: op, size, variant, option, measured and predicted ms, their ratio
+    (predicted / measured) and whether it lies within `tolerance` (|ratio - 1| <= tolerance)."""
+    out = []
+    for r in rows:
+        p = predict_row(r, cal, nodes, local)
+        if p is None:
+            continue
+        m = r["time"]
+        ratio = p / m if m > 0 else float("inf")
+        out.append(
+            {
+                "op": r["op"],
+                "size": r["size"],
+                "variant": r["variant"],
+                "option": option_label(r["variant"]),
+                "planner_option": VARIANTS[r["variant"]] is not None,
+                "measured_ms": m * 1e3,
+                "predicted_ms": p * 1e3,
+                "ratio": ratio,
+                "within": abs(ratio - 1) <= tolerance,
+            }
+        )
+    return out
+
+
+def summary(checked: list[dict], tolerance: float = TOLERANCE) -> dict:
+    opts = [c for c in checked if c["planner_option"]]
+    return {
+        "tolerance": tolerance,
+        "planner_options_within": sum(c["within"] for c in opts),
+        "planner_options_total": len(opts),
+        "rows_within": sum(c["within"] for c in checked),
+        "rows_total": len(checked),
+    }
+
+
+def _human(n: int) -> str:
+    for unit, s in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= s and n % s == 0:
+            return f"{n // s}{unit}"
+    return str(n)
+
+
+def format_table(checked: list[dict], summ: dict) -> str:
+    head = ["op", "size", "option", "measured ms", "predicted ms", "pred/meas", f"within {summ['tolerance']:.0%}"]
+    body = [
+        [
+            c["op"],
+            _human(c["size"]),
+            c["option"],
+            f"{c['measured_ms']:.3f}",
+            f"{c['predicted_ms']:.3f}",
+            f"{c['ratio']:.2f}",
+            "yes" if c["within"] else "no",
+        ]
+        for c in checked
+    ]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in [head, *body]]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines.append(
+        f"# within {summ['tolerance']:.0%}: {summ['planner_options_within']} / {summ['planner_options_total']} rows of "
+        f"the planner's options; {summ['rows_within']} / {summ['rows_total']} rows in all (with the bench's baselines)"
+    )
+    return "\n".join(lines)
+
+
+def _speeds(v) -> str:
+    out = f"{v.pack / 1e6:.0f} / {v.unpack_sum / 1e6:.0f}"
+    if v.fixed:
+        out += f" + {v.fixed * 1e6:.0f} us per call"
+    if v.above is not None:
+        out += f" (>= {v.above[0]}: {_speeds(v.above[1])})"
+    return out
+
+
+def describe_calibration(cal, report: dict) -> str:
+    s = report.get("seconds", {})
+    lines = [
+        f"# calibration: {cal.source}",
+        f"# cross-node {cal.inter.bandwidth * 8 / 1e6:.0f} Mbit/s per node ({cal.inter.latency * 1e6:.0f} us/step), "
+        f"node-local {cal.intra.bandwidth * 8 / 1e6:.0f} Mbit/s per rank ({cal.intra.latency * 1e6:.0f} us/step), "
+        f"host cost per quantized call {cal.call_overhead * 1e6:.0f} us",
+        "# codecs (M elements/s, pack / unpack_sum; calls >= N elements: theirs): "
+        + ", ".join(f"{k} {_speeds(v)}" for k, v in cal.codecs.items()),
+    ]
+    if s:
+        lines.append(
+            f"# calibration took {s.get('decided_s', 0):.2f} s ({s.get('first_calls_s', 0):.2f} s first codec calls)"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ the ranks
+def _rank(args) -> int:
+    """One rank's part: calibrate over the world, then bench comm's table; rank 0 compares and prints."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from fp8comm.comm.calibrate import CalibrationWarning, calibrate
+    from fp8comm.tools.bench import comm as bench
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    report: dict = {}
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CalibrationWarning)
+        cal = calibrate(timeout_s=args.calibrate_timeout, report=report)
+    cal_s = time.monotonic() - t0
+    if cal is None:
+        if rank == 0:
+            print(f"# plan_check: calibration fell back: {caught[0].message if caught else report}", file=sys.stderr)
+        return 1
+    rows_file = None
+    if rank == 0:
+        fd, rows_file = tempfile.mkstemp(prefix="plan_check_rows_", suffix=".jsonl")
+        os.close(fd)
+        print(describe_calibration(cal, report), flush=True)
+    bench_args = argparse.Namespace(**{**vars(args), "json": rows_file or ""})
+    bench._table(bench_args)
+    if rank != 0:
+        return 0
+    assert rows_file is not None
+    rows = [json.loads(line) for line in Path(rows_file).read_text().splitlines() if line.strip()]
+    os.unlink(rows_file)
+    for r in rows:
+        r.pop("times", None)
+        r["hidden"] = args.hidden
+    nodes = world // local if world % local == 0 else 1
+    result = {
+        "meta": _meta(world, local, nodes, cal_s, args),
+        "calibration": cal.to_dict(),
+        "calibration_report": report,
+        "rows": rows,
+    }
+    _finish(result, cal, args)
+    return 0
+
+
+def _meta(world: int, local: int, nodes: int, cal_s: float, args) -> dict:
+    import platform
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load": os.getloadavg(),
+        "world": world,
+        "local": local,
+        "nodes": nodes,
+        "calibrate_s": cal_s,
+        "link": os.environ.get("GLOO_SOCKET_IFNAME", "") or "loopback (127.0.0.1)",
+        "argv": sys.argv[1:],
+    }
+
+
+def _finish(result: dict, cal, args) -> None:
+    m = result["meta"]
+    checked = compare(result["rows"], cal, m["nodes"], m["local"], args.tolerance)
+    summ = summary(checked, args.tolerance)
+    result.update(checked=checked, summary=summ)
+    print(
+        f"# plan_check: {m['nodes']} node(s) x {m['local']} ranks, {m['link']}, commit {m['commit']}"
+        f"{' (uncommitted changes)' if m['uncommitted'] else ''}, {m['date']}, load {m['load'][0]:.1f}"
+    )
+    print(format_table(checked, summ), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"# written: {args.json}")
+
+
+def _worker(rank: int, world: int, local: int, port: int, argd: dict) -> None:
+    import torch.distributed as dist
+
+    from fp8comm.tools.calibrate import join
+
+    join(rank, world, local, port, store_timeout_s=120.0)
+    code = 1
+    try:
+        code = _rank(argparse.Namespace(**argd))
+    finally:
+        from fp8comm.tools.bench.comm import _shutdown
+
+        _shutdown()
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+def _spawn(args) -> int:
+    """Start --nproc gloo ranks on 127.0.0.1, --local-size per node (LOCAL_WORLD_SIZE), as bench comm and
+    fp8comm calibrate start theirs."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120)
+    )
+    ctx = mp.get_context("spawn")
+    local = args.local_size if args.local_size is not None else 2
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.nproc, local, store.port, vars(args))) for r in range(args.nproc)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    bad = [i for i, p in enumerate(procs) if p.is_alive() or p.exitcode != 0]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if bad:
+        print(f"# plan_check: rank(s) {bad} failed or timed out", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _from_file(args) -> int:
+    """Re-predict a saved run: its measured rows, its calibration (or --calibration's), this checkout's model."""
+    from fp8comm.comm.calibration import Calibration
+
+    result = json.loads(Path(args.from_file).read_text())
+    cal = (
+        Calibration.load(args.calibration)
+        if args.calibration
+        else Calibration.from_dict(result["calibration"], where=args.from_file)
+    )
+    result["calibration"] = cal.to_dict()
+    result["meta"]["repredicted"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    print(describe_calibration(cal, {}))
+    _finish(result, cal, args)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from fp8comm.tools.bench.comm import add_args
+
+    p = argparse.ArgumentParser(prog="plan_check.py", description=__doc__.splitlines()[0])
+    add_args(p)  # bench comm's options (--json: this check's file, not bench comm's rows)
+    p.set_defaults(**DEFAULTS)
+    p.add_argument("--tolerance", type=float, default=TOLERANCE, help="|predicted / measured - 1| counted as agreeing")
+    p.add_argument("--calibrate-timeout", type=float, default=60.0, help="calibrate()'s timeout_s")
+    p.add_argument("--from", dest="from_file", default="", help="re-predict a saved --json run (no ranks started)")
+    p.add_argument("--calibration", default="", help="with --from: predict from this calibration file instead")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.from_file:
+        return _from_file(args)
+    if args.calibration:
+        print("plan_check.py: --calibration goes with --from", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        import torch.distributed as dist
+
+        from fp8comm.tools.bench.comm import _shutdown
+
+        dist.init_process_group("gloo")
+        try:
+            return _rank(args)
+        finally:
+            _shutdown()
+            dist.destroy_process_group()
+    local = args.local_size if args.local_size is not None else 2
+    if args.nproc < 2 or local < 1 or args.nproc % local:
+        print(f"plan_check.py: need --nproc >= 2 divisible by --local-size, got {args.nproc}, {local}", file=sys.stderr)
+        return 2
+    return _spawn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

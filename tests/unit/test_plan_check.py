@@ -1,0 +1,122 @@
+"""launch/plan_check.py's comparison (no ranks started) and the model pieces it relies on: a codec speed per kernel
+regime (CodecSpeed.above), the fixed cost per kernel call, the metadata check's cost per quantized call, and their
+round trip through a calibration's JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp8comm.comm import linkmodel
+from fp8comm.comm.calibration import Calibration, Link
+from fp8comm.comm.linkmodel import CodecSpeed
+from fp8comm.comm.planner import GroupShape, Option, predict
+from fp8comm.errors import Fp8CommConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _plan_check():
+    spec = importlib.util.spec_from_file_location("plan_check", ROOT / "launch" / "plan_check.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["plan_check"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+LARGE = CodecSpeed(8e8, 4e8, 4e8, "large")
+SMALL = CodecSpeed(1e8, 2e8, 2e8, "small", fixed=1e-4, above=(1 << 20, LARGE))
+
+
+def _cal(**kw) -> Calibration:
+    return Calibration(
+        inter=Link(1e9, 1e-4),
+        intra=Link(5e8, 5e-5),
+        codecs={"fp8": SMALL, "mxfp4": CodecSpeed(3e8, 6e8, 6e8, "x")},
+        device="cpu",
+        ranks_per_node=2,
+        backend="gloo",
+        **kw,
+    )
+
+
+def test_regimes_and_fixed_costs():
+    assert SMALL.at(1 << 20) is LARGE and SMALL.at((1 << 20) - 1) is SMALL and SMALL.at(None) is SMALL
+    m = _cal().machine(2, 2)
+    # flat reduce-scatter of 64Ki elements: the kernel is chosen from the whole buffer (small: the reference's
+    # speeds, a fixed cost per pack and per unpack_sum call), one piece
+    e = linkmodel.time("reduce_scatter", "flat", "fp8", m, 1 << 16)
+    st = dict(e.stages)
+    assert st["pack"] == pytest.approx((1 << 16) / 1e8 + 1e-4)
+    assert st["unpack_sum"] == pytest.approx((1 << 16) / 2e8 + 1e-4)
+    # 4 Mi elements: the large kernel, no fixed cost
+    e = linkmodel.time("reduce_scatter", "flat", "fp8", m, 1 << 22, 2)
+    assert dict(e.stages)["pack"] == pytest.approx((1 << 22) / 8e8)
+    # a flat all-gather packs the shard (small kernel) and decodes the whole buffer (large kernel)
+    st = dict(linkmodel.time("all_gather", "flat", "fp8", m, 1 << 21).stages)
+    assert st["pack"] == pytest.approx((1 << 19) / 1e8 + 1e-4) and st["unpack"] == pytest.approx((1 << 21) / 4e8)
+    # without regimes or fixed costs nothing changes (tests/unit/test_linkmodel.py pins those figures)
+    plain = CodecSpeed(1e8, 2e8, 2e8)
+    m2 = linkmodel.Machine("x", 2, 2, 1e9, 1e-4, 5e8, 5e-5, {"fp8": plain})
+    assert dict(linkmodel.time("reduce_scatter", "flat", "fp8", m2, 1 << 16).stages)["pack"] == (1 << 16) / 1e8
+
+
+def test_call_overhead_once_per_quantized_call():
+    a, b = _cal(), _cal(call_overhead=2e-3)
+    nb = 1 << 20
+    for opt in (Option("fp8"), Option("fp8", "two_level"), Option("mxfp4")):
+        assert predict("reduce_scatter", nb, "bf16", GroupShape(2, 2), opt, b) == pytest.approx(
+            predict("reduce_scatter", nb, "bf16", GroupShape(2, 2), opt, a) + 2e-3
+        )
+    native = Option("native")
+    assert predict("all_gather", nb, "bf16", GroupShape(2, 2), native, b) == predict(
+        "all_gather", nb, "bf16", GroupShape(2, 2), native, a
+    )
+
+
+def test_calibration_round_trip_with_regimes():
+    cal = _cal(call_overhead=7e-4)
+    back = Calibration.from_json(cal.to_json(), device="cpu", ranks_per_node=2)
+    assert back == cal and back.codecs["fp8"].above == (1 << 20, LARGE) and back.call_overhead == 7e-4
+    d = json.loads(cal.to_json())
+    d["codecs"]["fp8"]["above"]["numel"] = 0
+    with pytest.raises(Fp8CommConfigError, match="above.numel"):
+        Calibration.from_dict(d)
+    with pytest.raises(Fp8CommConfigError, match="fixed"):
+        _cal().__class__(**{**_cal().__dict__, "codecs": {"fp8": CodecSpeed(1, 1, 1, fixed=-1.0)}})
+
+
+def test_compare_rows_against_the_planner():
+    pc = _plan_check()
+    cal = _cal()
+    rows = [
+        {"op": "reduce_scatter", "size": 1 << 20, "count": 1 << 19, "variant": v, "time": t}
+        for v, t in (("bf16", 0.01), ("fp32", 0.02), ("bf16-ring", 0.005), ("fp8", 0.004), ("fp8-2l", 0.5))
+    ] + [{"op": "reduce_scatter", "size": 1 << 20, "count": 1 << 19, "variant": "nvfp4", "time": 0.01}]
+    got = pc.compare(rows, cal, 2, 2)
+    assert [c["variant"] for c in got] == ["bf16", "fp32", "bf16-ring", "fp8", "fp8-2l"]  # nvfp4: not calibrated
+    shape, elems = GroupShape(2, 2), 1 << 19
+    want = {
+        "bf16": predict("reduce_scatter", 2 * elems, "bf16", shape, Option("native"), cal),
+        "fp32": predict("reduce_scatter", 4 * elems, "fp32", shape, Option("native"), cal),
+        "bf16-ring": linkmodel.time("reduce_scatter", "ring", "bf16", cal.machine(2, 2), elems).seconds,
+        "fp8": predict("reduce_scatter", 2 * elems, "bf16", shape, Option("fp8"), cal),
+        "fp8-2l": predict("reduce_scatter", 2 * elems, "bf16", shape, Option("fp8", "two_level"), cal),
+    }
+    for c, r in zip(got, rows):
+        assert c["predicted_ms"] == pytest.approx(want[c["variant"]] * 1e3)
+        assert c["ratio"] == pytest.approx(want[c["variant"]] / r["time"])
+        assert c["within"] == (abs(c["ratio"] - 1) <= 0.2)
+    assert not got[-1]["within"] and got[2]["planner_option"] is False
+    s = pc.summary(got)
+    assert s["rows_total"] == 5 and s["planner_options_total"] == 4
+    assert s["rows_within"] == sum(c["within"] for c in got)
+    text = pc.format_table(got, s)
+    assert "fp8 two-level" in text and f"{s['planner_options_within']} / 4 rows" in text
+    # two levels on a group that does not span nodes: not predicted
+    assert pc.compare(rows[4:5], cal, 1, 4) == []
