@@ -185,11 +185,25 @@ def _updates_not_applied():
 
     real = fc.ReplicaUpdate.gather
 
-    def gather(self, replica, shard, group=None):
+    class _PutBack:  # an asynchronous gather: the replica is put back when it is waited
+        def __init__(self, inner, replica, before) -> None:
+            self.inner, self.replica, self.before = inner, replica, before
+
+        def wait(self, *a, **k):
+            out = self.inner.wait(*a, **k)
+            self.replica.copy_(self.before)
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def gather(self, replica, shard, group=None, **kw):
         if not self.primed:
-            return real(self, replica, shard, group)
+            return real(self, replica, shard, group, **kw)
         before = replica.clone()
-        real(self, replica, shard, group)
+        h = real(self, replica, shard, group, **kw)
+        if kw.get("async_op") and h is not None:
+            return _PutBack(h, replica, before)
         return replica.copy_(before)
 
     fc.ReplicaUpdate.gather = gather

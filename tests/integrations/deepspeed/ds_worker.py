@@ -41,6 +41,7 @@ from ds_checks_moe import moe_ep2_one_step  # noqa: E402
 from ds_checks_planner import CHECKS as PLANNER  # noqa: E402
 from ds_checks_residuals import checkpoint_fp32_residuals_into_fp8  # noqa: E402
 from ds_checks_scope import engines_per_scope  # noqa: E402
+from ds_checks_updates import CHECKS as UPDATES  # noqa: E402
 from ds_common import SMALL_BUCKET, SQNR, SQNR_STEPS, STEPS, TOL_COMM, TOL_GEMM, GradSqnr, baseline, check_ratio, parity  # noqa: E402
 from ds_mutations import apply_from_env  # noqa: E402
 
@@ -419,6 +420,7 @@ SCENARIOS = {
         _checkpoint(2, "bf16", {"gemm": False, "gradients": {"fmt": "mxfp4"}, "weights": {"update_fmt": "mxfp4"}}),
         guard_fallback,
         zero3_gemm_memory,
+        *UPDATES,  # overlapped 4-bit weight updates (ds_checks_updates.py)
     ],
     "moe": [
         moe_ep2_one_step,
