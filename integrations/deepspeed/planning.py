@@ -150,3 +150,19 @@ def handle(h, es, d: Decision, op: str, nbytes: int, dtype, device):
     if d.choice is None or d.shape is None or es.planner is None or es.planner.calibration is None:
         return h
     return TimedHandle(h, es, d, op, nbytes, dtype, device)
+
+
+def feedback(d: Decision | None) -> bool:
+    """Error feedback on this call (when the engine keeps residuals): always without a plan; with one, unless the
+    plan put the size class on FP8, which it predicted and chose without error feedback (the 4-bit recipe has it; a
+    bucket the guard demotes from 4 bits keeps it, as without the planner)."""
+    return d is None or d.choice is None or d.choice.option.wire != "fp8"
+
+
+def call_config(es, base, d: Decision):
+    """The call's WireConfig: the guard's demotion (EngineState.wire_config), error feedback off where the plan's FP8
+    has none."""
+    cfg = es.wire_config(base, d.how)
+    if cfg is not None and cfg.error_feedback and not feedback(d):
+        cfg = cfg.replace(error_feedback=False)
+    return cfg

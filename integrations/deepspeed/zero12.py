@@ -392,8 +392,9 @@ class _Reducer:
             if rs:
                 flat[row0 : (o + 1) * part].zero_()
         self.staged = 0  # everything staged is in the send buffer now
-        ef = None if es.residuals is None else es.residuals.assemble(lay, total, b.device)
-        call_cfg = es.wire_config(self.wcfg, b.how)
+        d = b.decision or planning.Decision(b.how, b.gb, hg, None)
+        ef = es.residuals.assemble(lay, total, b.device) if es.residuals is not None and planning.feedback(d) else None
+        call_cfg = planning.call_config(es, self.wcfg, d)
         path = "reduce_scatter" if rs else "all_to_all"
         es.acct.hit("zero12.grad_reduce." + path)
         es.acct.hit("zero12.grad_reduce.fmt." + call_cfg.spec.wire_name)

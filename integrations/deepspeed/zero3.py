@@ -277,7 +277,9 @@ def _grad_reduce(orig, path: str):
                 name = es.name_of(params[i])
                 pieces += [(name, n, r * c, r * L + poff, min(c, n - r * c)) for r in range(world) if n > r * c]
         out = torch.empty(L, dtype=dtype, device=flat.device)
-        ef = None if es.residuals is None else es.residuals.assemble(pieces, flat.numel(), flat.device)
+        ef = None
+        if es.residuals is not None and planning.feedback(d):
+            ef = es.residuals.assemble(pieces, flat.numel(), flat.device)
         hg = d.hier  # two levels where the group spans nodes and the plan (if on) says so (fp32 sums inside a node)
         rail = levels.rail_feedback(ef, hg)
         with (
@@ -289,7 +291,7 @@ def _grad_reduce(orig, path: str):
                 flat.view(-1),
                 pg,
                 op="avg",
-                config=es.wire_config(wire.wire(es.cfg.check), how),  # 4 bits, or FP8 while the guard demotes
+                config=planning.call_config(es, wire.wire(es.cfg.check), d),  # 4 bits, or FP8 (plan or guard)
                 error_feedback=rail,
                 guard=gb,
                 hierarchical=hg,

@@ -115,6 +115,12 @@ def planner_slow_link_quantizes(info):
     run, stats, _, es = _planned(info, 3, {"calibration": path})
     plans3 = info["plans"]
     run4, _, _, es4 = _planned(info, 2, {"calibration": path, "allow_4bit": True})
+    fast, slow4 = (
+        lm.CodecSpeed(pack=1e8, unpack_sum=2e8, unpack=2e8),
+        lm.CodecSpeed(pack=1e4, unpack_sum=1e4, unpack=1e4),
+    )
+    path8 = _file("slow_mxfp4", 1e5, codecs={"*": fast, "mxfp4": slow4})  # FP8 beats the 4-bit recipe here
+    run8, _, _, _ = _planned(info, 2, {"calibration": path8, "allow_4bit": True})
     hooks = run.stats["hooks"]
     assert hooks.get("planner.gradients.fp8.two_level", 0) >= STEPS, hooks
     assert hooks.get("planner.weights.fp8.two_level", 0) >= 1, hooks
@@ -130,6 +136,12 @@ def planner_slow_link_quantizes(info):
     assert grads and all(p["chosen"] == "mxfp4 +EF two-level" for p in grads), grads
     assert any("allow_unpartitioned_residuals" in n for p in grads for n in p["notes"]), grads
     assert all(x == x for x in run4.losses), run4.losses
+    # 4 bits allowed, FP8 chosen: FP8 as predicted, without error feedback (no residual is kept or sent)
+    hooks8 = run8.stats["hooks"]
+    assert hooks8.get("planner.gradients.fp8.two_level", 0) >= STEPS, hooks8
+    n8 = sum(v for k, v in hooks8.items() if k.startswith("zero12.grad_reduce.fmt."))
+    assert n8 and hooks8.get("zero12.grad_reduce.fmt.e4m3") == n8, hooks8
+    assert run8.stats["error_feedback"]["residuals"] == 0, run8.stats["error_feedback"]
 
 
 def planner_measured_at_build(info):
