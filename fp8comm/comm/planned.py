@@ -28,6 +28,7 @@ from .stats import PROCESS_STATS
 KEYS = ("allow_4bit", "calibration", "timeout_s")
 FALLBACK = Option("fp8", "two_level")  # the fixed choice (two levels only where the group spans nodes)
 TIMED_ON_GPU = 8  # calls timed per plan on a GPU (each timing synchronizes the device)
+CHECK_AFTER, OFF_BY = 4, 2.0  # a plan measured off its prediction by more than OFF_BY x after CHECK_AFTER calls: logged
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class RuntimePlanner:
         self._planners: dict[Policy, Planner] = {}
         self._logged: set[int] = set()
         self._timed: dict[tuple[str, int], int] = {}  # (op, id(plan)) -> calls timed on a GPU (TIMED_ON_GPU)
+        self._checks: dict[tuple, tuple[int, float, float]] = {}  # (op, plan, option) -> calls, predicted, measured
         self.started = False
         self.calibrate_s: float | None = None  # seconds the measurement took (None: from a file, or not started)
 
@@ -214,7 +216,37 @@ class RuntimePlanner:
         t0 = time.perf_counter()
         yield
         _sync(device)
-        PROCESS_STATS.record_time(op, pred, time.perf_counter() - t0)
+        self.record(op, choice, pred, time.perf_counter() - t0)
+
+    def record(self, op: str, choice: Choice, predicted_s: float, measured_s: float) -> None:
+        """One timed call into comm_stats()[op]; once a plan's measured time is known (CHECK_AFTER calls past the
+        first, which may compile), a plan measured at more than OFF_BY x or less than 1/OFF_BY x its prediction is
+        logged once: the choice rests on that prediction, so the user should know it may be wrong."""
+        PROCESS_STATS.record_time(op, predicted_s, measured_s)
+        if choice.plan is None:
+            return
+        key = (op, id(choice.plan), choice.option)
+        n, p, m = self._checks.get(key, (0, 0.0, 0.0))
+        n += 1
+        if n > 1:  # the first call of a plan may compile kernels: left out
+            p, m = p + predicted_s, m + measured_s
+        self._checks[key] = (n, p, m)
+        if n == CHECK_AFTER + 1 and p > 0 and not (1 / OFF_BY <= m / p <= OFF_BY):
+            k = CHECK_AFTER
+            self.log(
+                f"fp8comm planner: {op} of {_size(choice.plan.nbytes)} class {choice.plan.size_class} "
+                f"({choice.option.label(choice.plan.dtype, choice.plan.backend)}): measured {m / k * 1e3:.1f} ms per "
+                f"call over {k} calls, predicted {p / k * 1e3:.1f} ms ({m / p:.1f}x): the plan rests on that "
+                "prediction and may not be the fastest; a calibration file from a quiet run of `fp8comm calibrate` "
+                "on these nodes, or a fixed format, may do better"
+            )
+
+
+def _size(n: int) -> str:
+    for unit, b in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= b:
+            return f"<= {n / b:g} {unit}"
+    return f"<= {n} B"
 
 
 def _two_bytes(dtype: torch.dtype | str) -> torch.dtype | str:

@@ -20,7 +20,6 @@ import torch
 from fp8comm.comm import topology
 from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape
 from fp8comm.comm.planner import NATIVE, GroupShape, Option, Policy, predict
-from fp8comm.comm.stats import PROCESS_STATS
 
 
 def make(cfg, log) -> RuntimePlanner | None:
@@ -123,7 +122,8 @@ class TimedHandle:
 
     def __init__(self, inner, es, d: Decision, op: str, nbytes: int, dtype, device) -> None:
         self.inner, self.done = inner, False
-        self._pred = predict(op, nbytes, dtype, d.shape, ran(d).option, es.planner.calibration)  # type: ignore[arg-type]
+        self._ran, self._planner = ran(d), es.planner
+        self._pred = predict(op, nbytes, dtype, d.shape, self._ran.option, es.planner.calibration)  # type: ignore[arg-type]
         self._op, self._device = op, torch.device(device)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
@@ -135,7 +135,7 @@ class TimedHandle:
             self.done = True
             if self._device.type == "cuda":
                 torch.cuda.synchronize(self._device)
-            PROCESS_STATS.record_time(self._op, self._pred, time.perf_counter() - self._t0)
+            self._planner.record(self._op, self._ran, self._pred, time.perf_counter() - self._t0)
         return out
 
     def is_completed(self) -> bool:

@@ -135,3 +135,31 @@ def test_missing_calibration_file_says_how_to_write_one(tmp_path):
     rp = RuntimePlanner(PlannerSettings(calibration=str(tmp_path / "none.json")), Policy(), lambda s: None, "p")
     with pytest.raises(Fp8CommConfigError, match=r"p: calibration file .*no such file.*fp8comm calibrate --out FILE"):
         rp.check_file("cpu", 2)
+
+
+def test_a_plan_far_off_its_prediction_is_logged_once():
+    lines: list[str] = []
+    rp = RuntimePlanner(PlannerSettings(), Policy(), lines.append, "test")
+    rp.calibration = cal(1e6)
+    shape = GroupShape(2, 2)
+    c = rp.choose("reduce_scatter", 4 * MiB, "bf16", shape, two_level=True)
+    lines.clear()
+    for _ in range(1 + planned_mod().CHECK_AFTER + 3):  # the first call is left out (compiles)
+        rp.record("reduce_scatter", c, 0.010, 0.050)
+    off = [ln for ln in lines if "measured 50.0 ms per call over 4 calls, predicted 10.0 ms (5.0x)" in ln]
+    assert len(off) == 1 and "class 22" in off[0] and "fp8 two-level" in off[0], lines
+    near = RuntimePlanner(PlannerSettings(), Policy(), lines.append, "test")
+    near.calibration = cal(1e6)
+    lines.clear()
+    c2 = near.choose("reduce_scatter", 4 * MiB, "bf16", shape, two_level=True)
+    lines.clear()
+    for _ in range(10):
+        near.record("reduce_scatter", c2, 0.010, 0.015)
+    assert lines == []
+    reset_comm_stats()
+
+
+def planned_mod():
+    import fp8comm.comm.planned as planned
+
+    return planned
