@@ -240,8 +240,8 @@ def _planned_directions(
     w = WeightWire(enabled=weights.enabled)  # FSDP2 keeps no weight replicas: weights travel in FP8 at most
     g = GradientWire(
         enabled=gradients.enabled,
-        # allow_4bit: the validated recipe (mxfp4 with error feedback, nearest rounding); FP8 buckets take
-        # fp8comm.comm.config_for(this, "fp8")
+        # allow_4bit: the validated recipe (mxfp4 with error feedback, nearest rounding); buckets planned on FP8 take
+        # fp8comm.comm.config_for(this, "fp8") without error feedback (enable.py)
         fmt="mxfp4" if settings.allow_4bit else "e4m3",
         error_feedback=settings.allow_4bit,
         residual_dtype=gradients.residual_dtype,

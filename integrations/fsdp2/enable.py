@@ -226,8 +226,8 @@ def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
     if g.enabled and g.error_feedback and pg.mesh_info.shard_mesh_size > 1:
         # The residual is laid out like the reduce-scatter's wire input: shard group x this rank's wire row.
         grads = [fp.padded_sharded_param_size.numel() for fp in fps if fp.sharded_param.requires_grad]
-        # the planner may put the group on FP8 (1x128 blocks, flat): the largest layout its residual can take
-        _, wl = layout.spans(grads, max(g.wire_block, g.block_size) if cfg.planner else g.wire_block, cfg.align_blocks)
+        # under the planner only a class on the 4-bit recipe keeps one (its FP8 runs without error feedback)
+        _, wl = layout.spans(grads, g.wire_block, cfg.align_blocks)
         entry.residual_elements = pg.mesh_info.shard_mesh_size * wl
         entry.residual_bytes = residual_nbytes(g.residual_dtype, entry.residual_elements)
     return entry
@@ -244,7 +244,7 @@ def _check_residual_memory(cfg: Fp8CommFsdp2Config, entries: list[ModuleEntry]) 
     if cfg.planner is not None:
         raise Fp8CommFsdp2Error(
             f"planner={{'allow_4bit': True}} sends gradients in the validated 4-bit recipe, mxfp4 with error feedback "
-            f"(FP8 buckets keep the feedback too), which keeps each rank's quantization residual of every FSDP2 "
+            f"(buckets planned on FP8 run without it), which keeps each rank's quantization residual of every FSDP2 "
             f"module's WHOLE (unsharded) gradient on every rank: {per} per element ({g.residual_dtype}), up to "
             f"{total:,} bytes ({total / 2**20:.1f} MiB) for this model, while FSDP2 keeps 1/world of the gradients "
             "per rank. Set gradients={'allow_unpartitioned_residuals': True} next to the planner to accept that "
@@ -271,14 +271,14 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
     gradient reduce-scatter (a direction set to False stays FSDP2's own and is not planned), and decides per
     collective size class, identically on every rank, from the calibration: FSDP2's own collective (its dtype),
     FP8 (e4m3 1x128) or, with allow_4bit, 4-bit gradients (the validated recipe: mxfp4 with error feedback,
-    nearest rounding, which needs gradients={"allow_unpartitioned_residuals": True}; FP8 buckets then keep the
-    feedback), flat or two-level (two levels only for shard groups that run two-level; hierarchical=False: flat
-    only). Weights travel in FP8 at most (FSDP2 keeps no weight replicas). An explicit format for the same traffic
-    (a weights / gradients dict with format keys, a WeightWire / GradientWire) is an error naming both. Without a
-    calibration file enable() measures the links once over the world (gloo only; NCCL needs the file); a bad value
-    or a file from another fp8comm version, device kind or ranks-per-node layout is an error before any bytes
-    move. Rank 0 logs each plan at its first call; fp8comm.comm.comm_stats() gains predicted_s / measured_s /
-    timed_calls per op."""
+    nearest rounding, which needs gradients={"allow_unpartitioned_residuals": True}; a class planned on FP8 runs
+    without error feedback), flat or two-level (two levels only for shard groups that run two-level;
+    hierarchical=False: flat only). Weights travel in FP8 at most (FSDP2 keeps no weight replicas). An explicit
+    format for the same traffic (a weights / gradients dict with format keys, a WeightWire / GradientWire) is an
+    error naming both. Without a calibration file enable() measures the links once over the world (gloo only; NCCL
+    needs the file); a bad value or a file from another fp8comm version, device kind or ranks-per-node layout is an
+    error before any bytes move. Rank 0 logs each plan at its first call; fp8comm.comm.comm_stats() gains
+    predicted_s / measured_s / timed_calls per op."""
     cfg = parse(**options)
     if getattr(model, _ATTR, None) is not None:
         raise Fp8CommFsdp2Error("fp8comm FSDP2 hooks are already enabled on this model; call disable(model) first")
@@ -316,7 +316,9 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
         if planner is not None and table is not None:
             pw = hooks.Planned(planner, "all_gather", ag, {"fp8": cfg.weights.wire(cfg.check)}, table)
             base = cfg.gradients.wire(cfg.check)
-            pr = hooks.Planned(planner, "reduce_scatter", rs, {"fp8": config_for(base, "fp8"), "mxfp4": base}, table)
+            # a class planned on FP8 runs it as predicted and chosen: without the 4-bit recipe's error feedback
+            fp8 = config_for(base, "fp8").replace(error_feedback=False)
+            pr = hooks.Planned(planner, "reduce_scatter", rs, {"fp8": fp8, "mxfp4": base}, table)
         if cfg.weights.enabled:
             m.set_custom_all_gather(hooks.Fp8AllGather(pg, cfg.weights, cfg.check, cfg.align_blocks, splits, pw))
         if cfg.gradients.enabled:

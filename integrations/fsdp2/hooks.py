@@ -215,6 +215,8 @@ class Planned:
         return choice, timer
 
     def config(self, choice: Choice) -> fc.WireConfig:
+        """The WireConfig of the chosen quantized wire (enable() gives the reduce-scatter's "fp8" one without error
+        feedback: the plan predicted and chose FP8 without it)."""
         return self.configs[choice.option.wire]
 
 
@@ -370,6 +372,8 @@ class Fp8ReduceScatter(_Levels, _Alloc, ReduceScatter):
                 )
                 return _own(work, async_op, timer)
             config, hier = self.planned.config(choice), hier if choice.two_level else None
+        # a residual only where this call's config keeps error feedback (the plan's FP8 has none)
+        ef = self.error_feedback if config.error_feedback else None
         sizes = layout.rs_sizes(self.param_group, L)
         sp, wl = layout.spans(sizes or [L], block_of(config), self.align and sizes is not None)
         counted = _Counted(
@@ -386,7 +390,7 @@ class Fp8ReduceScatter(_Levels, _Alloc, ReduceScatter):
                     op=kind,
                     async_op=True,
                     config=config,
-                    error_feedback=self.error_feedback,
+                    error_feedback=ef,
                     hierarchical=hier,
                 )
             return _finish(h, None, async_op, timer)
@@ -400,7 +404,7 @@ class Fp8ReduceScatter(_Levels, _Alloc, ReduceScatter):
                 op=kind,
                 async_op=True,
                 config=config,
-                error_feedback=self.error_feedback,
+                error_feedback=ef,
                 hierarchical=hier,
             )
         return _finish(h, _unpad_after(output_tensor.view(1, L), wout.view(1, wl), sp), async_op, timer)

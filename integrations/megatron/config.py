@@ -149,7 +149,8 @@ class Fp8CommMegatronConfig:
         """The settings install() runs under the planner (self when it is off): the gradient hook on; the FP8
         parameter gather on where the distributed optimizer gathers bf16/fp16 params (dist_opt not False, no fp32
         params, no Transformer Engine quantized params); with allow_4bit the gradients' base config is the
-        validated recipe, mxfp4 with error feedback (buckets the plan puts on FP8 send config_for(base, "fp8"))."""
+        validated recipe, mxfp4 with error feedback (buckets the plan puts on FP8 send config_for(base, "fp8")
+        without error feedback; ddp_hooks._grad_collective)."""
         if not self.planner:
             return self
         gather = self.param_gather or (dist_opt is not False and not params_fp32 and not te_quantized)

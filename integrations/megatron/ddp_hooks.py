@@ -271,10 +271,15 @@ def _grad_collective(
     wire, bucket = guard.route("grad", input, fp4=fp4)
     if wire == "bf16":  # the numerics guard sends this bucket through Megatron's own collective for now
         return _native(orig_call, route, async_op, input)
-    ef = error_feedback.for_bucket(input) if cfg.error_feedback else None
+    # A class the plan puts on FP8 runs FP8 as predicted and chosen: without error feedback (the 4-bit recipe's
+    # residual stays off that bucket); a 4-bit bucket the guard demotes to FP8 keeps its residual.
+    planned_fp8 = cfg.grad_fp4 and not fp4
+    ef = error_feedback.for_bucket(input) if cfg.error_feedback and not planned_fp8 else None
     opts = _options(cfg, "grad", input, group, route)
     if wire == "fp8" and cfg.grad_fp4:  # a 4-bit bucket the plan puts on FP8 or the guard demoted: E4M3 1x128 fp32
         opts["config"] = fcomm.config_for(opts["config"], "fp8")
+        if planned_fp8:
+            opts["config"] = opts["config"].replace(error_feedback=False)
 
     def start():
         count(hook, "fp8_calls")

@@ -5,7 +5,8 @@ gradient reduction, calibration files written here with chosen numbers (device "
 - a very slow cross-node link (1e5 bytes/s): the weight all-gather goes FP8 two-level and, with allow_4bit, the
   gradient reduce-scatter the 4-bit recipe (mxfp4 with error feedback) two-level; with hierarchical=False both
   flat FP8; the plan lines say so (rank 0 only) and every rank decided alike; comm_stats() has timed_calls,
-  predicted_s and measured_s per op;
+  predicted_s and measured_s per op; with allow_4bit and a very slow mxfp4 codec the gradients' plan is FP8, run
+  without error feedback (e4m3 calls, no residual);
 - a very fast one (1e13 bytes/s, 1 us): FSDP2's own collectives on every call, and the training is bit-identical
   to a run without fp8comm (losses and parameters);
 - bad input (a file from another fp8comm version, device kind or ranks-per-node layout, a missing file, 4-bit
@@ -42,12 +43,13 @@ LOGGER = "fp8comm.integrations.fsdp2"
 RESIDUALS = {"allow_unpartitioned_residuals": True}
 
 
-def calibration(link: tuple[float, float], **kw) -> Calibration:
-    """Chosen numbers (tests/unit/test_planned.py's cal()): node-local links 10x the cross-node bandwidth."""
+def calibration(link: tuple[float, float], codecs: dict | None = None, **kw) -> Calibration:
+    """Chosen numbers (tests/unit/test_planned.py's cal()): node-local links 10x the cross-node bandwidth; codecs:
+    speeds of named codecs beside "*" (every codec at 1e9 elements/s)."""
     bw, lat = link
     s = lm.CodecSpeed(pack=1e9, unpack_sum=2e9, unpack=2e9)
     args = {"device": "cpu", "ranks_per_node": 2, "backend": "gloo", **kw}
-    return Calibration(Link(bw, lat), Link(10 * bw, lat / 10), {"*": s}, **args)
+    return Calibration(Link(bw, lat), Link(10 * bw, lat / 10), {"*": s, **(codecs or {})}, **args)
 
 
 def write(name: str, cal: Calibration | str, rank: int) -> str:
@@ -103,6 +105,13 @@ def train(steps: int = STEPS, **options) -> dict:
                 losses.append(float(loss))
         finally:
             stats, hooks = fc.comm_stats(), f2.hook_stats()
+            residuals = [  # error-feedback residuals the gradient hooks hold (bytes of each stored one)
+                rs.error_feedback.nbytes()
+                for pg in _groups(model)
+                if f2.hooks.is_ours(rs := pg._reduce_scatter_comm)
+                and rs.error_feedback is not None
+                and rs.error_feedback.stored()
+            ]
             if options:
                 f2.disable(model)
     plans = [p.describe() for p in rep.planner.plans] if rep is not None and rep.planner is not None else []
@@ -111,6 +120,7 @@ def train(steps: int = STEPS, **options) -> dict:
         "digest": C.digest(C.full_params(model)),
         "stats": stats,
         "hooks": hooks,
+        "residuals": residuals,
         "lines": list(lines),
         "plans": plans,
         "report": str(rep),
@@ -178,6 +188,33 @@ def planner_slow_link_quantizes(rank, world, info):
     assert [h.rsplit(": ", 1)[1] for h in _heads(flat["plans"])] == ["fp8 flat", "fp8 flat"], flat["plans"]
     assert all("[policy: two levels off]" in p for p in flat["plans"]), flat["plans"]
     assert not any(k.endswith(".intra") for k in flat["stats"]), sorted(flat["stats"])
+    assert run["residuals"] and all(run["residuals"]), run["residuals"]  # the 4-bit recipe keeps its residuals
+    # allow_4bit, but mxfp4's codec is so slow that FP8 wins: the plan's FP8 runs as predicted and chosen, WITHOUT
+    # error feedback (no residual kept or sent), every gradient call e4m3
+    slow4 = lm.CodecSpeed(pack=1e4, unpack_sum=1e4, unpack=1e4)
+    path8 = write("slow_mxfp4", calibration(SLOW, codecs={"mxfp4": slow4}), rank)
+    calls8: list = []
+    rs_into = fc.reduce_scatter_into
+
+    def spy(*a, **kw):
+        c = kw["config"]
+        calls8.append((c.fmt, c.error_feedback, kw.get("error_feedback") is not None))
+        return rs_into(*a, **kw)
+
+    fc.reduce_scatter_into = spy
+    try:
+        run8 = train(planner={"allow_4bit": True, "calibration": path8}, gradients=RESIDUALS)
+    finally:
+        fc.reduce_scatter_into = rs_into
+    _decided_alike(run8["plans"])
+    heads8 = _heads(run8["plans"])
+    info.update(plans_fp8_over_mxfp4=heads8, calls_fp8_over_mxfp4=sorted(set(calls8)))
+    assert heads8[1:] == [
+        "reduce_scatter of gradients (fp32), buckets <= 64 KiB (class 16), group 2x2: fp8 two-level"
+    ], heads8
+    assert run8["hooks"]["gradients"]["fp8_calls"] == len(calls8) == RS_CALLS, (run8["hooks"], calls8)
+    assert set(calls8) == {("e4m3", False, False)}, sorted(set(calls8))
+    assert not run8["residuals"], f"{len(run8['residuals'])} error-feedback residuals on a plan without feedback"
 
 
 def planner_fast_link_is_fsdp2_own(rank, world, info):

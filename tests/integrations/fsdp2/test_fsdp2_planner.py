@@ -48,7 +48,7 @@ def test_allow_4bit_is_the_validated_recipe():
     base = cfg.gradients.wire(None)
     assert base == WireConfig(fmt="mxfp4", rounding="nearest", error_feedback=True, residual_dtype="bfloat16")
     assert cfg.gradients.allow_unpartitioned_residuals and cfg.weights.fmt == "e4m3"
-    fp8 = config_for(base, "fp8")  # what the buckets the plan puts on FP8 send
+    fp8 = config_for(base, "fp8")  # the 4-bit base demoted (the planner's FP8 classes then drop error feedback)
     assert (fp8.fmt, fp8.block_size, fp8.scaling, fp8.error_feedback) == ("e4m3", 128, "fp32", True)
     assert "mxfp4 + error feedback (bfloat16 residuals)" in cfg.planned_wires["gradients"]
     assert cfg.planned_wires["weights"] == "planned per size class: FSDP2's own or e4m3 1x128 fp32 scales"

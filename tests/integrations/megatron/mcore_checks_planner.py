@@ -6,7 +6,8 @@ with chosen numbers, so the choices are known in advance:
 - FAST (1e13 B/s links, 1 us latency, codecs at 1e6 elements/s): every bucket class is Megatron's own collective,
   so the run is bit-identical to Megatron alone and the plan lines say "engine ... (torch gloo)";
 - SLOW (1e5 B/s across nodes, codecs at 1e9 elements/s): FP8 two-level for gradients and parameters, and with
-  allow_4bit mxfp4 + error feedback for gradients (parameters stay FP8); --no-fp8comm-hierarchical runs them flat.
+  allow_4bit mxfp4 + error feedback for gradients (parameters stay FP8); --no-fp8comm-hierarchical runs them flat;
+  with allow_4bit and a very slow mxfp4 codec the plan is FP8, run without error feedback (no residual, e4m3 calls).
 
 Run by test_megatron_planner.py through worker() below (mcore_harness.worker with this module among its check
 modules)."""
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from mcore_checks import _fm, check_parity, run
 
+import fp8comm.comm as fcomm
 from fp8comm.comm import linkmodel as lm
 from fp8comm.comm import topology
 from fp8comm.comm.calibration import Calibration, Link
@@ -49,12 +51,16 @@ def _nodes(rank: int) -> None:
     topology.forget()
 
 
-def calibration_file(name: str, inter: float, intra: float, latency: float, codec: float, **over) -> str:
-    """A calibration file with chosen numbers (device cpu, gloo, 2 ranks per node: this launch's layout)."""
+def calibration_file(
+    name: str, inter: float, intra: float, latency: float, codec: float, codecs: dict | None = None, **over
+) -> str:
+    """A calibration file with chosen numbers (device cpu, gloo, 2 ranks per node: this launch's layout); codecs:
+    speeds of named codecs beside "*" (every codec at `codec` elements/s)."""
     s = lm.CodecSpeed(pack=codec, unpack_sum=2 * codec, unpack=2 * codec)
     kw = dict(device="cpu", ranks_per_node=2, backend="gloo", source="mcore_checks_planner")
     kw.update(over)
-    cal = Calibration(Link(inter, latency), Link(intra, latency), {"*": s}, **kw)  # type: ignore[arg-type]
+    speeds = {"*": s, **(codecs or {})}
+    cal = Calibration(Link(inter, latency), Link(intra, latency), speeds, **kw)  # type: ignore[arg-type]
     path = Path(tempfile.mkdtemp(prefix=f"fp8comm_planner_{dist.get_rank()}_")) / f"{name}.json"
     path.write_text(cal.to_json())
     return str(path)
@@ -169,6 +175,40 @@ def gpt_dp4_planner_slow_link_quantizes(rank, world, info):
     rel = abs(f4["loss"][-1] - base["loss"][-1]) / base["loss"][-1]
     assert rel <= FP4_LOSS_RTOL, (f4["loss"], base["loss"])
     _same_on_every_rank([p.describe() for p in plans4], "the 4-bit plans")
+
+    # allow_4bit, but mxfp4's codec is so slow that FP8 wins: the plan's FP8 runs as predicted and chosen, WITHOUT
+    # error feedback (no residual kept or sent for any bucket), every gradient call e4m3
+    slow4 = lm.CodecSpeed(pack=1e4, unpack_sum=1e4, unpack=1e4)
+    path48 = calibration_file("slow_mxfp4", **SLOW, codecs={"mxfp4": slow4})
+    box48: dict = {}
+    calls48: list = []
+    rs_into = fcomm.reduce_scatter_into
+
+    def spy(*a, **kw):
+        c = kw.get("config")
+        calls48.append((c.fmt, c.error_feedback, kw.get("error_feedback") is not None))
+        return rs_into(*a, **kw)
+
+    fcomm.reduce_scatter_into = spy
+    try:
+        f48 = run(
+            OVERLAP,
+            dict(planner_calibration=path48, planner_allow_4bit=True),
+            iters=ITERS,
+            on_install=_keep_installation(box48),
+        )
+    finally:
+        fcomm.reduce_scatter_into = rs_into
+    log48, plans48 = _plans(box48)
+    rs48 = [p.chosen.label() for p in plans48 if p.op == "reduce_scatter"]
+    assert rs48 and all(x == "fp8 two-level" for x in rs48), log48
+    assert f48["hooks"]["grad_reduce_scatter"]["fp8_calls"] == len(calls48) > 0, (f48["hooks"], calls48)
+    assert set(calls48) == {("e4m3", False, False)}, sorted(set(calls48))
+    kept = [ef.nbytes() for ref, ef in box48["inst"].residuals.values() if ref() is not None and ef.stored()]
+    assert not kept, f"{len(kept)} error-feedback residuals ({sum(kept)} bytes) on a plan without error feedback"
+    # the same FP8 run as the plan without 4 bits allowed (no residual added to any bucket)
+    assert f48["loss"] == f8["loss"] and f48["grad_norm"] == f8["grad_norm"], (f48["loss"], f8["loss"])
+    _same_on_every_rank([p.describe() for p in plans48], "the FP8-over-mxfp4 plans")
     info["slow"] = {
         "fp8_plans": [p.describe() for p in plans8],
         "fp4_flat_plans": [p.describe() for p in plans4],
