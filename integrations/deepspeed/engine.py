@@ -27,7 +27,7 @@ from fp8comm.comm import Guard, GuardBucket, WireConfig, config_for, default_che
 from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError, Fp8CommUnsupportedError
 from fp8comm.gemm import Fp8Linear, convert_to_fp8
 
-from . import compat, levels, moe, planning, zero3, zero12
+from . import compat, levels, moe, planning, updates, zero3, zero12
 from .config import SECTION, Fp8CommDeepSpeedConfig, parse
 from .patching import PASSTHROUGH, TAG, Accounting, Patcher, log, tag, wrap_method
 from .residuals import CHECKPOINT_FORMAT, Residuals, checkpoint_file
@@ -447,7 +447,7 @@ def _checkpoint_state(es: EngineState) -> dict:
     if es.guard is not None:
         state["guard"] = es.guard.state_dict()
     if es.updates is not None:
-        state["replica_updates"] = zero12.replica_state(es)
+        state["replica_updates"] = updates.replica_state(es)
     return {"format": CHECKPOINT_FORMAT, **state} if state else {}
 
 
@@ -489,7 +489,7 @@ def _load_state(es: EngineState, path: str) -> None:
         es.guard.load_state_dict(state["guard"])
     if es.updates is not None:
         if "replica_updates" in state:
-            zero12.load_replica_state(es, state["replica_updates"])
+            updates.load_replica_state(es, state["replica_updates"])
         else:  # DeepSpeed's load re-gathered the replicas from the master in full: consistent, not the saved ones
             es.acct.hit("checkpoint.no_replica_state")
             log.warning(f"fp8comm: {path} holds no weight-replica state; replicas restart from the fp32 master")

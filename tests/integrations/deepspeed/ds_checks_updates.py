@@ -1,5 +1,5 @@
 """Overlapped 4-bit weight updates (scenario "safety"): ZeRO-2's update gather starts in the optimizer step and is
-waited at the first forward use of the group's parameters (zero12.OVERLAP_UPDATES), with the same bits as the
+waited at the first forward use of the group's parameters (updates.OVERLAP_UPDATES), with the same bits as the
 synchronous gather.
 
 - zero2_bf16_fp4_updates_overlap: overlapped vs synchronous, 8 steps: losses and parameters bit-identical (and the
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import fp8comm.integrations.deepspeed as fd
-from fp8comm.integrations.deepspeed import zero12
+from fp8comm.integrations.deepspeed import updates
 
 STEPS_UPD = 8
 SAVE_AT = 4
@@ -75,8 +75,8 @@ def _train(engine, steps: range, probe: _Probe | None = None) -> list[float]:
 
 
 def _run(overlap: bool, fp8: dict, on_step=None) -> tuple[list[float], str, dict]:
-    old = zero12.OVERLAP_UPDATES
-    zero12.OVERLAP_UPDATES = overlap
+    old = updates.OVERLAP_UPDATES
+    updates.OVERLAP_UPDATES = overlap
     try:
         eng, _ = T.build(T.ds_config(2, "bf16", fp8))
         losses = []
@@ -89,12 +89,12 @@ def _run(overlap: bool, fp8: dict, on_step=None) -> tuple[list[float], str, dict
         T.destroy(eng)
         fd.uninstall()
     finally:
-        zero12.OVERLAP_UPDATES = old
+        updates.OVERLAP_UPDATES = old
     return losses, digest, hooks
 
 
 def zero2_bf16_fp4_updates_overlap(info):
-    assert zero12.OVERLAP_UPDATES, "overlapped weight updates are off by default"
+    assert updates.OVERLAP_UPDATES, "overlapped weight updates are off by default"
     ck = Path(os.environ["FP8COMM_TEST_OUT"]) / "ckpt_updates_overlap"
     cfg = T.ds_config(2, "bf16", FP4)
     eng, _ = T.build(cfg)

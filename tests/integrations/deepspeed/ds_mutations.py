@@ -154,11 +154,11 @@ def _process_wide():
 def _owner_slice_from_master():
     """4-bit weight updates: DeepSpeed's write of bf16(master) into the owner's slice is kept (not restored to the
     replica before the update is applied): the owner's slice no longer equals what the other ranks hold."""
-    from fp8comm.integrations.deepspeed import zero12
+    from fp8comm.integrations.deepspeed import updates
 
     def stash_step(es, opt, orig):
         def step(*a, **k):
-            es.z12_stash = [p for _, p in zero12._own_partitions(opt)]  # live views: the "restore" is a no-op
+            es.z12_stash = [p for _, p in updates._own_partitions(opt)]  # live views: the "restore" is a no-op
             es.z12_in_step = True
             try:
                 return orig(*a, **k)
@@ -167,15 +167,15 @@ def _owner_slice_from_master():
 
         return step
 
-    zero12._stash_step = stash_step
+    updates._stash_step = stash_step
 
 
 def _replica_not_restored():
     """Checkpoints with 4-bit weight updates: the replica is not restored, it stays DeepSpeed's re-gather of the
     fp32 master (bf16(master)), which differs from what the gathered changes made of it."""
-    from fp8comm.integrations.deepspeed import zero12
+    from fp8comm.integrations.deepspeed import updates
 
-    zero12.load_replica_state = lambda es, state: None
+    updates.load_replica_state = lambda es, state: None
 
 
 def _updates_not_applied():
