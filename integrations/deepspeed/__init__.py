@@ -80,6 +80,15 @@ def summary(engine=None) -> str:
     return "" if es is None else es.summary
 
 
+def finish_updates(engine=None) -> int:
+    """Wait the 4-bit weight-update gathers still in flight (ZeRO-1/2, weights.update_fmt): the next forward does it
+    by itself; call this before reading engine.module's parameters between a step and the next forward. Of `engine`
+    (None: every fp8comm engine); returns how many gathers it waited."""
+    from .updates import finish_updates as finish
+
+    return sum(finish(es, "api") for es in ([engine_state(engine)] if engine is not None else engines()) if es)
+
+
 def _take_over_from_autoload() -> None:
     """The autoload hook (_fp8comm_autoload, run by the installed .pth) gives deepspeed.initialize back before the
     flag wraps it, so the flag wraps DeepSpeed's own function once; if the flag cannot be enabled, the hook returns.
@@ -106,6 +115,7 @@ __all__ = [
     "is_installed",
     "hook_stats",
     "reset_hook_stats",
+    "finish_updates",
     "summary",
     "engine_state",
     "engines",

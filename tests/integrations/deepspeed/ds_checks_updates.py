@@ -102,6 +102,8 @@ def zero2_bf16_fp4_updates_overlap(info):
     probe = _Probe(eng)
     losses = _train(eng, range(SAVE_AT), probe)
     assert probe._in_flight(), "no update gather in flight right after the step"
+    api_waited = fd.finish_updates(eng)  # what a user calls before reading the parameters between step and forward
+    still = probe._in_flight()
     eng.save_checkpoint(str(ck), tag="upd")
     losses += _train(eng, range(SAVE_AT, STEPS_UPD), probe)
     probe.remove()
@@ -126,7 +128,9 @@ def zero2_bf16_fp4_updates_overlap(info):
     assert not any(probe.after_forward), probe.after_forward
     assert hooks.get("zero12.param_update.started_in_step") == STEPS_UPD * groups, hooks
     assert hooks.get("zero12.param_update.waited_in_forward") == (STEPS_UPD - 2) * groups, hooks
-    assert hooks.get("zero12.param_update.waited_at_save") == groups, hooks  # the save came right after a step
+    assert api_waited == groups and not still, (api_waited, still)  # finish_updates() waited them all
+    assert hooks.get("zero12.param_update.waited_at_api") == groups, hooks
+    assert "zero12.param_update.waited_at_save" not in hooks, hooks  # finish_updates() left nothing for the save
     assert "zero12.param_update.waited_at_step" not in hooks, hooks  # every forward took its gather
     assert after_sd.get("zero12.param_update.waited_at_state_dict") == groups, after_sd
     assert (
