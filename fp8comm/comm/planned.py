@@ -109,6 +109,7 @@ class RuntimePlanner:
         self._logged: set[int] = set()
         self._timed: dict[tuple[str, int], int] = {}  # (op, id(plan)) -> calls timed on a GPU (TIMED_ON_GPU)
         self._checks: dict[tuple, tuple[int, float, float]] = {}  # (op, plan, option) -> calls, predicted, measured
+        self._predictions: dict[tuple, float] = {}  # predicted(): seconds per (op, bytes, dtype, shape, option)
         self.started = False
         self.calibrate_s: float | None = None  # seconds the measurement took (None: from a file, or not started)
 
@@ -211,12 +212,22 @@ class RuntimePlanner:
             self._timed[key] = n + 1
         opt = choice.option
         dtype = _two_bytes(dtype)
-        pred = predict(native_op if (opt.native and native_op) else op, nbytes, dtype, shape, opt, self.calibration)
+        pred = self.predicted(native_op if (opt.native and native_op) else op, nbytes, dtype, shape, opt)
         _sync(device)
         t0 = time.perf_counter()
         yield
         _sync(device)
         self.record(op, choice, pred, time.perf_counter() - t0)
+
+    def predicted(self, op: str, nbytes: int, dtype: torch.dtype | str, shape: GroupShape, option: Option) -> float:
+        """planner.predict from this calibration, remembered per call shape: the same buckets recur every step, and
+        the model's arithmetic would otherwise run in Python on every timed call."""
+        key = (op, nbytes, str(_two_bytes(dtype)), shape, option)
+        got = self._predictions.get(key)
+        if got is None:
+            assert self.calibration is not None
+            got = self._predictions[key] = predict(op, nbytes, _two_bytes(dtype), shape, option, self.calibration)
+        return got
 
     def record(self, op: str, choice: Choice, predicted_s: float, measured_s: float) -> None:
         """One timed call into comm_stats()[op]; once a plan's measured time is known (CHECK_AFTER calls past the

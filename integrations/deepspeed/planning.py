@@ -19,7 +19,7 @@ import torch
 
 from fp8comm.comm import topology
 from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape
-from fp8comm.comm.planner import NATIVE, GroupShape, Option, Policy, predict
+from fp8comm.comm.planner import NATIVE, GroupShape, Option, Policy
 
 
 def make(cfg, log) -> RuntimePlanner | None:
@@ -123,7 +123,7 @@ class TimedHandle:
     def __init__(self, inner, es, d: Decision, op: str, nbytes: int, dtype, device) -> None:
         self.inner, self.done = inner, False
         self._ran, self._planner = ran(d), es.planner
-        self._pred = predict(op, nbytes, dtype, d.shape, self._ran.option, es.planner.calibration)  # type: ignore[arg-type]
+        self._pred = es.planner.predicted(op, nbytes, dtype, d.shape, self._ran.option)
         self._op, self._device = op, torch.device(device)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)

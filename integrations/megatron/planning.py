@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from fp8comm.comm import topology
 from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape, ranks_per_node
-from fp8comm.comm.planner import NATIVE, GroupShape, Option, Policy, predict
+from fp8comm.comm.planner import NATIVE, GroupShape, Option, Policy
 from fp8comm.comm.stats import PROCESS_STATS
 from fp8comm.errors import Fp8CommConfigError
 
@@ -154,7 +154,7 @@ class Timer:
         rp = installed().planner
         assert rp is not None and rp.calibration is not None
         self.op, self.dev, self.done = r.op, dev, False
-        self.predicted = predict(r.op, r.nbytes, r.dtype, r.shape, option, rp.calibration)
+        self.predicted = rp.predicted(r.op, r.nbytes, r.dtype, r.shape, option)
         _sync(dev)
         self.t0 = time.perf_counter()
 
