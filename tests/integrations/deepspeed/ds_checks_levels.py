@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import ds_train as T
@@ -33,17 +34,24 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _build(cfg):
-    log = logging.getLogger("fp8comm.deepspeed")
+@contextmanager
+def captured(name: str = "fp8comm.deepspeed"):
+    """The lines logger `name` logs (INFO and up) while the block runs."""
+    log = logging.getLogger(name)
     h, level = _Lines(), log.level
     log.addHandler(h)
     log.setLevel(logging.INFO)
     try:
-        eng, _ = T.build(cfg)
+        yield h.lines
     finally:
         log.removeHandler(h)
         log.setLevel(level)
-    return eng, h.lines
+
+
+def _build(cfg):
+    with captured() as lines:
+        eng, _ = T.build(cfg)
+    return eng, lines
 
 
 def _intra() -> dict:

@@ -6,15 +6,13 @@ gradients when allowed). The "planner" scenario of ds_worker.py."""
 
 from __future__ import annotations
 
-import logging
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import ds_train as T
 import torch.distributed as dist
-from ds_checks_levels import _Lines, _nodes, _same_everywhere
+from ds_checks_levels import _nodes, _same_everywhere, captured
 
 import fp8comm.comm as fc
 import fp8comm.integrations.deepspeed as fd
@@ -45,24 +43,10 @@ def _file(name: str, inter_bw: float, **kw) -> str:
     return str(path)
 
 
-@contextmanager
-def _captured():
-    """The adapter's log lines while the block runs (the plan lines come at each size class's first collective)."""
-    log = logging.getLogger("fp8comm.deepspeed")
-    h, level = _Lines(), log.level
-    log.addHandler(h)
-    log.setLevel(logging.INFO)
-    try:
-        yield h.lines
-    finally:
-        log.removeHandler(h)
-        log.setLevel(level)
-
-
 def _planned(info, stage: int, planner, **zero):
     _nodes()
     fc.reset_comm_stats()
-    with _captured() as lines:
+    with captured() as lines:
         eng, _ = T.build(T.ds_config(stage, "bf16", {"planner": planner}, **zero))
         run = T.train(eng, range(STEPS))
     es = fd.engine_state(eng)
