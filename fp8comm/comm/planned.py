@@ -2,6 +2,13 @@
 the plan in the log, predicted and measured time in comm_stats(). The three adapters share this; each maps a
 Choice onto its own call (the engine's own collective, or fp8comm's with a WireConfig, flat or two-level).
 
+Checked by measurement: the model does not see every cost (an adapter's passes over the bucket, the CPU the levels
+share). When the chosen option's measured time is above another option's prediction, that option runs for a few
+calls too and the size class keeps the faster one as measured (a trial: at most TRIALS options besides the chosen
+one, TRIAL_CALLS timed calls each after one left out). The group's members agree through the c10d store (each
+member's timings, the max taken) at each decision, so every member runs the same option; the log says what was tried
+and kept.
+
 Calibration: a file written by `fp8comm calibrate` (checked: fp8comm version, device kind, ranks per node), or
 measured once over the world when the engine is built (gloo only: calibrate()). A measurement that cannot finish
 falls back, on every rank alike and with one warning, to the fixed choice: FP8, two levels where a group spans
@@ -10,10 +17,12 @@ nodes (the adapters' defaults). Every rank plans from the same numbers, so every
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,21 +34,25 @@ from .calibration import Calibration, device_kind
 from .planner import NATIVE, GroupShape, Option, Plan, Planner, Policy, predict
 from .stats import PROCESS_STATS
 
-KEYS = ("allow_4bit", "calibration", "timeout_s")
+KEYS = ("allow_4bit", "calibration", "timeout_s", "trials")
 FALLBACK = Option("fp8", "two_level")  # the fixed choice (two levels only where the group spans nodes)
 TIMED_ON_GPU = 8  # calls timed per plan on a GPU (each timing synchronizes the device)
 CHECK_AFTER, OFF_BY = 4, 2.0  # a plan measured off its prediction by more than OFF_BY x after CHECK_AFTER calls: logged
+TRIAL_CALLS, TRIALS = 3, 2  # a trial: TRIAL_CALLS timed calls per option (after one left out), TRIALS options at most
+TRIAL_WAIT = 64  # calls a trial waits for its timings to arrive (async handles waited late) before it keeps the option
 
 
 @dataclass(frozen=True)
 class PlannerSettings:
     """The engine switch: allow_4bit (gradients in 4 bits: the validated recipe, mxfp4 with error feedback),
     calibration (an `fp8comm calibrate` file; None: measured over the world at build, gloo only), timeout_s (the
-    measurement's deadline; past it, the fixed choice with one warning)."""
+    measurement's deadline; past it, the fixed choice with one warning), trials (a plan measured slower than another
+    option's prediction tries that option; off: the prediction alone, so a calibration file fixes every choice)."""
 
     allow_4bit: bool = False
     calibration: str | None = None
     timeout_s: float = 30.0
+    trials: bool = True
 
 
 def parse_settings(value: Any, where: str, *, four_bit: str = "") -> PlannerSettings | None:
@@ -67,7 +80,10 @@ def parse_settings(value: Any, where: str, *, four_bit: str = "") -> PlannerSett
     t = value.get("timeout_s", 30.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
         raise Fp8CommConfigError(f"{where}.timeout_s must be a number > 0 (seconds), got {t!r}")
-    return PlannerSettings(allow_4bit=a4, calibration=path, timeout_s=float(t))
+    trials = value.get("trials", True)
+    if not isinstance(trials, bool):
+        raise Fp8CommConfigError(f"{where}.trials must be true or false, got {trials!r}")
+    return PlannerSettings(allow_4bit=a4, calibration=path, timeout_s=float(t), trials=trials)
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,22 @@ def group_shape(split: topology.Split | None, size: int) -> GroupShape:
     return GroupShape(1, max(1, size))
 
 
+@dataclass
+class _Trial:
+    """One size class on one group while measurement checks its plan: the option running now, the calls issued on it
+    (the same count on every member), this rank's measured/predicted ratio per timed call per option, and what the
+    group agreed each option measured at the class's size (seconds, max over the members)."""
+
+    current: Option
+    serial: int  # this class's trials on this group so far, in this process (the same count on every member)
+    issued: int = 0
+    waited: int = 0
+    rounds: int = 0
+    ratios: dict[Option, list[float]] = field(default_factory=dict)
+    measured: dict[Option, float] = field(default_factory=dict)
+    done: bool = False
+
+
 class RuntimePlanner:
     """One engine's planner: load or measure the calibration (start), then choose per collective (choose), log
     each plan once (rank 0, through `log`), and time the calls (timed)."""
@@ -107,7 +139,9 @@ class RuntimePlanner:
         self.fallback = ""  # why the fixed choice is used ("" while planning from a calibration)
         self._planners: dict[Policy, Planner] = {}
         self._logged: set[int] = set()
-        self._timed: dict[tuple[str, int], int] = {}  # (op, id(plan)) -> calls timed on a GPU (TIMED_ON_GPU)
+        self._timed: dict[tuple, int] = {}  # (op, id(plan), option) -> calls timed on a GPU (TIMED_ON_GPU)
+        self._trials: dict[tuple[int, int], _Trial] = {}  # (id(plan), id(group)) -> its trial
+        self._trial_of: dict[int, list[_Trial]] = {}  # id(plan) -> its trials (record() feeds them)
         self._checks: dict[tuple, tuple[int, float, float]] = {}  # (op, plan, option) -> calls, predicted, measured
         self._predictions: dict[tuple, float] = {}  # predicted(): seconds per (op, bytes, dtype, shape, option)
         self.started = False
@@ -164,10 +198,13 @@ class RuntimePlanner:
         *,
         two_level: bool,
         native_op: str | None = None,
+        group: Any = None,
     ) -> Choice:
         """The option for one collective of `nbytes` (its size class's plan). two_level: the group can run two
         levels (prepared node groups); native_op: the engine's own collective when it is another op than ours
-        (ZeRO-1/2 all-reduces its buckets where fp8comm reduce-scatters to the owners)."""
+        (ZeRO-1/2 all-reduces its buckets where fp8comm reduce-scatters to the owners); group: the collective's
+        process group (dist.group.WORLD for the world), where its members agree on a trial (None: no trial, the
+        prediction alone). Every member must call this for the same collectives in the same order."""
         if self.calibration is None:
             return Choice(FALLBACK if two_level else Option("fp8"), None)
         dtype = _two_bytes(dtype)
@@ -179,7 +216,93 @@ class RuntimePlanner:
         if id(p) not in self._logged:
             self._logged.add(id(p))
             self.log("fp8comm plan: " + p.describe())
-        return Choice(p.chosen, p)
+        if group is None or not self.settings.trials:
+            return Choice(p.chosen, p)
+        return Choice(self._trial(p, group), p)
+
+    # ------------------------------------------------------------------------------------------------- trials
+    def _trial(self, p: Plan, group: Any) -> Option:
+        """The option this call runs while measurement checks the plan (see the module's docstring)."""
+        key = (id(p), id(group))
+        t = self._trials.get(key)
+        if t is None:
+            n = (p.op, p.dtype, p.size_class, topology.group_ranks(group))
+            _serials[n] = _serials.get(n, 0) + 1
+            t = self._trials[key] = _Trial(p.chosen, _serials[n])
+            self._trial_of.setdefault(id(p), []).append(t)
+        if not t.done and t.issued >= 1 + TRIAL_CALLS:
+            self._agree(p, t, group)
+        t.issued += 1
+        return t.current
+
+    def _agree(self, p: Plan, t: _Trial, group: Any) -> None:
+        """Once every member has TRIAL_CALLS timings of the running option past its first call: the group's max of
+        the median measured/predicted ratio; then try the untried option expected fastest (its prediction, corrected
+        by a tried option on its wire) if that beats the best measured, or keep the best measured (the plan's own
+        choice on a tie)."""
+        mine = t.ratios.get(t.current, [])[1:]
+        have = len(mine) >= TRIAL_CALLS
+        ratio = sorted(mine)[len(mine) // 2] if have else 0.0
+        t.rounds += 1
+        got = exchange(group, f"{p.op}/{p.dtype}/{p.size_class}/{t.serial}/{t.rounds}", [0.0 if have else 1.0, ratio])
+        missing, ratio = max(v[0] for v in got), max(v[1] for v in got)
+        if missing:
+            t.waited += 1
+            if t.waited >= TRIAL_WAIT:  # timings never came (a handle nobody waits): the plan stands
+                t.done = True
+                t.current = min(t.measured, key=t.measured.__getitem__) if t.measured else t.current
+            return
+        t.measured[t.current] = ratio * (p.candidate(t.current).seconds or 0.0)
+        best = min(t.measured, key=lambda o: (t.measured[o], o != p.chosen))
+        # an untried option's expected time: its prediction, corrected by what a tried option on the same wire
+        # measured against its own (the model's error is mostly per codec: its passes over the bucket)
+        off = {o.wire: t.measured[o] / (p.candidate(o).seconds or 1.0) for o in t.measured}
+        untried = sorted(
+            [
+                (c.seconds * off.get(c.option.wire, 1.0), c.seconds, c.option)
+                for c in p.candidates
+                if not c.excluded and c.seconds is not None and c.option not in t.measured
+            ],
+            key=lambda u: u[:2],
+        )
+        untried = [u for u in untried if u[0] < t.measured[best]]
+        if untried and len(t.measured) <= TRIALS:
+            expect, pred, nxt = untried[0]
+            self.log(
+                f"fp8comm planner: {p.op} of {p.role} class {p.size_class}: "
+                f"{t.current.label(p.dtype, p.backend)} measured {t.measured[t.current] * 1e3:.1f} ms "
+                f"(predicted {(p.candidate(t.current).seconds or 0.0) * 1e3:.1f}); trying "
+                f"{nxt.label(p.dtype, p.backend)} (predicted {pred * 1e3:.1f} ms, expected {expect * 1e3:.1f}) for "
+                f"{1 + TRIAL_CALLS} calls"
+            )
+            t.current, t.issued = nxt, 0
+            return
+        t.done, t.current = True, best
+        if len(t.measured) > 1:
+            tried = ", ".join(f"{o.label(p.dtype, p.backend)} {s * 1e3:.1f} ms" for o, s in t.measured.items())
+            self.log(
+                f"fp8comm planner: {p.op} of {p.role} class {p.size_class}: measured {tried}; keeps "
+                f"{best.label(p.dtype, p.backend)}"
+            )
+
+    def trials(self) -> list[dict]:
+        """Every trial so far: the plan's class, the option running (final once done), each tried option's agreed
+        measured ms at the class's size."""
+        out = []
+        for p in self.plans:
+            for t in self._trial_of.get(id(p), []):
+                out.append(
+                    {
+                        "op": p.op,
+                        "role": p.role,
+                        "size_class": p.size_class,
+                        "planned": p.chosen.label(p.dtype, p.backend),
+                        "running": t.current.label(p.dtype, p.backend),
+                        "done": t.done,
+                        "measured_ms": {o.label(p.dtype, p.backend): s * 1e3 for o, s in t.measured.items()},
+                    }
+                )
+        return out
 
     @property
     def plans(self) -> list[Plan]:
@@ -204,7 +327,7 @@ class RuntimePlanner:
             yield
             return
         if torch.device(device).type == "cuda":
-            key = (op, id(choice.plan))
+            key = (op, id(choice.plan), choice.option)
             n = self._timed.get(key, 0)
             if n >= TIMED_ON_GPU:
                 yield
@@ -236,6 +359,10 @@ class RuntimePlanner:
         PROCESS_STATS.record_time(op, predicted_s, measured_s)
         if choice.plan is None:
             return
+        if predicted_s > 0:
+            for t in self._trial_of.get(id(choice.plan), []):
+                if not t.done:
+                    t.ratios.setdefault(choice.option, []).append(measured_s / predicted_s)
         key = (op, id(choice.plan), choice.option)
         n, p, m = self._checks.get(key, (0, 0.0, 0.0))
         n += 1
@@ -251,6 +378,21 @@ class RuntimePlanner:
                 "prediction and may not be the fastest; a calibration file from a quiet run of `fp8comm calibrate` "
                 "on these nodes, or a fixed format, may do better"
             )
+
+
+_serials: dict[tuple, int] = {}  # (op, dtype, class, group ranks) -> trials started in this process
+
+
+def exchange(group: Any, key: str, values: list[float]) -> list[list[float]]:
+    """Every member's `values` under `key`, through the default group's c10d store: no collective, so it may run
+    inside an engine's coalescing block (Megatron issues its buckets in one) and moves nothing on the group's links.
+    Blocks up to the store's timeout (the process group's) for a member that never comes, as its collective would."""
+    store = dist.distributed_c10d._get_default_store()
+    ranks = topology.group_ranks(group)
+    tag = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+    kv = dist.PrefixStore(f"fp8comm-trial/{tag}/{key}/", store)
+    kv.set(str(dist.get_rank()), json.dumps(values))
+    return [json.loads(kv.get(str(r))) for r in ranks]
 
 
 def _size(n: int) -> str:

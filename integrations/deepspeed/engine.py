@@ -132,6 +132,7 @@ class EngineState:
             out["grad_layouts"] = list(self.grad_layouts)
         if self.planner is not None:
             out["plans"] = [p.to_dict() for p in self.planner.plans]
+            out["plan_trials"] = self.planner.trials()
             if self.planner.fallback:
                 out["planner_fallback"] = self.planner.fallback
         return out

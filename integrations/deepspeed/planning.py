@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fp8comm.comm import topology
 from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape
@@ -87,7 +88,8 @@ def decide(
         how, gb = es.route(role, device, fp4)
         return Decision(how, gb, hg, None)
     shape = shape_of(es, group)
-    c = rp.choose(op, nbytes, dtype, shape, two_level=hg is not None, native_op=native_op)
+    g = dist.group.WORLD if group is None else group
+    c = rp.choose(op, nbytes, dtype, shape, two_level=hg is not None, native_op=native_op, group=g)
     if c.native:
         es.acct.hit(f"planner.{role}.native")
         return Decision("bf16", None, None, c, shape)

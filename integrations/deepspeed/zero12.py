@@ -43,7 +43,6 @@ guard watches each group's updates as bucket "update<g>" (4 bits -> FP8 -> a ful
 from __future__ import annotations
 
 import bisect
-import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -357,6 +356,14 @@ class _Reducer:
 
     # ---------------------------------------------------------------------------------------------- the collective
     def _send(self, b: _Batch) -> None:
+        """The batch's collective, timed (planner) from the send buffer's assembly to the results in DeepSpeed's
+        partitions: the passes over the bucket that the option brings (copies, residuals) count as its cost."""
+        if b.decision is None:
+            return self._reduce(b)
+        with planning.timed(self.es, b.decision, "reduce_scatter", b.elements * b.dtype.itemsize, b.dtype, b.device):
+            return self._reduce(b)
+
+    def _reduce(self, b: _Batch) -> None:
         es, opt, H, world, me = self.es, self.opt, self.H, b.world, b.me
         rows = b.rows(H)
         rs = plan_reduce(rows)
@@ -406,12 +413,7 @@ class _Reducer:
         self.sent.append(
             ("owned", path, "two-level" if hg is not None else "flat", call_cfg.describe(), b.calls, b.elements, owners)
         )
-        timer = (
-            planning.timed(es, b.decision, "reduce_scatter", b.elements * b.dtype.itemsize, b.dtype, b.device)
-            if b.decision is not None
-            else contextlib.nullcontext()
-        )
-        with es.acct.fp8("gradients", baseline=b.baseline), torch.no_grad(), timer:
+        with es.acct.fp8("gradients", baseline=b.baseline), torch.no_grad():
             if rs:
                 acc = self.scratch.take("acc", part, torch.float32, b.device)
                 # fp32 output: every sender's contribution decoded straight into fp32, summed in fp32 in rank order

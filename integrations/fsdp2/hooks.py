@@ -209,7 +209,7 @@ class Planned:
     def start(self, group, nbytes: int, dtype: torch.dtype, two_level: bool, device: torch.device):
         """(choice, timer): the plan of this call's size class, and its timer already running."""
         d, shape = _PLAN_DTYPES[dtype], self.shape(group)
-        choice: Choice = self.planner.choose(self.op, nbytes, d, shape, two_level=two_level)
+        choice: Choice = self.planner.choose(self.op, nbytes, d, shape, two_level=two_level, group=group)
         timer = self.planner.timed(self.op, choice, nbytes, d, shape, device)
         timer.__enter__()
         return choice, timer

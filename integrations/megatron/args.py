@@ -218,4 +218,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds the planner's measurement at install may take; past it every rank uses the fixed choice "
         "(FP8, two levels where a group spans nodes) with one warning (default %(default)s)",
     )
+    g.add_argument(
+        "--fp8comm-planner-trials",
+        action=argparse.BooleanOptionalAction,
+        default=_D.planner_trials,
+        help="a size class whose plan measures slower than another option's prediction runs that option for a few "
+        "calls and keeps the faster as measured, agreed by every rank of the group (logged); "
+        "--no-fp8comm-planner-trials: the prediction alone, so a calibration file fixes every choice "
+        "(default %(default)s)",
+    )
     return parser

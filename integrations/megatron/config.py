@@ -79,6 +79,7 @@ class Fp8CommMegatronConfig:
     planner_allow_4bit: bool = False
     planner_calibration: str | None = None
     planner_timeout_s: float = 30.0
+    planner_trials: bool = True  # a plan measured slower than another option's prediction tries it (planned.py)
 
     def __post_init__(self) -> None:
         if self.param_update_fmt is not None and self.param_update_fmt not in PARAM_UPDATE_FORMATS:
@@ -110,6 +111,7 @@ class Fp8CommMegatronConfig:
             "guard",
             "planner",
             "planner_allow_4bit",
+            "planner_trials",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise Fp8CommMegatronError(f"fp8comm: {name} must be True or False, got {getattr(self, name)!r}")
@@ -140,7 +142,11 @@ class Fp8CommMegatronConfig:
         """The planner's settings (fp8comm.comm.planned), None when it is off."""
         if not self.planner:
             return None
-        value: dict[str, object] = {"allow_4bit": self.planner_allow_4bit, "timeout_s": self.planner_timeout_s}
+        value: dict[str, object] = {
+            "allow_4bit": self.planner_allow_4bit,
+            "timeout_s": self.planner_timeout_s,
+            "trials": self.planner_trials,
+        }
         if self.planner_calibration is not None:
             value["calibration"] = self.planner_calibration
         return parse_settings(value, "--fp8comm-planner")

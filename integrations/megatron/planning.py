@@ -23,7 +23,6 @@ import torch.distributed as dist
 from fp8comm.comm import topology
 from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape, ranks_per_node
 from fp8comm.comm.planner import NATIVE, GroupShape, Option, Policy
-from fp8comm.comm.stats import PROCESS_STATS
 from fp8comm.errors import Fp8CommConfigError
 
 from .config import Fp8CommMegatronConfig, Fp8CommMegatronError
@@ -130,7 +129,8 @@ def route(op: str, t: torch.Tensor, group, two_level: bool) -> Route | None:
     d = _dtype(t)
     nbytes = t.numel() * (4 if d == "fp32" else 2)
     shape = shape_of(group)
-    return Route(rp.choose(op, nbytes, d, shape, two_level=two_level), op, nbytes, d, shape)
+    g = dist.group.WORLD if group is None else group
+    return Route(rp.choose(op, nbytes, d, shape, two_level=two_level, group=g), op, nbytes, d, shape)
 
 
 def ran(r: Route, config, two_level: bool) -> Option:
@@ -153,7 +153,8 @@ class Timer:
     def __init__(self, r: Route, option: Option, dev: torch.device) -> None:
         rp = installed().planner
         assert rp is not None and rp.calibration is not None
-        self.op, self.dev, self.done = r.op, dev, False
+        self.op, self.dev, self.done, self.planner = r.op, dev, False, rp
+        self.ran = Choice(option, r.choice.plan)
         self.predicted = rp.predicted(r.op, r.nbytes, r.dtype, r.shape, option)
         _sync(dev)
         self.t0 = time.perf_counter()
@@ -162,7 +163,7 @@ class Timer:
         if not self.done:
             self.done = True
             _sync(self.dev)
-            PROCESS_STATS.record_time(self.op, self.predicted, time.perf_counter() - self.t0)
+            self.planner.record(self.op, self.ran, self.predicted, time.perf_counter() - self.t0)
 
 
 def timer(r: Route | None, option: Option, dev: torch.device) -> Timer | None:
@@ -221,5 +222,6 @@ def summary() -> dict:
         "calibration": rp.settings.calibration or ("measured" if rp.calibration is not None else None),
         "fallback": rp.fallback,
         "plans": [p.to_dict() for p in rp.plans],
+        "trials": rp.trials(),
         "log": list(inst.plan_log),
     }

@@ -163,3 +163,104 @@ def planned_mod():
     import fp8comm.comm.planned as planned
 
     return planned
+
+
+class _Group:
+    """The trial's agreement (planned.exchange) with one other member whose values are `other`: [1 if its timings
+    are missing, its median measured/predicted ratio]."""
+
+    def __init__(self, monkeypatch, other=None) -> None:
+        P = planned_mod()
+        self.other, self.calls, self.keys = other, 0, []
+        monkeypatch.setattr(P, "exchange", self.exchange)
+        monkeypatch.setattr(P.topology, "group_ranks", lambda group: (0, 1))
+
+    def exchange(self, group, key, values):
+        assert group is self
+        self.calls += 1
+        self.keys.append(key)
+        return [values] + ([self.other] if self.other is not None else [])
+
+
+def _run(rp, group, calls, slow):
+    """`calls` reduce-scatters of 4 MiB on 2x2, each measured at slow[wire] x its prediction; the options run."""
+    shape, ran = GroupShape(2, 2), []
+    for _ in range(calls):
+        c = rp.choose("reduce_scatter", 4 * MiB, "bf16", shape, two_level=True, group=group)
+        pred = rp.predicted("reduce_scatter", 4 * MiB, "bf16", shape, c.option)
+        if slow.get(c.option.wire) is not None:
+            rp.record("reduce_scatter", c, pred, pred * slow[c.option.wire])
+        ran.append(c.option.label("bf16", "gloo"))
+    return ran
+
+
+def test_a_plan_measured_slower_than_another_prediction_tries_it_and_keeps_the_faster(monkeypatch):
+    """mxfp4+EF predicted fastest but measured 8x its prediction: the option expected fastest after correcting
+    mxfp4's predictions by that (fp8 two-level) runs 1 + TRIAL_CALLS calls and, measured faster, is kept."""
+    P = planned_mod()
+    lines: list[str] = []
+    rp = RuntimePlanner(PlannerSettings(), Policy(allow_4bit=True), lines.append, "test")
+    rp.calibration = cal(1e7)
+    g = _Group(monkeypatch)
+    ran = _run(rp, g, 3 * (1 + P.TRIAL_CALLS) + 4, {"mxfp4": 8.0, "fp8": 1.0, NATIVE: 1.0})
+    n = 1 + P.TRIAL_CALLS
+    assert ran[:n] == ["mxfp4 +EF two-level"] * n
+    assert ran[n : 2 * n] == ["fp8 two-level"] * n  # not mxfp4 flat: predicted 116 ms, expected 8x that
+    assert set(ran[2 * n :]) == {"fp8 two-level"}
+    assert g.calls == 2  # one agreement per tried option, none once decided
+    (a, b) = [k.split("/") for k in g.keys]  # op/dtype/class/serial/round: the same trial, its rounds 1 and 2
+    assert a[:4] == b[:4] and a[:3] == ["reduce_scatter", "bf16", "22"] and (a[4], b[4]) == ("1", "2"), g.keys
+    tried = [ln for ln in lines if "trying" in ln]
+    assert (
+        len(tried) == 1 and "mxfp4 +EF two-level measured 639.5 ms (predicted 79.9); trying fp8 two-level" in tried[0]
+    )
+    kept = [ln for ln in lines if "keeps" in ln]
+    assert kept == [
+        "fp8comm planner: reduce_scatter of gradients class 22: measured mxfp4 +EF two-level 639.5 ms, "
+        "fp8 two-level 131.8 ms; keeps fp8 two-level"
+    ]
+    (t,) = rp.trials()
+    assert t["done"] and t["planned"] == "mxfp4 +EF two-level" and t["running"] == "fp8 two-level"
+    assert t["measured_ms"] == {
+        "mxfp4 +EF two-level": pytest.approx(639.5, abs=0.1),
+        "fp8 two-level": pytest.approx(131.8, abs=0.1),
+    }
+    reset_comm_stats()
+
+
+def test_the_slowest_member_decides_and_a_close_prediction_stands(monkeypatch):
+    """Every member runs what the group's max ratio says: here another member measured mxfp4 at 1.1x (this one at
+    1.0x), above no other option's prediction: no trial, one agreement, the plan stands. Without a group: no trial."""
+    P = planned_mod()
+    lines: list[str] = []
+    rp = RuntimePlanner(PlannerSettings(), Policy(allow_4bit=True), lines.append, "test")
+    rp.calibration = cal(1e7)
+    g = _Group(monkeypatch, other=[0.0, 1.1])
+    ran = _run(rp, g, 2 * (1 + P.TRIAL_CALLS), {"mxfp4": 1.0})
+    assert set(ran) == {"mxfp4 +EF two-level"} and g.calls == 1
+    assert rp.trials()[0]["measured_ms"] == {"mxfp4 +EF two-level": pytest.approx(79.9 * 1.1, abs=0.1)}
+    assert not [ln for ln in lines if "trying" in ln or "keeps" in ln]
+    # another member measured it at 2x: above fp8 two-level's 131.8 ms prediction, so that one is tried
+    rp2 = RuntimePlanner(PlannerSettings(), Policy(allow_4bit=True), lines.append, "test")
+    rp2.calibration = cal(1e7)
+    ran = _run(rp2, _Group(monkeypatch, other=[0.0, 2.0]), 2 * (1 + P.TRIAL_CALLS), {"mxfp4": 1.0, "fp8": 1.0})
+    assert ran[1 + P.TRIAL_CALLS :] == ["fp8 two-level"] * (1 + P.TRIAL_CALLS)
+    rp3 = RuntimePlanner(PlannerSettings(), Policy(allow_4bit=True), lines.append, "test")
+    rp3.calibration = cal(1e7)
+    c = rp3.choose("reduce_scatter", 4 * MiB, "bf16", GroupShape(2, 2), two_level=True)
+    assert rp3.trials() == [] and c.option == c.plan.chosen
+    reset_comm_stats()
+
+
+def test_a_trial_whose_timings_never_come_keeps_the_plan(monkeypatch):
+    """A member without timings (handles waited late, or never) holds the decision for every member; after TRIAL_WAIT
+    agreements the plan stands."""
+    P = planned_mod()
+    rp = RuntimePlanner(PlannerSettings(), Policy(allow_4bit=True), lambda s: None, "test")
+    rp.calibration = cal(1e7)
+    g = _Group(monkeypatch, other=[1.0, 0.0])  # the other member has no timings
+    n = 1 + P.TRIAL_CALLS + P.TRIAL_WAIT + 5
+    ran = _run(rp, g, n, {"mxfp4": 8.0, "fp8": 1.0})  # this member's timings say: try fp8
+    assert set(ran) == {"mxfp4 +EF two-level"} and g.calls == P.TRIAL_WAIT
+    assert rp.trials()[0]["done"] and rp.trials()[0]["measured_ms"] == {}
+    reset_comm_stats()

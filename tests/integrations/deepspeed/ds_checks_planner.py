@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import ds_train as T
+import torch
 import torch.distributed as dist
 from ds_checks_levels import _nodes, _same_everywhere, captured
 
@@ -18,9 +19,11 @@ import fp8comm.comm as fc
 import fp8comm.integrations.deepspeed as fd
 from fp8comm.comm import linkmodel as lm
 from fp8comm.comm.calibration import Calibration, Link
+from fp8comm.comm.planned import TRIAL_CALLS
 from fp8comm.errors import Fp8CommConfigError
 
 STEPS = 3
+TRIAL_STEPS = 2 * (1 + TRIAL_CALLS) + 3  # one gradient bucket per step: the plan's calls, a trial's, then settled
 
 
 def _file(name: str, inter_bw: float, **kw) -> str:
@@ -69,10 +72,11 @@ def _plain(stage: int, **zero) -> list:
 
 def planner_fast_link_is_deepspeeds_own(info):
     """A link no codec can beat: every plan keeps DeepSpeed's own collective, and the run is DeepSpeed's, bit for
-    bit; the plans are logged (rank 0) and the calls timed into comm_stats."""
+    bit; the plans are logged (rank 0) and the calls timed into comm_stats. Trials off: the file's link is fiction,
+    which trials would correct by measurement (planner_trial_measures_and_agrees)."""
     path = _file("fast", 1e13)
     for stage in (2, 3):
-        run, stats, lines, es = _planned(info, stage, {"calibration": path})
+        run, stats, lines, es = _planned(info, stage, {"calibration": path, "trials": False})
         plain = _plain(stage)  # every collective before any assertion: a rank that fails alone cannot hang the rest
         assert run.stats["plans"] and all(p["chosen"].startswith("engine bf16") for p in run.stats["plans"]), info
         hooks = run.stats["hooks"]
@@ -128,6 +132,37 @@ def planner_slow_link_quantizes(info):
     assert run8.stats["error_feedback"]["residuals"] == 0, run8.stats["error_feedback"]
 
 
+def planner_trial_measures_and_agrees(info):
+    """A file whose codecs are infinitely fast and whose link is slow: FP8 is predicted far below anything it can
+    measure, so its size class tries DeepSpeed's own collective and keeps the faster as measured. Every rank runs the
+    same options (the trial's agreement), the log says what was tried and kept, training stays in step."""
+    path = _file(
+        "fiction", 1e9, codecs={"*": lm.CodecSpeed(pack=1e15, unpack_sum=1e15, unpack=1e15)}, call_overhead=0.0
+    )
+    _nodes()
+    with captured() as lines:
+        eng, _ = T.build(T.ds_config(2, "bf16", {"planner": {"calibration": path}}))
+        run = T.train(eng, range(TRIAL_STEPS))
+        trials = fd.engine_state(eng).planner.trials()
+    flat = torch.cat([p.detach().reshape(-1).float() for p in eng.module.parameters()])
+    T.destroy(eng)
+    fd.uninstall()
+    _same_everywhere(trials)
+    _same_everywhere(flat.tolist())
+    grads = [t for t in trials if t["op"] == "reduce_scatter"]
+    info.update(trials=trials, losses=run.losses)
+    assert grads and all(t["done"] for t in grads), trials
+    t = grads[0]
+    assert t["planned"].startswith("fp8") and "engine bf16 (torch gloo)" in t["measured_ms"], t
+    assert t["running"] == min(t["measured_ms"], key=t["measured_ms"].get), t
+    hooks = run.stats["hooks"]
+    assert hooks.get("planner.gradients.native", 0) >= 1 + TRIAL_CALLS, hooks  # the trial ran DeepSpeed's own
+    assert all(x == x for x in run.losses), run.losses
+    if dist.get_rank() == 0:
+        assert any("trying engine bf16 (torch gloo)" in ln for ln in lines), lines
+        assert any("; keeps " in ln for ln in lines), lines
+
+
 def planner_measured_at_build(info):
     """No file: the links and codecs are measured once over the world at build (gloo), every rank holds the same
     calibration and the same plans."""
@@ -177,5 +212,6 @@ CHECKS = [
     planner_bad_calibration_file,
     planner_fast_link_is_deepspeeds_own,
     planner_slow_link_quantizes,
+    planner_trial_measures_and_agrees,
     planner_measured_at_build,
 ]

@@ -35,8 +35,10 @@ import fp8comm.integrations.fsdp2 as f2
 from fp8comm.comm import linkmodel as lm
 from fp8comm.comm import topology
 from fp8comm.comm.calibration import Calibration, Link
+from fp8comm.comm.planned import TRIAL_CALLS
 
 STEPS = 3
+TRIAL_STEPS = 2 + TRIAL_CALLS  # one gradient reduce-scatter per step: its plan's first call left out, then timed
 SLOW = (1e5, 1e-4)  # cross-node bytes/s, latency: any quantized wire beats FSDP2's own by far
 FAST = (1e13, 1e-6)  # the codec costs more than the bytes it saves: FSDP2's own
 LOGGER = "fp8comm.integrations.fsdp2"
@@ -114,8 +116,10 @@ def train(steps: int = STEPS, **options) -> dict:
             ]
             if options:
                 f2.disable(model)
-    plans = [p.describe() for p in rep.planner.plans] if rep is not None and rep.planner is not None else []
+    planner = None if rep is None else rep.planner
+    plans = [p.describe() for p in planner.plans] if planner is not None else []
     return {
+        "trials": planner.trials() if planner is not None else [],
         "losses": losses,
         "digest": C.digest(C.full_params(model)),
         "stats": stats,
@@ -221,11 +225,19 @@ def planner_fast_link_is_fsdp2_own(rank, world, info):
     L._nodes(rank)
     plain = train()
     path = write("fast", calibration(FAST), rank)
-    run = train(planner={"allow_4bit": True, "calibration": path}, gradients=RESIDUALS)
+    # trials off: the file's link is fiction, which trials would correct by measurement (checked below)
+    run = train(planner={"allow_4bit": True, "calibration": path, "trials": False}, gradients=RESIDUALS)
     _decided_alike(run["plans"])
     heads = _heads(run["plans"])
     lines = _plan_lines(rank, run)
     info.update(plans=heads, losses=run["losses"], plain=plain["losses"], plan_example=lines[:1])
+    # trials on: each size class measures its plan and may try another option; every rank runs the same
+    tried = train(TRIAL_STEPS, planner={"calibration": path}, gradients=RESIDUALS)
+    _decided_alike([repr(tried["trials"])])
+    info["trials"] = tried["trials"]
+    assert {t["op"] for t in tried["trials"]} == {"all_gather", "reduce_scatter"}, tried["trials"]
+    assert all(t["done"] and t["measured_ms"] for t in tried["trials"]), tried["trials"]
+    assert all(x == x for x in tried["losses"]), tried["losses"]
     assert [h.rsplit(": ", 1)[1] for h in heads] == ["engine bf16 (torch gloo)", "engine fp32 (torch gloo)"], heads
     w, g = run["hooks"]["weights"], run["hooks"]["gradients"]
     assert w["native_calls"] == AG_CALLS and g["native_calls"] == RS_CALLS and w["fp8_calls"] == g["fp8_calls"] == 0

@@ -28,8 +28,10 @@ import fp8comm.comm as fcomm
 from fp8comm.comm import linkmodel as lm
 from fp8comm.comm import topology
 from fp8comm.comm.calibration import Calibration, Link
+from fp8comm.comm.planned import TRIAL_CALLS
 
 ITERS = 4
+TRIAL_ITERS = 2 + TRIAL_CALLS  # enough calls for each bucket-size class to measure its plan once
 OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
 PLAIN = dict(use_distributed_optimizer=False, overlap_grad_reduce=True)  # plain DDP: bucket all-reduces
 FAST = dict(inter=1e13, intra=1e13, latency=1e-6, codec=1e6)
@@ -99,14 +101,20 @@ def gpt_dp4_planner_fast_link_is_megatrons_own(rank, world, info):
     base = run(OVERLAP, None, iters=ITERS)
     box: dict = {}
     path = calibration_file("fast", **FAST)
-    on = run(OVERLAP, dict(planner_calibration=path), iters=ITERS, on_install=_keep_installation(box))
+    # trials off: the file's link is fiction, which trials would correct by measurement (checked at the end)
+    on = run(
+        OVERLAP, dict(planner_calibration=path, planner_trials=False), iters=ITERS, on_install=_keep_installation(box)
+    )
     log, plans = _plans(box)
     assert log[0].startswith(f"fp8comm planner: calibration from {path}"), log[0]
     heads = [p.describe().splitlines()[0] for p in plans]
     assert {p.op for p in plans} == {"reduce_scatter", "all_gather"}, heads
     assert all(p.chosen.native for p in plans), heads
     assert all(h.endswith(("engine fp32 (torch gloo)", "engine bf16 (torch gloo)")) for h in heads), heads
-    assert len(log) == 1 + len(plans) and all(line.startswith("fp8comm plan: ") for line in log[1:]), log
+    # each plan logged once; the rest: plans measured far off this file's fiction (Megatron's timed calls)
+    assert len([ln for ln in log if ln.startswith("fp8comm plan: ")]) == len(plans), log
+    assert all(ln.startswith(("fp8comm plan: ", "fp8comm planner: ")) for ln in log[1:]), log
+    assert any("measured" in ln and "predicted" in ln for ln in log), log
     _same_on_every_rank([p.describe() for p in plans], "the plans")
     h, c = on["hooks"], on["comm"]
     assert h["grad_reduce_scatter"]["native_calls"] > 0 and h["grad_reduce_scatter"]["fp8_calls"] == 0, h
@@ -123,13 +131,25 @@ def gpt_dp4_planner_fast_link_is_megatrons_own(rank, world, info):
     # plain DDP (no distributed optimizer): the bucket all-reduce, Megatron's own too; no parameter gather
     base_ar = run(PLAIN, None, iters=ITERS)
     box_ar: dict = {}
-    ar = run(PLAIN, dict(planner_calibration=path), iters=ITERS, on_install=_keep_installation(box_ar))
+    ar = run(
+        PLAIN, dict(planner_calibration=path, planner_trials=False), iters=ITERS, on_install=_keep_installation(box_ar)
+    )
     _, plans_ar = _plans(box_ar)
     assert {p.op for p in plans_ar} == {"all_reduce"} and all(p.chosen.native for p in plans_ar), plans_ar
     assert ar["hooks"]["grad_all_reduce"]["native_calls"] > 0, ar["hooks"]
     assert ar["loss"] == base_ar["loss"] and ar["grad_norm"] == base_ar["grad_norm"], (ar["loss"], base_ar["loss"])
     assert torch.equal(ar["params"], base_ar["params"]), "plain DDP: parameters differ from Megatron alone"
     info["fast"]["plain_ddp_all_reduce"] = _timed(ar["comm"], "all_reduce")
+    # trials on: Megatron's timed calls reach the planner (the gradient buckets' issue-to-wait times); each class
+    # measures its plan, may try another option, and every rank runs the same
+    box_t: dict = {}
+    tried = run(OVERLAP, dict(planner_calibration=path), iters=TRIAL_ITERS, on_install=_keep_installation(box_t))
+    trials = box_t["inst"].planner.trials()
+    _same_on_every_rank(repr(trials), "the trials")
+    info["fast"]["trials"] = trials
+    grads = [t for t in trials if t["op"] == "reduce_scatter"]
+    assert grads and all(t["done"] and t["measured_ms"] for t in grads), trials
+    assert tried["loss"] == tried["loss"], tried["loss"]
 
 
 def gpt_dp4_planner_slow_link_quantizes(rank, world, info):
@@ -152,7 +172,9 @@ def gpt_dp4_planner_slow_link_quantizes(rank, world, info):
     _same_on_every_rank([p.describe() for p in plans8], "the FP8 plans")
     # plain DDP: the planned FP8 all-reduce (reduce-scatter + all-gather of the sums), two levels
     box_ar: dict = {}
-    ar = run(PLAIN, dict(planner_calibration=path), iters=ITERS, on_install=_keep_installation(box_ar))
+    ar = run(
+        PLAIN, dict(planner_calibration=path, planner_trials=False), iters=ITERS, on_install=_keep_installation(box_ar)
+    )
     _, plans_ar = _plans(box_ar)
     assert [(p.op, p.chosen.label()) for p in plans_ar] == [("all_reduce", "fp8 two-level")] * len(plans_ar), plans_ar
     check_parity(run(PLAIN, None, iters=ITERS), ar, info, "planner_fp8_plain_ddp")
