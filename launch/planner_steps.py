@@ -9,6 +9,11 @@ per-run median step time, and the planner's ratio to the best fixed mode.
 Modes: DeepSpeed's own (no fp8_comm), FP8 (the section's defaults: two levels where a group spans nodes), the
 4-bit recipe (mxfp4 gradients with error feedback; weights FP8), and the planner with 4 bits allowed (its
 calibration measured at build, on the cluster's links). Arguments after `--` go to every ds_zero3_step.py run.
+
+`--engine megatron`: the same modes on Megatron's distributed-optimizer step (pretrain_gpt_cpu.py, the docs' GPT
+at sequence 32 unless `--` gives other arguments): Megatron's own, FP8 (`--fp8comm-grad-reduce
+--fp8comm-param-gather`), the 4-bit gradient recipe with the FP8 parameter gather, `--fp8comm-planner-allow-4bit`;
+each run's median over its steps after `--warmup`.
 """
 
 from __future__ import annotations
@@ -27,19 +32,46 @@ MODES = {
     "mxfp4+ef": ["--fp8", "--grad-fmt", "mxfp4", "--error-feedback"],
     "planner-4bit": ["--planner", "4bit"],
 }
-FIXED = ("deepspeed", "fp8", "mxfp4+ef")
-TAG = "ds_zero3_step summary: "
+MEGATRON_MODES = {
+    "megatron": [],
+    "fp8": ["--fp8comm-grad-reduce", "--fp8comm-param-gather"],
+    "mxfp4+ef": ["--fp8comm-grad-reduce", "--fp8comm-grad-format", "mxfp4", "--fp8comm-error-feedback"]
+    + ["--fp8comm-param-gather"],
+    "planner-4bit": ["--fp8comm-planner-allow-4bit"],
+}
+# the docs' GPT at sequence 32 (docs/benchmarks.md, "Megatron's 4-bit step with overlapped weight updates")
+MEGATRON_GPT = (
+    "--num-layers 4 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 8 --seq-length 32 "
+    "--max-position-embeddings 256 --micro-batch-size 1 --global-batch-size 4 --lr 3e-4 "
+    "--tokenizer-type NullTokenizer --vocab-size 8191 --transformer-impl local --use-cpu-initialization "
+    "--no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion "
+    "--no-persist-layer-norm --hidden-dropout 0 --attention-dropout 0 --log-interval 1 "
+    "--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
+).split()
+FIXED = ("deepspeed", "megatron", "fp8", "mxfp4+ef")
+TAGS = ("ds_zero3_step summary: ", "pretrain_gpt summary: ")
 
 
-def run(cluster: str, nproc: int, stage: int, mode: str, extra: list[str], timeout: float) -> dict:
+def run(cluster: str, nproc: int, cmd_tail: list[str], mode: str, timeout: float) -> dict:
     cmd = [sys.executable, str(ROOT / "launch" / "cluster.py"), "--name", cluster, "run", "--nproc-per-node"]
-    cmd += [str(nproc), "--", "launch/ds_zero3_step.py", "--stage", str(stage), *MODES[mode], *extra]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    cmd += [str(nproc), "--timeout", str(int(timeout)), "--", *cmd_tail]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
     for line in out.stdout.splitlines():
-        i = line.find(TAG)
-        if i >= 0:
-            return json.loads(line[i + len(TAG) :])
+        for tag in TAGS:
+            i = line.find(tag)
+            if i >= 0:
+                return json.loads(line[i + len(tag) :])
     raise RuntimeError(f"{mode}: no summary (rc {out.returncode})\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+
+
+def megatron_run(cluster: str, nproc: int, mode: str, extra: list[str], steps: int, warmup: int, timeout: float):
+    """One Megatron launch; its step time: the median period (start to start) of the steps after `warmup`."""
+    tail = ["tests/integrations/megatron/pretrain_gpt_cpu.py", *(extra or MEGATRON_GPT)]
+    s = run(cluster, nproc, [*tail, "--train-iters", str(steps), *MEGATRON_MODES[mode]], mode, timeout)
+    s["step_time_s_median"] = round(statistics.median(s["step_periods_s"][warmup:]), 4)
+    s["warmup"] = warmup
+    s["fp8comm_hook_stats"] = {"plans": s["planner"].get("plans", []), "plan_trials": s["planner"].get("trials", [])}
+    return s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,34 +83,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--stage", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    p.add_argument("--modes", default="", help="comma-separated subset of the engine's modes (default: all)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--engine", choices=("deepspeed", "megatron"), default="deepspeed")
+    p.add_argument("--steps", type=int, default=20, help="megatron: steps per run")
+    p.add_argument("--warmup", type=int, default=10, help="megatron: steps left out of the median period")
     p.add_argument("--json", help="write the runs and the table here")
     a = p.parse_args(argv)
-    modes = a.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
+    table = MEGATRON_MODES if a.engine == "megatron" else MODES
+    modes = a.modes.split(",") if a.modes else list(table)
+    bad = [m for m in modes if m not in table]
     if bad or a.rounds < 1:
-        p.error(f"unknown modes {bad}; valid: {', '.join(MODES)}" if bad else "--rounds must be >= 1")
+        p.error(f"unknown modes {bad}; valid: {', '.join(table)}" if bad else "--rounds must be >= 1")
+    if a.engine == "megatron" and not 0 <= a.warmup < a.steps - 1:
+        p.error(f"--warmup ({a.warmup}) must leave >= 2 of --steps ({a.steps}) for a period")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(a.rounds):
         for m in modes if r % 2 == 0 else reversed(modes):  # alternate the order: drift hits every mode alike
-            s = run(a.cluster, a.nproc_per_node, a.stage, m, extra, a.timeout)
+            if a.engine == "megatron":
+                s = megatron_run(a.cluster, a.nproc_per_node, m, extra, a.steps, a.warmup, a.timeout)
+            else:
+                tail = ["launch/ds_zero3_step.py", "--stage", str(a.stage), *MODES[m], *extra]
+                s = run(a.cluster, a.nproc_per_node, tail, m, a.timeout)
             runs[m].append(s)
             print(f"round {r + 1} {m:<14} {s['step_time_s_median'] * 1e3:8.0f} ms/step", flush=True)
     med = {m: statistics.median(s["step_time_s_median"] for s in v) for m, v in runs.items()}
     fixed = {m: t for m, t in med.items() if m in FIXED}
     best = min(fixed, key=fixed.__getitem__) if fixed else None
-    print(f"\nZeRO-{a.stage}, {a.nproc_per_node} ranks per node, {a.rounds} round(s), args {extra}")
-    print(f"{'mode':<14}{'ms/step':>10}{'vs DeepSpeed':>14}{'vs best fixed':>15}  link MB/step")
+    what = "Megatron DP (distributed optimizer)" if a.engine == "megatron" else f"ZeRO-{a.stage}"
+    print(f"\n{what}, {a.nproc_per_node} ranks per node, {a.rounds} round(s), args {extra}")
+    print(f"{'mode':<14}{'ms/step':>10}{'vs engine':>14}{'vs best fixed':>15}  link MB/step")
     for m, t in med.items():
-        link = statistics.median((s["link_tx_bytes_per_step_median"] or 0) / 1e6 for s in runs[m])
-        own = f"{med['deepspeed'] / t:.2f}x" if "deepspeed" in med else "-"
+        link = statistics.median((s.get("link_tx_bytes_per_step_median") or 0) / 1e6 for s in runs[m])
+        own = f"{med[a.engine] / t:.2f}x" if a.engine in med else "-"
         vs = f"{t / med[best]:.3f}" if best else "-"
         print(f"{m:<14}{t * 1e3:>10.0f}{own:>14}{vs:>15}  {link:.1f}")
     if "planner-4bit" in runs:
         plans = runs["planner-4bit"][-1]["fp8comm_hook_stats"].get("plans", [])
         for pl in plans:
             print(f"  plan: {pl['op']} {pl['role']} class {pl['size_class']}: {pl['chosen']}")
+        for i, s in enumerate(runs["planner-4bit"]):
+            for t in s["fp8comm_hook_stats"].get("plan_trials", []):
+                tried = ", ".join(f"{k} {v:.0f} ms" for k, v in t["measured_ms"].items())
+                print(f"  run {i + 1} trial: {t['op']} class {t['size_class']}: {tried} -> {t['running']}")
         times = runs["planner-4bit"][-1].get("planned_times", {})
         for op, t in times.items():
             print(
@@ -88,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if best:
             print(f"planner / best fixed ({best}): {med['planner-4bit'] / med[best]:.3f} (target <= 1.05)")
     if a.json:
-        Path(a.json).write_text(json.dumps({"stage": a.stage, "args": extra, "median_s": med, "runs": runs}, indent=1))
+        out = {"engine": a.engine, "stage": a.stage, "args": extra, "median_s": med, "runs": runs}
+        Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

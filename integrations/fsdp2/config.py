@@ -6,7 +6,7 @@
     enable(model, gradients={"fmt": "mxfp4", "hadamard": 32})   # 4-bit gradients (weights stay FP8)
     enable(model, hierarchical=False)                          # flat collectives (default: two levels per group)
     enable(model, planner=True)                                # FSDP2's own / FP8 per size class, from a calibration
-    enable(model, planner={"allow_4bit": True}, gradients={"allow_unpartitioned_residuals": True})  # + 4-bit grads
+    enable(model, planner={"allow_4bit": True})  # + 4-bit grads (the recipe's residual memory allowed by it)
 
 A direction is True/False or a dict of the keys below; an unknown key or bad value is an Fp8CommFsdp2Error that names
 the key and lists what is valid (with a "did you mean" for typos).
@@ -237,6 +237,13 @@ def _planned_directions(
             f"planner={given!r} allows 4-bit gradients but gradients=False keeps FSDP2's own reduce-scatter: drop "
             "allow_4bit or turn gradients on"
         )
+    raw = options.get("gradients", True)
+    if settings.allow_4bit and isinstance(raw, dict) and raw.get("allow_unpartitioned_residuals") is False:
+        raise Fp8CommFsdp2Error(
+            f"planner={given!r} allows 4-bit gradients, whose validated recipe (mxfp4 with error feedback) keeps a "
+            f"residual of every FSDP2 module's WHOLE gradient on every rank, but gradients={raw!r} refuses that "
+            "memory: drop allow_4bit, or allow_unpartitioned_residuals (the planner sets it with allow_4bit)"
+        )
     w = WeightWire(enabled=weights.enabled)  # FSDP2 keeps no weight replicas: weights travel in FP8 at most
     g = GradientWire(
         enabled=gradients.enabled,
@@ -245,7 +252,8 @@ def _planned_directions(
         fmt="mxfp4" if settings.allow_4bit else "e4m3",
         error_feedback=settings.allow_4bit,
         residual_dtype=gradients.residual_dtype,
-        allow_unpartitioned_residuals=gradients.allow_unpartitioned_residuals,
+        # the recipe's memory option, set by the planner with allow_4bit (its plan lines say so)
+        allow_unpartitioned_residuals=gradients.allow_unpartitioned_residuals or settings.allow_4bit,
     )
     return w, g
 

@@ -241,15 +241,6 @@ def _check_residual_memory(cfg: Fp8CommFsdp2Config, entries: list[ModuleEntry]) 
         return
     total = sum(e.residual_bytes for e in entries)
     per = _PER_ELEMENT[g.residual_dtype]
-    if cfg.planner is not None:
-        raise Fp8CommFsdp2Error(
-            f"planner={{'allow_4bit': True}} sends gradients in the validated 4-bit recipe, mxfp4 with error feedback "
-            f"(buckets planned on FP8 run without it), which keeps each rank's quantization residual of every FSDP2 "
-            f"module's WHOLE (unsharded) gradient on every rank: {per} per element ({g.residual_dtype}), up to "
-            f"{total:,} bytes ({total / 2**20:.1f} MiB) for this model, while FSDP2 keeps 1/world of the gradients "
-            "per rank. Set gradients={'allow_unpartitioned_residuals': True} next to the planner to accept that "
-            "memory (gradients={'residual_dtype': 'bfloat16'} halves it, 'fp8' quarters it), or drop allow_4bit"
-        )
     raise Fp8CommFsdp2Error(
         f"gradients['error_feedback'] keeps each rank's quantization residual of every FSDP2 module's WHOLE "
         f"(unsharded) gradient on every rank: {per} per element ({g.residual_dtype}), {total:,} bytes "
@@ -271,7 +262,8 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
     gradient reduce-scatter (a direction set to False stays FSDP2's own and is not planned), and decides per
     collective size class, identically on every rank, from the calibration: FSDP2's own collective (its dtype),
     FP8 (e4m3 1x128) or, with allow_4bit, 4-bit gradients (the validated recipe: mxfp4 with error feedback,
-    nearest rounding, which needs gradients={"allow_unpartitioned_residuals": True}; a class planned on FP8 runs
+    nearest rounding, whose residual memory the planner allows: gradients' allow_unpartitioned_residuals, set by
+    it and stated in the plan lines; a class planned on FP8 runs
     without error feedback), flat or two-level (two levels only for shard groups that run two-level;
     hierarchical=False: flat only). Weights travel in FP8 at most (FSDP2 keeps no weight replicas). An explicit
     format for the same traffic (a weights / gradients dict with format keys, a WeightWire / GradientWire) is an
@@ -361,7 +353,9 @@ def _planner(cfg: Fp8CommFsdp2Config, groups: list) -> tuple[RuntimePlanner | No
         replicas=False,  # FSDP2 keeps no weight replicas: weights travel in FP8 at most
         two_level=cfg.hierarchical,
         residual_dtype=cfg.gradients.residual_dtype,
-        residual_option="gradients['allow_unpartitioned_residuals']" if settings.allow_4bit else "",
+        residual_option="gradients['allow_unpartitioned_residuals'] (set by the planner)"
+        if settings.allow_4bit
+        else "",
     )
     planner = RuntimePlanner(settings, policy, _log_rank0, "fp8comm FSDP2 planner")
     env = os.environ.get("LOCAL_WORLD_SIZE", "")

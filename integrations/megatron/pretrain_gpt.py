@@ -32,7 +32,15 @@ import torch.distributed as dist
 
 from fp8comm.comm import comm_stats, format_comm_stats, reset_comm_stats
 from fp8comm.distributed import link_bytes, link_ifname
-from fp8comm.integrations.megatron import add_args, error_feedback_nbytes, hook_stats, install, shutdown, uninstall
+from fp8comm.integrations.megatron import (
+    add_args,
+    error_feedback_nbytes,
+    hook_stats,
+    install,
+    planner_summary,
+    shutdown,
+    uninstall,
+)
 
 
 def _init_distributed() -> None:
@@ -283,6 +291,10 @@ def _summary(h: dict, args, ifname: str | None) -> dict:
         "fp8comm_wire_bytes_per_step": {
             k: v["wire_bytes"] // max(1, len(h["loss"])) for k, v in h["comm_stats"].items()
         },
+        # every step, for medians over another warm-up (the planner's trials settle within its first steps)
+        "step_times_s": [round(t, 4) for t in h["step_s"]],
+        "step_periods_s": [round(b - a, 4) for a, b in zip(h["start_s"], h["start_s"][1:])],
+        "planner": {k: v for k, v in planner_summary().items() if k in ("plans", "trials", "fallback")},
     }
 
 

@@ -162,11 +162,14 @@ AG_CALLS, RS_CALLS = 2 * 2 * STEPS, 2 * STEPS
 def planner_slow_link_quantizes(rank, world, info):
     L._nodes(rank)
     path = write("slow", calibration(SLOW), rank)
-    run = train(planner={"allow_4bit": True, "calibration": path}, gradients=RESIDUALS)
+    # allow_4bit alone: the recipe's memory option (allow_unpartitioned_residuals) is set by the planner and stated
+    run = train(planner={"allow_4bit": True, "calibration": path})
     _decided_alike(run["plans"])
     heads = _heads(run["plans"])
     lines = _plan_lines(rank, run)
     info.update(plans=heads, losses=run["losses"], plan_example=lines[:2], report=run["report"].splitlines()[:2])
+    assert "allow_unpartitioned_residuals'] (set by the planner)" in run["plans"][1], run["plans"][1]
+    assert run["residuals"] and all(n > 0 for n in run["residuals"]), run["residuals"]
     assert heads == [
         "all_gather of weights (bf16), buckets <= 32 KiB (class 15), group 2x2: fp8 two-level",
         "reduce_scatter of gradients (fp32), buckets <= 64 KiB (class 16), group 2x2: mxfp4 +EF two-level",
@@ -279,12 +282,16 @@ def planner_bad_input_refused_before_bytes(rank, world, info):
                 got[key] = str(e)
             assert want in got[key], (key, got[key])
             assert "fp8comm FSDP2 planner: calibration file" in got[key], got[key]
-        try:  # 4-bit gradients keep residuals of the whole gradient: the memory opt-in is asked for, with the bytes
-            f2.enable(model, planner={"allow_4bit": True, "calibration": cases["version"][0]})
-            got["no_opt_in"] = "accepted"
+        try:  # 4-bit gradients keep residuals of the whole gradient: refusing that memory and allowing 4 bits clash
+            f2.enable(
+                model,
+                planner={"allow_4bit": True, "calibration": cases["version"][0]},
+                gradients={"allow_unpartitioned_residuals": False},
+            )
+            got["opt_out"] = "accepted"
         except f2.Fp8CommFsdp2Error as e:
-            got["no_opt_in"] = str(e)
-        assert "allow_unpartitioned_residuals" in got["no_opt_in"] and "bytes" in got["no_opt_in"], got
+            got["opt_out"] = str(e)
+        assert "allow_4bit" in got["opt_out"] and "allow_unpartitioned_residuals': False" in got["opt_out"], got
     finally:
         topology._gather = gather
     info.update(errors=got)
