@@ -418,7 +418,9 @@ def _time_kinds(
     """{kind: (median seconds of one call, elements it handles)} at `elems`, and the kernel used."""
     codec = WireConfig(**WIRE_CONFIGS[name]).spec.codec
     k = codec.width(elems // chunks)
-    x = torch.randn(chunks, k, device=dev).to(torch.bfloat16)
+    # a private generator: calibration runs before the model is built and must not move the caller's random stream
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(chunks, k, device=dev, generator=gen).to(torch.bfloat16)
     lay = codec.layout((1,) * chunks, k)
     kern = codec.kernel("auto", dev, x.numel())
     buf = torch.empty(lay.total_bytes, dtype=torch.uint8, device=dev)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from fp8comm.comm.calibrate import _build, _link, _peers
 from fp8comm.comm.calibration import Calibration, measure_codecs
@@ -78,3 +79,13 @@ def test_measure_codecs_at_two_sizes():
         measure_codecs(elems=(4096, 1024))
     with pytest.raises(Fp8CommConfigError, match="kinds must include pack and unpack_sum"):
         measure_codecs(kinds=("unpack",))
+
+
+def test_measuring_codecs_leaves_the_callers_random_stream_alone():
+    """The planner calibrates at install, before the model is built: the codec timing's test data must not draw
+    from torch's global generator, or the model's initialization (and the whole run) changes with the planner on."""
+    torch.manual_seed(1234)
+    want = torch.rand(4)
+    torch.manual_seed(1234)
+    measure_codecs(["fp8"], elems=(8 * 256,), reps=1, kinds=("pack", "unpack_sum"))
+    assert torch.equal(torch.rand(4), want)
