@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import Fp8CommConfigError
+from ..errors import Fp8CommConfigError, Fp8CommStateError
 from . import topology
 from .calibration import Calibration, device_kind
 from .planner import NATIVE, GroupShape, Option, Plan, Planner, Policy, predict
@@ -39,6 +39,7 @@ FALLBACK = Option("fp8", "two_level")  # the fixed choice (two levels only where
 TIMED_ON_GPU = 8  # calls timed per plan on a GPU (each timing synchronizes the device)
 CHECK_AFTER, OFF_BY = 4, 2.0  # a plan measured off its prediction by more than OFF_BY x after CHECK_AFTER calls: logged
 TRIAL_CALLS, TRIALS = 3, 2  # a trial: TRIAL_CALLS timed calls per option (after one left out), TRIALS options at most
+NO_TRIALS: Any = object()  # RuntimePlanner.choose's group when the caller gives none: no trial
 TRIAL_WAIT = 64  # calls a trial waits for its timings to arrive (async handles waited late) before it keeps the option
 
 
@@ -198,13 +199,13 @@ class RuntimePlanner:
         *,
         two_level: bool,
         native_op: str | None = None,
-        group: Any = None,
+        group: Any = NO_TRIALS,
     ) -> Choice:
         """The option for one collective of `nbytes` (its size class's plan). two_level: the group can run two
         levels (prepared node groups); native_op: the engine's own collective when it is another op than ours
         (ZeRO-1/2 all-reduces its buckets where fp8comm reduce-scatters to the owners); group: the collective's
-        process group (dist.group.WORLD for the world), where its members agree on a trial (None: no trial, the
-        prediction alone). Every member must call this for the same collectives in the same order."""
+        process group (None: the world, as in torch.distributed), where its members agree on a trial (not given:
+        no trial, the prediction alone). Every member must call this for the same collectives in the same order."""
         if self.calibration is None:
             return Choice(FALLBACK if two_level else Option("fp8"), None)
         dtype = _two_bytes(dtype)
@@ -216,14 +217,14 @@ class RuntimePlanner:
         if id(p) not in self._logged:
             self._logged.add(id(p))
             self.log("fp8comm plan: " + p.describe())
-        if group is None or not self.settings.trials:
+        if group is NO_TRIALS or not self.settings.trials:
             return Choice(p.chosen, p)
         return Choice(self._trial(p, group), p)
 
     # ------------------------------------------------------------------------------------------------- trials
     def _trial(self, p: Plan, group: Any) -> Option:
         """The option this call runs while measurement checks the plan (see the module's docstring)."""
-        key = (id(p), id(group))
+        key = (id(p), id(group))  # id(None): the world
         t = self._trials.get(key)
         if t is None:
             n = (p.op, p.dtype, p.size_class, topology.group_ranks(group))
@@ -248,12 +249,11 @@ class RuntimePlanner:
         missing, ratio = max(v[0] for v in got), max(v[1] for v in got)
         if missing:
             t.waited += 1
-            if t.waited >= TRIAL_WAIT:  # timings never came (a handle nobody waits): the plan stands
-                t.done = True
-                t.current = min(t.measured, key=t.measured.__getitem__) if t.measured else t.current
+            if t.waited >= TRIAL_WAIT:  # timings never came (a handle nobody waits): the best measured stands
+                t.done, t.current = True, _best(t, p) if t.measured else t.current
             return
         t.measured[t.current] = ratio * (p.candidate(t.current).seconds or 0.0)
-        best = min(t.measured, key=lambda o: (t.measured[o], o != p.chosen))
+        best = _best(t, p)
         # an untried option's expected time: its prediction, corrected by what a tried option on the same wire
         # measured against its own (the model's error is mostly per codec: its passes over the bucket)
         off = {o.wire: t.measured[o] / (p.candidate(o).seconds or 1.0) for o in t.measured}
@@ -383,6 +383,11 @@ class RuntimePlanner:
 _serials: dict[tuple, int] = {}  # (op, dtype, class, group ranks) -> trials started in this process
 
 
+def _best(t: _Trial, p: Plan) -> Option:
+    """The option measured fastest (the plan's own on a tie)."""
+    return min(t.measured, key=lambda o: (t.measured[o], o != p.chosen))
+
+
 def exchange(group: Any, key: str, values: list[float]) -> list[list[float]]:
     """Every member's `values` under `key`, through the default group's c10d store: no collective, so it may run
     inside an engine's coalescing block (Megatron issues its buckets in one) and moves nothing on the group's links.
@@ -392,7 +397,17 @@ def exchange(group: Any, key: str, values: list[float]) -> list[list[float]]:
     tag = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
     kv = dist.PrefixStore(f"fp8comm-trial/{tag}/{key}/", store)
     kv.set(str(dist.get_rank()), json.dumps(values))
-    return [json.loads(kv.get(str(r))) for r in ranks]
+    got = []
+    for r in ranks:
+        try:
+            got.append(json.loads(kv.get(str(r))))
+        except (RuntimeError, dist.DistError) as e:  # the store's timeout (DistStoreError), or the store gone
+            raise Fp8CommStateError(
+                f"fp8comm planner: rank {r} did not report its timings for the trial {key!r} on group ranks "
+                f"{list(ranks)} within the store's timeout ({type(e).__name__}: {e}); every member must issue the "
+                "same collectives in the same order (or turn trials off: planner 'trials': false)"
+            ) from e
+    return got
 
 
 def _size(n: int) -> str:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fp8comm.comm import topology
 from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape
@@ -88,8 +87,7 @@ def decide(
         how, gb = es.route(role, device, fp4)
         return Decision(how, gb, hg, None)
     shape = shape_of(es, group)
-    g = dist.group.WORLD if group is None else group
-    c = rp.choose(op, nbytes, dtype, shape, two_level=hg is not None, native_op=native_op, group=g)
+    c = rp.choose(op, nbytes, dtype, shape, two_level=hg is not None, native_op=native_op, group=group)
     if c.native:
         es.acct.hit(f"planner.{role}.native")
         return Decision("bf16", None, None, c, shape)

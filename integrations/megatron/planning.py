@@ -129,8 +129,7 @@ def route(op: str, t: torch.Tensor, group, two_level: bool) -> Route | None:
     d = _dtype(t)
     nbytes = t.numel() * (4 if d == "fp32" else 2)
     shape = shape_of(group)
-    g = dist.group.WORLD if group is None else group
-    return Route(rp.choose(op, nbytes, d, shape, two_level=two_level, group=g), op, nbytes, d, shape)
+    return Route(rp.choose(op, nbytes, d, shape, two_level=two_level, group=group), op, nbytes, d, shape)
 
 
 def ran(r: Route, config, two_level: bool) -> Option:

@@ -264,3 +264,27 @@ def test_a_trial_whose_timings_never_come_keeps_the_plan(monkeypatch):
     assert set(ran) == {"mxfp4 +EF two-level"} and g.calls == P.TRIAL_WAIT
     assert rp.trials()[0]["done"] and rp.trials()[0]["measured_ms"] == {}
     reset_comm_stats()
+
+
+def test_a_member_that_never_reports_is_a_clear_error(monkeypatch):
+    """The trial's exchange waits up to the store's timeout for every member; past it: Fp8CommStateError naming the
+    rank, the trial and the way out (trials off), not torch's bare store timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fp8comm.errors import Fp8CommStateError
+
+    P = planned_mod()
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(milliseconds=200))
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(P.topology, "group_ranks", lambda group: (0, 1))
+    with pytest.raises(
+        Fp8CommStateError, match=r"rank 1 did not report its timings for the trial 'k/1'.*'trials': false"
+    ):
+        P.exchange(object(), "k/1", [0.0, 1.5])
+    tag = __import__("hashlib").sha1(b"0,1").hexdigest()[:12]
+    dist.PrefixStore(f"fp8comm-trial/{tag}/k/2/", store).set("1", "[0.0, 2.0]")  # rank 1 reported this time
+    assert P.exchange(object(), "k/2", [0.0, 1.5]) == [[0.0, 1.5], [0.0, 2.0]]
