@@ -139,6 +139,7 @@ class Calibration:
             dict(self.codecs),
             intra_node_bw=self.node_local_cap,
             call_overhead=self.call_overhead,
+            host_local=self.device_type == "cpu",  # CPU ranks copy node-local bytes themselves (loopback TCP)
         )
 
     def check(self, *, device: str | None = None, ranks_per_node: int | None = None) -> None:

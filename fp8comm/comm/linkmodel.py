@@ -262,6 +262,9 @@ class Machine:
     intra_node_bw: float | None = None
     note: str = ""
     call_overhead: float = 0.0  # host seconds per quantized call (Python, launches), added once; 0 = not modelled
+    # node-local transfers are copies made by the cores that run the codecs (CPU ranks: loopback TCP), so the
+    # node-local wire and codec work cannot overlap; False: a separate engine moves them (NVLink, PCIe DMA)
+    host_local: bool = False
 
     def speed(self, codec: Codec) -> CodecSpeed:
         s = self.codecs.get(codec.name) or self.codecs.get("*")
@@ -270,29 +273,36 @@ class Machine:
         return s
 
     def wire_s(self, lv: Levels, steps: int) -> float:
-        """Seconds to move `lv`: the slowest level's bytes / bandwidth (the levels run at once), plus `steps` times
-        the latency of the slowest level it uses (a ring's w-1 steps, an all-to-all's one)."""
+        """Seconds to move `lv`: the levels run at once, each its bytes / bandwidth plus `steps` times its latency
+        (a ring's w-1 steps, an all-to-all's one); the slowest level decides. (A ring step on a slow link is not
+        also charged the node-local latency: the node-local edges of that step finish meanwhile.)"""
         t = 0.0
         if lv.inter_node:
-            t = max(t, lv.inter_node / self.inter_bw)
+            t = max(t, lv.inter_node / self.inter_bw + steps * self.inter_lat)
         if lv.intra_rank:
-            t = max(t, lv.intra_rank / self.intra_bw)
+            t = max(t, lv.intra_rank / self.intra_bw + steps * self.intra_lat)
         if lv.intra_node and self.intra_node_bw:
-            t = max(t, lv.intra_node / self.intra_node_bw)
-        lat = max(self.inter_lat if lv.inter_node else 0.0, self.intra_lat if lv.intra_rank else 0.0)
-        return t + steps * lat
+            t = max(t, lv.intra_node / self.intra_node_bw + steps * self.intra_lat)
+        return t
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A call's predicted seconds and its stages (name, seconds of all pieces together). With P pieces the stages
-    overlap: seconds = max(stage) + (sum(stages) - max(stage)) / P, the second term the first (and last) piece's
-    cost that nothing hides; P = 1 is the plain sum."""
+    """A call's predicted seconds and its stages (name, seconds of all pieces together). Stages on one resource
+    (RESOURCES: a rank's codec work runs on one thread/stream, each link level moves its own bytes) add up; with P
+    pieces the resources overlap: seconds = max(resource) + (sum(stages) - max(resource)) / P, the second term the
+    first (and last) piece's cost that nothing hides; P = 1 is the plain sum."""
 
     seconds: float
     stages: tuple[tuple[str, float], ...]
     levels: Levels
     pieces: int
+    resources: tuple[tuple[str, float], ...] = ()
+
+
+# stage -> what runs it: codec stages on the rank's compute (one thread on CPU, one stream on GPUs: pack, sum and
+# decode of different pieces do not run at once), the wires on their links
+RESOURCES = {"wire": "link", "rails wire": "link", "local wire": "local link"}
 
 
 def time(
@@ -380,10 +390,19 @@ def time(
             rs()
         if op in ("all_gather", "all_reduce"):
             ag()
+    res: dict[str, float] = {}
+    for name, s in st:
+        r = RESOURCES.get(name, "compute")
+        r = "compute" if m.host_local and r == "local link" else r
+        res[r] = res.get(r, 0.0) + s
     total = sum(s for _, s in st)
-    peak = max((s for _, s in st), default=0.0)
-    host = m.call_overhead if c.quantized else 0.0
-    return Estimate(host + peak + (total - peak) / max(pieces, 1), tuple(st), lv, pieces)
+    peak = max(res.values(), default=0.0)
+    # a quantized call's metadata check (call_overhead) travels while its first piece is prepared (comm/core.py and
+    # comm/levels.py settle it just before the first quantized piece goes on the wire): only the rest shows
+    first = next((i for i, (name, _) in enumerate(st) if name in ("wire", "rails wire")), len(st))
+    lead = sum(s for _, s in st[:first]) / max(pieces, 1)
+    host = max(0.0, m.call_overhead - lead) if c.quantized else 0.0
+    return Estimate(host + peak + (total - peak) / max(pieces, 1), tuple(st), lv, pieces, tuple(res.items()))
 
 
 # --------------------------------------------------------------------------------- measured checks, projections

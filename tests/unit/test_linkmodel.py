@@ -112,9 +112,14 @@ def test_time_flat_stages_and_pipelining():
     assert wire == pytest.approx(lm.bytes("reduce_scatter", "flat", "fp8", 2, 2, E).inter_node / 1e9 + 1e-5)
     assert one.seconds == pytest.approx(pack + wire + summ)
     p4 = lm.time("reduce_scatter", "flat", "fp8", m, E, pieces=4)
-    t = dict(p4.stages)  # the wire pays its latency per piece; the stages overlap: max + the rest / P
+    t = dict(p4.stages)  # the wire pays its latency per piece
     assert t["wire"] == pytest.approx(wire + 3e-5, rel=1e-6)
-    assert p4.seconds == pytest.approx(max(t.values()) + (sum(t.values()) - max(t.values())) / 4)
+    # pack and sum run on the rank's one compute resource (they add up), the wire on the link; the resources
+    # overlap: the busiest + the rest / P
+    res = dict(p4.resources)
+    assert res == pytest.approx({"compute": t["pack"] + t["unpack_sum"], "link": t["wire"]})
+    assert res["compute"] > res["link"]  # codec-bound here: the stages' max (the wire) alone would say less
+    assert p4.seconds == pytest.approx(res["compute"] + res["link"] / 4)
     assert p4.seconds < one.seconds
     # a latency-bound link: more pieces cost more than they hide
     slow = _machine(inter_lat=1e-3)
@@ -122,6 +127,45 @@ def test_time_flat_stages_and_pipelining():
         lm.time("reduce_scatter", "flat", "fp8", slow, E, pieces=4).seconds
         > lm.time("reduce_scatter", "flat", "fp8", slow, E).seconds
     )
+
+
+def test_levels_pay_their_own_latency():
+    # a ring over 2x2: the cross-node edges take bytes / inter_bw + 3 x inter_lat, the node-local ones
+    # bytes / intra_bw + 3 x intra_lat, at once: the slower decides (not the bytes' max plus the latencies' max)
+    E = 1 << 20
+    m = _machine(inter_lat=0.0, intra_lat=2e-4)
+    inter = 3 / 4 * 2 * E / 1e9
+    assert inter > 3 * 2e-4 + 3 / 4 * 2 * E / 1e10
+    assert lm.time("all_gather", "ring", "bf16", m, E).seconds == pytest.approx(inter)
+    slow = _machine(inter_lat=0.0, intra_lat=1e-2)  # a node-local latency above the link's time: it decides
+    assert lm.time("all_gather", "ring", "bf16", slow, E).seconds == pytest.approx(3 * 1e-2 + 3 / 4 * 2 * E / 1e10)
+
+
+def test_host_local_links_share_the_codec_cores():
+    # CPU ranks copy node-local bytes themselves: in a pipelined two-level call the local wire adds to the codec
+    # work instead of overlapping it
+    E = 1 << 22
+    free = lm.time("reduce_scatter", "two_level", "fp8", _machine(intra_bw=1e9), E, pieces=4)
+    host = lm.time("reduce_scatter", "two_level", "fp8", _machine(intra_bw=1e9, host_local=True), E, pieces=4)
+    assert free.stages == host.stages
+    st, res = dict(host.stages), dict(host.resources)
+    assert "local link" not in res and dict(free.resources)["local link"] == pytest.approx(st["local wire"])
+    codec = st["local sum"] + st["pack"] + st["unpack_sum"]
+    assert res["compute"] == pytest.approx(codec + st["local wire"])
+    assert host.seconds > free.seconds
+
+
+def test_call_overhead_hides_behind_the_first_piece():
+    # the metadata check travels while the first piece is packed: only what exceeds that shows
+    E = 1 << 22
+    base = lm.time("reduce_scatter", "flat", "fp8", _machine(), E, pieces=4)
+    lead = dict(base.stages)["pack"] / 4
+    small = lm.time("reduce_scatter", "flat", "fp8", _machine(call_overhead=lead / 2), E, pieces=4)
+    assert small.seconds == pytest.approx(base.seconds)
+    big = lm.time("reduce_scatter", "flat", "fp8", _machine(call_overhead=lead + 1e-3), E, pieces=4)
+    assert big.seconds == pytest.approx(base.seconds + 1e-3)
+    # a plain-dtype call has no check
+    assert lm.time("reduce_scatter", "ring", "bf16", _machine(call_overhead=1.0), E).seconds < 1.0
 
 
 def test_time_shared_host_bridge_caps_the_node():
