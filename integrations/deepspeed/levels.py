@@ -4,8 +4,9 @@ Every DeepSpeed group the hooks issue collectives on (ZeRO-1/2: the DP group of 
 group, each parameter's partition group, the hpZ secondary group, and the world for qgZ) is decided by
 fp8comm.comm.topology once, at engine build, on every rank in one order (creating groups is collective over the
 whole world): two-level when it spans nodes with more than one member on each, flat otherwise, one log line per
-group. The hooks look their group up here and never create one; the 4-bit weight-update gather and the MoE
-all-to-all stay flat (ZeRO-1/2's unbalanced buckets take the two-level all-to-all to the owners, zero12.py).
+group. The hooks look their group up here and never create one; the MoE all-to-all stays flat (ZeRO-1/2's
+unbalanced buckets take the two-level all-to-all to the owners, zero12.py; the 4-bit weight-update gather takes
+the DP group's node groups, updates.py).
 
 Error feedback: the engine keeps one residual per parameter laid out like the send buffer [group, L]; a two-level
 reduce-scatter keeps the residual of its cross-node phase only (the node-summed chunks of my rail, [nodes, L]),
@@ -18,7 +19,7 @@ from fp8comm.comm import ErrorFeedback, HierarchicalGroups
 from fp8comm.comm import topology as topo
 
 HOLDER = "deepspeed"  # the fp8comm.comm.node_groups holder (released by uninstall(): fp8comm.comm.teardown)
-FLAT_NOTE = "4-bit weight updates and MoE all-to-all stay flat"
+FLAT_NOTE = "MoE all-to-all stays flat"
 
 
 def _ranks(group) -> tuple[int, ...] | None:

@@ -147,7 +147,11 @@ def _update_gather(es, groups_flat, partitioned_param_groups, dp_process_group) 
         elif ru.primed:
             ru.reset()
         change = ru.primed
-        kw = {k: v for k, v in (("config", cfg), ("guard", gb)) if v is not None}
+        # two levels where the DP group spans nodes (the quantized change crosses the nodes once; inside the node
+        # the same bytes, decoded alike on every rank: the flat gather's bits); the node-local phase of an
+        # overlapped gather runs in its wait, which every rank reaches in the same order (forward, then group order)
+        hier = es.hier(pg)
+        kw = {k: v for k, v in (("config", cfg), ("guard", gb), ("hierarchical", hier)) if v is not None}
         if in_step and OVERLAP_UPDATES:
             pending[g] = ru.gather(flat, masters[g], pg, async_op=True, **kw)
             es.acct.hit("zero12.param_update.started_in_step")

@@ -184,6 +184,38 @@ def levels_zero2_4bit_exact(info):
     assert paths.get("zero12.grad_reduce.two_level") == a2a + rs, paths
 
 
+def levels_zero2_4bit_updates_two_level(info):
+    """ZeRO-2's 4-bit weight-update gather takes the DP group's node groups (issue 29 item 2: as Megatron's): its
+    node-local phase runs in the wait at the group's first forward use, and the replicas, parameters and losses are
+    bit-identical to the flat gather's (every rank decodes the same bytes either way). Gradients stay DeepSpeed's
+    own here, so the two runs differ in the update gather alone."""
+    import torch
+
+    fp8 = {"gemm": False, "gradients": {"enabled": False}, "weights": {"update_fmt": "mxfp4"}}
+    runs = {}
+    for hier in (False, True):
+        _nodes()
+        fc.reset_comm_stats()
+        eng, _ = _build(T.ds_config(2, "bf16", {**fp8, "hierarchical": hier}))
+        run = T.train(eng, range(STEPS))
+        # state_dict waits the update gathers still in flight (the last step's): the replicas as they end
+        params = torch.cat([v.detach().float().reshape(-1) for v in eng.module.state_dict().values()])
+        es = fd.engine_state(eng)
+        runs[hier] = (run.losses, params, _intra(), es.summary, dict(run.stats["hooks"]))
+        T.destroy(eng)
+        fd.uninstall()
+    (l_flat, p_flat, i_flat, _, _), (l_two, p_two, i_two, summary, hooks) = runs[False], runs[True]
+    info.update(losses_flat=l_flat, losses_two_level=l_two, intra=i_two, hooks=hooks)
+    assert hooks.get("zero12.param_update.change", 0) >= STEPS - 1, hooks
+    assert not i_flat, i_flat
+    # every change gather after the first (full) one ran its node-local phase
+    assert i_two.get("all_gather.intra", 0) >= hooks["zero12.param_update.change"], i_two
+    assert l_flat == l_two, (l_flat, l_two)
+    assert torch.equal(p_flat, p_two), (p_flat - p_two).abs().max().item()
+    _same_everywhere(p_two.sum().item())
+    assert "4-bit weight updates" not in summary or "stay flat" not in summary, summary
+
+
 CHECKS = [
     levels_zero2_default,
     levels_zero3_hpz_default,
@@ -193,4 +225,5 @@ CHECKS = [
     levels_resume_two_level_to_two_level,
     levels_zero2_4bit_default,
     levels_zero2_4bit_exact,
+    levels_zero2_4bit_updates_two_level,
 ]
