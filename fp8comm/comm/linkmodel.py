@@ -399,7 +399,7 @@ def time(
     peak = max(res.values(), default=0.0)
     # a quantized call's metadata check (call_overhead) travels while its first piece is prepared (comm/core.py and
     # comm/levels.py settle it just before the first quantized piece goes on the wire): only the rest shows
-    first = next((i for i, (name, _) in enumerate(st) if name in ("wire", "rails wire")), len(st))
+    first = next((i for i, (name, _) in enumerate(st) if RESOURCES.get(name) == "link"), len(st))
     lead = sum(s for _, s in st[:first]) / max(pieces, 1)
     host = max(0.0, m.call_overhead - lead) if c.quantized else 0.0
     return Estimate(host + peak + (total - peak) / max(pieces, 1), tuple(st), lv, pieces, tuple(res.items()))
