@@ -10,6 +10,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import traceback
@@ -79,6 +80,18 @@ def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list
     out.close()
 
 
+def _rank_main(target, errpath: str, *args) -> None:
+    """A rank's entry: its stderr (fd 2: C++ aborts write there too) goes to `errpath`, which failures() quotes;
+    a fatal signal (an abort, a segfault) also writes every thread's Python stack there."""
+    import faulthandler
+
+    err = os.open(errpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(err, 2)
+    os.close(err)
+    faulthandler.enable(all_threads=True)
+    target(*args)
+
+
 def launch(
     world: int,
     outdir: Path,
@@ -102,7 +115,11 @@ def launch(
     ctx = mp.get_context("spawn")
     t0 = time.monotonic()
     procs = [
-        ctx.Process(target=target or worker, args=(r, world, store.port, str(outdir), env, names), daemon=True)
+        ctx.Process(
+            target=_rank_main,
+            args=(target or worker, str(outdir / f"rank{r}.err"), r, world, store.port, str(outdir), env, names),
+            daemon=True,
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -115,13 +132,16 @@ def launch(
         if p.is_alive():
             p.kill()
             p.join(5)
-    results = {}
+    results, stderr = {}, {}
     for r in range(world):
         f = outdir / f"rank{r}.jsonl"
         results[r] = [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+        e = outdir / f"rank{r}.err"
+        stderr[r] = e.read_text(errors="replace") if e.exists() else ""
     del store
     return {
         "exitcodes": [p.exitcode for p in procs],
+        "stderr": stderr,
         "timed_out": timed_out,
         "results": results,
         "seconds": round(time.monotonic() - t0, 1),
@@ -145,5 +165,28 @@ def failures(run: dict, names: list[str] | None = None) -> list[str]:
         msgs.append("launch timed out")
     for r, code in enumerate(run["exitcodes"]):
         if code != 0:
-            msgs.append(f"rank {r} exited with {code}")
+            msgs.append(f"rank {r} exited with {exit_reason(code)}{stderr_tail(run, r)}")
     return msgs
+
+
+def exit_reason(code: int | None) -> str:
+    """'1', or for a rank a signal ended: '-6 (SIGABRT)'."""
+    if code is None or code >= 0:
+        return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return str(code)
+
+
+def stderr_tail(run: dict, rank: int, lines: int = 6) -> str:
+    """What `rank` last wrote to stderr, on the failure's own line (CI logs keep only that line): after a fatal
+    signal, the lines before faulthandler's report (a C++ or allocator message) and the aborting thread's innermost
+    Python frame; otherwise the last non-empty lines."""
+    text = [x.strip() for x in run.get("stderr", {}).get(rank, "").splitlines() if x.strip()]
+    fatal = next((i for i, x in enumerate(text) if x.startswith("Fatal Python error")), None)
+    if fatal is not None:
+        frames = [x for x in text[fatal:] if x.startswith("File ")]
+        text = text[max(0, fatal - lines + 2) : fatal + 1] + frames[:1]
+    tail = text[-lines:]
+    return "; stderr ends: " + " | ".join(tail) if tail else "; stderr empty"
