@@ -25,7 +25,7 @@ from ..quant.wire4 import backend_problem
 from .buffers import Handle, Lease, completed, refuse_capture
 from .checks import Meta, exchange, group_rank_size, out_problem, tensor_problem
 from .config import WireConfig, WireSpec, resolve
-from .core import Call, ag_phase, chunk_rows, gathered_into, guarded, rs_phase
+from .core import AddInto, Call, ag_phase, chunk_rows, gathered_into, guarded, rs_phase
 from .feedback import ErrorFeedback
 from .guard import GuardBucket
 from .hierarchical import precheck, resolve_groups
@@ -250,6 +250,7 @@ def all_gather_into(
     async_op: bool = False,
     hierarchical=None,
     node_phase_in_wait: bool = False,
+    _adder: AddInto | None = None,
     **kw,
 ):
     """Flat-buffer all-gather: output (world * input.numel() elements, any float dtype) <- every rank's input.
@@ -274,14 +275,23 @@ def all_gather_into(
     hg = _hier(hierarchical, group, meta)
     call = start_call("all_gather", group, meta, kw, device=_dev(input))
     hg = hg()
-    return _all_gather_flat(call, hg, output, input, async_op, node_phase_in_wait)
+    return _all_gather_flat(call, hg, output, input, async_op, node_phase_in_wait, _adder)
 
 
-def _all_gather_flat(call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_op: bool, node_in_wait=False):
+def all_gather_add(adder: AddInto, input: torch.Tensor, group=None, **kw):
+    """all_gather_into whose output, adder.target, receives += the gathered values (the fp32 sum rounded once into
+    its dtype; the native 4-bit kernels decode and add in one pass): ReplicaUpdate's transfer. The target changes
+    only where the gather decodes (the call, or wait() with async_op); after adder.drop() nothing is added."""
+    return all_gather_into(adder.target, input, group, _adder=adder, **kw)
+
+
+def _all_gather_flat(
+    call: Call, hg, out: torch.Tensor, x: torch.Tensor, async_op: bool, node_in_wait=False, adder=None
+):
     n = x.numel()
     if n == 0:
         return _nothing_to_move(call, out, async_op)
-    dest = out.view(call.world, n)
+    dest = adder.view(call.world, n) if adder is not None else out.view(call.world, n)
     later = bool(node_in_wait and async_op and hg is not None)
 
     def begin():

@@ -278,13 +278,39 @@ def ag_phase(
     return Pieces(works), finish
 
 
+class AddInto:
+    """An all-gather destination that receives `+= decoded` (the fp32 sum rounded once into its dtype) instead of
+    the decoded values: a replica's update in one pass (ReplicaUpdate). drop(): the decodes still to come add
+    nothing (a discarded update finishes its transfer, every phase issued, and leaves the tensor alone)."""
+
+    def __init__(self, target: torch.Tensor, _dropped: list[bool] | None = None) -> None:
+        self.target = target
+        self._dropped = [False] if _dropped is None else _dropped  # shared by every view of one destination
+
+    def drop(self) -> None:
+        self._dropped[0] = True
+
+    @property
+    def dropped(self) -> bool:
+        return self._dropped[0]
+
+    def view(self, *shape: int) -> AddInto:
+        return AddInto(self.target.view(*shape), self._dropped)
+
+    def __getitem__(self, index) -> AddInto:
+        return AddInto(self.target[index], self._dropped)
+
+
 def decode_rows(call: Call, recv: torch.Tensor, lay: Chunks, dest, a: int, b: int, n: int, kernel: str) -> None:
-    """Decode the one-row chunks of `recv` into columns [a, min(b, n)) of dest [rows, n] (padding dropped), or
-    into its (codes, scales) pair."""
+    """Decode the one-row chunks of `recv` into columns [a, min(b, n)) of dest [rows, n] (padding dropped), into
+    its (codes, scales) pair, or added into an AddInto's rows."""
     c = min(b, n) - a  # the piece's real columns
     if c <= 0:
         return
-    if isinstance(dest, tuple):
+    if isinstance(dest, AddInto):
+        if not dest.dropped:
+            call.codec.unpack_add(recv, lay, dest.target[:, a : a + c], kernel=kernel, scratch=call.scratch)
+    elif isinstance(dest, tuple):
         codes, scales = dest
         blk = call.codec.block
         call.codec.unpack_codes(recv, lay, codes[:, a:b], scales[:, a // blk : a // blk + lay.kb])

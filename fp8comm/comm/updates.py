@@ -12,9 +12,9 @@ import torch
 
 from ..errors import Fp8CommError
 from .checks import group_rank_size
-from .collectives import all_gather_into
+from .collectives import all_gather_add
 from .config import WireConfig
-from .core import all_gather_bytes
+from .core import AddInto, all_gather_bytes
 
 DEFAULT_UPDATE_CONFIG = WireConfig(fmt="mxfp4")
 
@@ -36,7 +36,7 @@ class ReplicaUpdate:
                 "sent with the next change"
             )
         self.primed = False
-        self._buffers: dict[str, torch.Tensor] = {}  # fp32 scratch reused between gathers (change, decoded, ...)
+        self._buffers: dict[str, torch.Tensor] = {}  # fp32 scratch reused between gathers (change, shard)
         self.last_wire_bytes = 0  # bytes this rank sent in its last gather (to the other ranks)
         self.last_dtype_bytes = 0  # what gathering the replica's dtype would have sent
         self._inflight: UpdateHandle | None = None  # the last async gather, until waited (or discarded)
@@ -84,18 +84,20 @@ class ReplicaUpdate:
             self.last_wire_bytes = self.last_dtype_bytes
             if not async_op:
                 return replica
-            self._inflight = UpdateHandle(replica, work, None, None)
+            self._inflight = UpdateHandle(replica, work)
             return self._inflight
         # change = shard - mine in fp32; buffers kept between gathers (fresh ones cost page faults on every step)
         change = self._scratch("change", n, replica.device).copy_(mine)
         src = shard if shard.dtype == torch.float32 else self._scratch("shard", n, replica.device).copy_(shard)
         torch.sub(src, change, out=change)
-        decoded = self._scratch("decoded", world * n, replica.device)
         cfg = self.config if config is None else config
         if cfg.error_feedback:
             raise Fp8CommError("ReplicaUpdate.gather: config must not ask for error_feedback (see ReplicaUpdate)")
-        h = all_gather_into(
-            decoded,
+        # replica += every rank's decoded change, added as each piece is decoded (one pass on the native 4-bit
+        # kernels: no fp32 copy of the replica-sized change is written)
+        adder = AddInto(replica)
+        h = all_gather_add(
+            adder,
             change,
             group,
             config=cfg,
@@ -105,11 +107,9 @@ class ReplicaUpdate:
             guard=guard,
         )
         self.last_wire_bytes = (world - 1) * _wire_bytes(cfg, n)
-        tmp = self._scratch("apply", min(_APPLY_STEP, replica.numel()), replica.device)
         if not async_op:
-            _apply(replica, decoded, tmp)
             return replica
-        self._inflight = UpdateHandle(replica, h, decoded, tmp)
+        self._inflight = UpdateHandle(replica, h, adder)
         return self._inflight
 
     def _scratch(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
@@ -145,26 +145,27 @@ class UpdateHandle:
     adds the decoded change to the replica, once; later waits return the replica. discard() finishes the transfer
     and drops the change (the replica was rewritten meanwhile: the engine's reset)."""
 
-    def __init__(self, replica: torch.Tensor, work, decoded: torch.Tensor | None, tmp: torch.Tensor | None) -> None:
-        self._replica, self._work, self._decoded, self._tmp = replica, work, decoded, tmp
+    def __init__(self, replica: torch.Tensor, work, adder: AddInto | None = None) -> None:
+        self._replica, self._work, self._adder = replica, work, adder  # adder None: the priming gather
         self._done = False
 
     def wait(self, timeout=None) -> torch.Tensor:
         if not self._done:
             if self._work is not None:
-                self._work.wait()
-            if self._decoded is not None and self._tmp is not None:
-                _apply(self._replica, self._decoded, self._tmp)
+                self._work.wait()  # a change's handle decodes and adds it into the replica here
             self._done = True
-            self._decoded = self._tmp = self._work = None
+            self._work = None
         return self._replica
 
     def discard(self) -> None:
+        """Finish the transfer without adding the change (the replica was restored meanwhile)."""
         if not self._done:
+            if self._adder is not None:
+                self._adder.drop()  # the transfer completes (every phase issued); nothing is added
             if self._work is not None:
                 self._work.wait()
             self._done = True
-            self._decoded = self._tmp = self._work = None
+            self._work = None
 
     def is_completed(self) -> bool:
         """True once wait() (or discard()) ran: the replica is updated only there."""
@@ -174,21 +175,6 @@ class UpdateHandle:
 def _wire_bytes(cfg: WireConfig, n: int) -> int:
     codec = cfg.spec.codec
     return codec.layout((1,), codec.width(n)).total_bytes
-
-
-_APPLY_STEP = 1 << 20  # elements per piece of the replica's fp32 add (the piece stays in cache)
-
-
-def _apply(replica: torch.Tensor, decoded: torch.Tensor, tmp: torch.Tensor) -> None:
-    """replica <- replica + decoded: the fp32 sum rounded once into the replica's dtype, on every rank the same
-    bits (bit-identical replicas); a bf16 replica goes through fp32 pieces (mixed-dtype adds are slow on CPU)."""
-    if replica.dtype == torch.float32:
-        replica.add_(decoded)
-        return
-    for a in range(0, replica.numel(), tmp.numel()):
-        b = min(a + tmp.numel(), replica.numel())
-        t = tmp[: b - a].copy_(replica[a:b])
-        replica[a:b].copy_(t.add_(decoded[a:b]))
 
 
 def _check(replica, shard, world: int) -> None:

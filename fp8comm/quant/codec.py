@@ -20,7 +20,7 @@ from .fp4 import Fp4Format
 from .layout import Chunks, align, layout_of
 from .scaling import Scaling
 from .wire import pack_chunks, unpack_chunks, unpack_codes, unpack_sum
-from .wire4 import fp4_backend, fp4_layout, pack_fp4, residual_fp4, unpack_fp4, unpack_fp4_sum
+from .wire4 import fp4_backend, fp4_layout, pack_fp4, residual_fp4, unpack_fp4, unpack_fp4_add, unpack_fp4_sum
 
 # take(numel, dtype, device) -> scratch the caller owns for the call (comm's Lease.take)
 Scratch = Callable[[int, torch.dtype, torch.device], torch.Tensor]
@@ -77,6 +77,10 @@ class WireCodec(Protocol):
         self, buf: torch.Tensor, lay: Chunks, out: torch.Tensor, *, kernel: str, scratch: Scratch = _fresh
     ) -> None: ...
 
+    def unpack_add(
+        self, buf: torch.Tensor, lay: Chunks, out: torch.Tensor, *, kernel: str, scratch: Scratch = _fresh
+    ) -> None: ...  # out += decoded: the fp32 sum rounded once into out's dtype (a replica's update)
+
     def unpack_sum(self, buf: torch.Tensor, lay: Chunks, out: torch.Tensor, *, kernel: str) -> None: ...
 
     def residual(
@@ -91,6 +95,15 @@ class WireCodec(Protocol):
     ) -> None: ...
 
     def unpack_codes(self, buf: torch.Tensor, lay: Chunks, codes: torch.Tensor, scales: torch.Tensor) -> None: ...
+
+
+def add_into(out: torch.Tensor, decoded: torch.Tensor) -> None:
+    """out += decoded (fp32), the sum computed in fp32 and rounded once into out's dtype: the bits every codec's
+    unpack_add gives (the native 4-bit one-pass add included, tests/unit/test_fp4.py)."""
+    if out.dtype == torch.float32:
+        out.add_(decoded)
+    else:
+        out.copy_(out.float().add_(decoded))
 
 
 def subtract_into(x: torch.Tensor, decoded: torch.Tensor, r: torch.Tensor) -> None:
@@ -135,6 +148,11 @@ class Fp8Codec:
 
     def unpack(self, buf, lay, out, *, kernel, scratch=_fresh) -> None:
         unpack_chunks(buf, lay, self.fmt, out.dtype, out=out, backend=kernel)
+
+    def unpack_add(self, buf, lay, out, *, kernel, scratch=_fresh) -> None:
+        dec = scratch(out.numel(), torch.float32, out.device).view(out.shape)
+        self.unpack(buf, lay, dec, kernel=kernel, scratch=scratch)
+        add_into(out, dec)
 
     def unpack_sum(self, buf, lay, out, *, kernel) -> None:
         unpack_sum(buf, lay, self.fmt, out=out, backend=kernel)
@@ -192,6 +210,13 @@ class Fp4Codec:
         dec = scratch(m * lay.k, torch.float32, buf.device).view(m, lay.k)
         unpack_fp4(buf, lay, self.hadamard, self.hadamard_seed, out=dec, backend=kernel)
         out.copy_(dec[:, : out.shape[1]])
+
+    def unpack_add(self, buf, lay, out, *, kernel, scratch=_fresh) -> None:
+        if kernel == "native" and not self.hadamard and unpack_fp4_add(buf, lay, out):
+            return  # decoded and added in one pass
+        dec = scratch(out.numel(), torch.float32, out.device).view(out.shape)
+        self.unpack(buf, lay, dec, kernel=kernel, scratch=scratch)
+        add_into(out, dec)
 
     def unpack_sum(self, buf, lay, out, *, kernel) -> None:
         unpack_fp4_sum(buf, lay, self.hadamard, self.hadamard_seed, out=out, backend=kernel)

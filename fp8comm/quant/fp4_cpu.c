@@ -233,3 +233,38 @@ void fp4_decode(const uint8_t *const *codes, const uint8_t *const *sbytes, const
         }
     }
 }
+
+/* bf16(float(r) + d): the fp32 sum rounded once to bf16, to nearest even; NaN -> 0xFFFF (what torch's CPU
+ * float -> bfloat16 conversion writes, so the bits equal `r.copy_(r.float().add_(d))`). */
+static inline uint16_t add_bf16(uint16_t r, float d) {
+    uint32_t u = f2u(u2f((uint32_t)r << 16) + d);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0xFFFF : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* fp4_decode's mode 0 for ONE chunk of `rows` x k, added into a bf16 out [rows, cols] (row stride ldo, first
+ * `cols` columns): out = add_bf16(out, decoded), each block decoded into a tile exactly as fp4_decode does, then
+ * added. The replica update's decode and add in one pass: the fp32 decode never leaves the tile. */
+FP8COMM_CLONES
+void fp4_decode_add_bf16(const uint8_t *codes, const uint8_t *sbytes, const float *tscale, int64_t rows, int64_t k,
+                         int64_t cols, int nv, const float *vals, const float *scales, uint16_t *out, int64_t ldo) {
+    const int64_t bsz = nv ? 16 : 32, nb = k / bsz;
+    const float ts = nv ? tscale[0] : 1.0f;
+    float tile[32];
+    for (int64_t i = 0; i < rows; i++) {
+        uint16_t *o = out + i * ldo;
+        for (int64_t b = 0; b < nb && b * bsz < cols; b++) {
+            const int64_t w = cols - b * bsz < bsz ? cols - b * bsz : bsz;
+            const uint8_t *cb = codes + i * (k / 2) + b * (bsz / 2);
+            const float s = scales[sbytes[i * nb + b]];
+            for (int64_t j = 0; j < bsz; j += 2) {
+                const uint8_t byte = cb[j / 2];
+                tile[j] = vals[byte & 15] * s;
+                tile[j + 1] = vals[byte >> 4] * s;
+            }
+            if (nv)
+                for (int64_t j = 0; j < bsz; j++) tile[j] = tile[j] * ts;
+            uint16_t *ob = o + b * bsz;
+            for (int64_t j = 0; j < w; j++) ob[j] = add_bf16(ob[j], tile[j]);
+        }
+    }
+}

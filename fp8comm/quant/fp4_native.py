@@ -57,6 +57,8 @@ def _bind(lib: ctypes.CDLL, what: str) -> ctypes.CDLL:
     lib.fp4_decode.restype = None
     lib.fp4_decode.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int]
     lib.fp4_decode.argtypes += [_PTR, _PTR, _I64]
+    lib.fp4_decode_add_bf16.restype = None
+    lib.fp4_decode_add_bf16.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64]
     return lib
 
 
@@ -393,6 +395,44 @@ def decode(
         None if x is None else x.data_ptr(),
         out.data_ptr(),
         out.stride(0) if out.shape[0] > 1 else cols,
+    )
+    return out
+
+
+def decode_add(
+    chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], fmt: fp4.Fp4Format, out: torch.Tensor
+) -> torch.Tensor:
+    """bf16 `out` [R, cols] += the decoded chunk (codes [R, K/2], scale bytes [R, K/B], fp32 tensor scale or
+    None), cols <= K: each element `bf16(float(out) + decoded)`, rounded once (NaN as torch's CPU conversion
+    writes it), in one pass: no fp32 decode in memory. out's rows may have their own stride (a column piece)."""
+    lib = _need()
+    c, s, t = chunk
+    r, kh = c.shape
+    k, cols = 2 * kh, out.shape[1]
+    _check_cpu(out)
+    if out.dtype != torch.bfloat16 or out.shape[0] != r or cols > k:
+        raise Fp8CommError(f"native decode_add adds into bf16 [{r}, <= {k}], got {out.dtype} {tuple(out.shape)}")
+    if k % fmt.block:
+        raise Fp8CommError(f"native decode: row length {k} is not a multiple of {fmt.name}'s block {fmt.block}")
+    _check_bytes(c, r * kh, "codes")
+    _check_bytes(s, r * (k // fmt.block), "scale bytes")
+    if fmt.two_level and (t is None or t.dtype != torch.float32 or t.numel() < 1 or t.device.type != "cpu"):
+        raise Fp8CommError("native decode_add: an NVFP4 chunk needs its fp32 CPU tensor scale")
+    if r == 0 or cols == 0:
+        return out
+    vals, scales = _tables(fmt)
+    lib.fp4_decode_add_bf16(
+        c.data_ptr(),
+        s.data_ptr(),
+        t.data_ptr() if fmt.two_level and t is not None else None,
+        r,
+        k,
+        cols,
+        int(fmt.two_level),
+        vals.data_ptr(),
+        scales.data_ptr(),
+        out.data_ptr(),
+        out.stride(0) if r > 1 else cols,
     )
     return out
 

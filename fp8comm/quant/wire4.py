@@ -323,6 +323,21 @@ def unpack_fp4(
     return out
 
 
+def unpack_fp4_add(buf: torch.Tensor, layout: Fp4Layout, out: torch.Tensor) -> bool:
+    """out (bf16 [M, L], L <= K) += every chunk of `buf` decoded, on the native kernels in one pass per chunk (the
+    bits of unpack_fp4 then the fp32 add rounded once); False, with out untouched, where they cannot (not CPU, not
+    loaded, another dtype): the caller decodes and adds."""
+    if out.dtype != torch.bfloat16 or out.device.type != "cpu" or not fp4_native.available():
+        return False
+    _check_buf(buf, layout)
+    if out.dim() != 2 or out.shape[0] != layout.total_rows or out.shape[1] > layout.k:
+        raise Fp8CommError(f"unpack_fp4_add: out must be [{layout.total_rows}, <= {layout.k}]")
+    for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows)):
+        if n:
+            fp4_native.decode_add(layout.sections(buf, c), layout.fmt, out[r0 : r0 + n])
+    return True
+
+
 def unpack_fp4_sum(
     buf: torch.Tensor,
     layout: Fp4Layout,

@@ -120,12 +120,17 @@ def check_fp4_replica_update(ctx: Ctx) -> None:
     rep = torch.zeros(W * n, dtype=torch.bfloat16)
     master = randn((n,), 11 + r)
     ru = _fc.ReplicaUpdate(_fc.WireConfig(fmt="mxfp4"))
+    # the reference kernels decode, then add in torch: the native one-pass decode-and-add must give these bits
+    rep_ref, ru_ref = rep.clone(), _fc.ReplicaUpdate(_fc.WireConfig(fmt="mxfp4", backend="reference"))
     ru.gather(rep, master)  # first gather: the values themselves, replicas exactly equal
+    ru_ref.gather(rep_ref, master)
     assert torch.equal(rep.view(W, n)[r], master.to(torch.bfloat16))
     drifts = []
     for s in range(12):
         master += 1e-2 * randn((n,), 100 * s + r)  # an optimizer step's change
         ru.gather(rep, master)
+        ru_ref.gather(rep_ref, master)
+        assert torch.equal(rep.view(torch.int16), rep_ref.view(torch.int16)), f"step {s}: native != reference"
         drifts.append(float((rep.view(W, n)[r].float() - master).abs().max() / master.abs().max()))
     reps = gather(rep)
     assert all(torch.equal(reps[0], o) for o in reps), "replicas differ across ranks"

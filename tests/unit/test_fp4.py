@@ -538,6 +538,54 @@ def test_native_bit_exact(fmt, native_build):
     same_f(fp4_native.decode_2d(codes, sb, ts, fmt), fp4.decode_2d(codes, sb, ts, fmt), f"{fmt} every scale byte")
 
 
+def _added(rep: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+    """The reference bits of replica += change: widen, add in fp32, round once (torch's CPU conversion)."""
+    return rep.float().add_(change).bfloat16()
+
+
+def test_native_decode_add_rounds_as_torch(native_build):
+    """Decoded values that land exactly halfway between two bf16 values (to even), that overflow a large replica
+    entry to inf, and replicas holding NaN and inf: the one-pass decode-and-add gives torch's bits."""
+    from fp8comm.quant import fp4_native
+
+    codes = torch.zeros(2, 32, dtype=torch.int32)
+    codes[0, :4] = torch.tensor([1, 3, 9, 11])  # +-0.5, +-1.5 at 2**-7; +2**-8 and +3 * 2**-8 are ties at 1.0
+    codes[1, :3] = 7  # 6 at 2**125: overflows 3e38 + 2.5e38 to inf
+    sb = torch.tensor([[127 - 7], [127 + 125]], dtype=torch.uint8)
+    packed = fp4.pack_nibbles(codes)
+    rep = torch.ones(2, 32, dtype=torch.bfloat16)
+    rep[1, :3] = torch.tensor([3.0e38, float("nan"), -float("inf")]).bfloat16()
+    want = _added(rep, fp4.decode_2d(packed, sb, torch.ones(1), fp4.MXFP4))
+    got = fp4_native.decode_add((packed, sb, None), fp4.MXFP4, rep.clone())
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got[0, :2].tolist() == [1.0, 1.015625] and got[1, 0] == float("inf")  # ties to even; overflow
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_native_decode_add_matches_decode_then_add(fmt, native_build):
+    """The replica update's decode and add in one pass (fp4_native.decode_add, a column piece of a strided replica)
+    gives the bits of the reference decode followed by the reference add; every scale byte decoded once."""
+    from fp8comm.quant import fp4_native
+
+    rows, k, cols = 16, 512, 512  # a column piece of a replica whose rows are longer
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)) * torch.logspace(-6, 6, k)
+    codes, sb, ts = fp4.encode_2d(x, fmt)
+    sb = (torch.arange(sb.numel()) % 256).to(torch.uint8).view(sb.shape)  # every scale byte, NaN ones included
+    want_dec = fp4.decode_2d(codes, sb, ts, fmt)[:, :cols]
+    rep = (torch.randn(rows * 600, generator=torch.Generator().manual_seed(7)) * 4).bfloat16()
+    rep[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")]).bfloat16()
+    replica = rep.view(rows, 600)  # rows of 600: the piece's rows are strided
+    want = replica.clone()
+    want[:, 10 : 10 + cols] = _added(want[:, 10 : 10 + cols], want_dec)
+    assert want_dec.isnan().any()  # NaN scale bytes: whole NaN blocks
+    got = replica.clone()
+    t = ts.float().reshape(-1)[:1].contiguous() if fmt.two_level else None
+    fp4_native.decode_add((codes.contiguous(), sb.contiguous(), t), fmt, got[:, 10 : 10 + cols])
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(Fp8CommError, match="adds into bf16"):
+        fp4_native.decode_add((codes, sb, t), fmt, got.float()[:, :cols])
+
+
 def test_native_kernels_come_from_the_install():
     """The README's set-up builds the extension at install: the bit-exactness tests above ran against it (not an
     opt-in build at first use, nor a fallback)."""
