@@ -230,7 +230,7 @@ def gpt_dp2_fp4_update_guard(rank, world, info):
     T.init_parallel(tp=1)
     base = C.run(OVERLAP, None)
     state = {"iteration": 0, "injected": 0}
-    orig = upd.all_gather_into
+    orig = upd.all_gather_add
 
     def injected(*a, **kw):
         out = orig(*a, **kw)
@@ -244,11 +244,11 @@ def gpt_dp2_fp4_update_guard(rank, world, info):
         state["iteration"] = i + 1
 
     guard = dict(guard=True, guard_threshold=0.05, guard_patience=2, guard_cooldown=100)
-    upd.all_gather_into = injected
+    upd.all_gather_add = injected
     try:
         f4 = C.run(OVERLAP, {**hooks_4bit("mxfp4"), **guard}, train_kw={"after_backward": after_backward})
     finally:
-        upd.all_gather_into = orig
+        upd.all_gather_add = orig
     g, pu = f4["hooks"]["guard"], f4["hooks"]["param_update"]
     lb, l4 = base["loss"], f4["loss"]
     rel = max(abs(a - b) / b for a, b in zip(l4, lb))
