@@ -39,8 +39,17 @@ def gloo_threads_left(wait=5.0):
         time.sleep(0.05)
     return n
 
+def gloo_threads_started(wait=5.0):
+    # A thread takes its name itself once it runs: right after init, on a loaded machine, it may not have yet
+    # (seen once in a CI rehearsal: 0 counted). Poll briefly before counting.
+    import time
+    end = time.monotonic() + wait
+    while not (n := gloo_threads()) and time.monotonic() < end:
+        time.sleep(0.05)
+    return n
+
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-running = gloo_threads()
+running = gloo_threads_started()
 """
 
 
