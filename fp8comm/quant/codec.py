@@ -97,13 +97,15 @@ class WireCodec(Protocol):
     def unpack_codes(self, buf: torch.Tensor, lay: Chunks, codes: torch.Tensor, scales: torch.Tensor) -> None: ...
 
 
-def add_into(out: torch.Tensor, decoded: torch.Tensor) -> None:
-    """out += decoded (fp32), the sum computed in fp32 and rounded once into out's dtype: the bits every codec's
-    unpack_add gives (the native 4-bit one-pass add included, tests/unit/test_fp4.py)."""
+def decode_then_add(codec, buf: torch.Tensor, lay: Chunks, out: torch.Tensor, kernel: str, scratch: Scratch) -> None:
+    """out += codec's decode of buf, decoded into fp32 scratch and summed in fp32, rounded once into out's dtype:
+    the bits every codec's unpack_add gives (the native 4-bit one-pass add included, tests/unit/test_fp4.py)."""
+    dec = scratch(out.numel(), torch.float32, out.device).view(out.shape)
+    codec.unpack(buf, lay, dec, kernel=kernel, scratch=scratch)
     if out.dtype == torch.float32:
-        out.add_(decoded)
+        out.add_(dec)
     else:
-        out.copy_(out.float().add_(decoded))
+        out.copy_(out.float().add_(dec))
 
 
 def subtract_into(x: torch.Tensor, decoded: torch.Tensor, r: torch.Tensor) -> None:
@@ -150,9 +152,7 @@ class Fp8Codec:
         unpack_chunks(buf, lay, self.fmt, out.dtype, out=out, backend=kernel)
 
     def unpack_add(self, buf, lay, out, *, kernel, scratch=_fresh) -> None:
-        dec = scratch(out.numel(), torch.float32, out.device).view(out.shape)
-        self.unpack(buf, lay, dec, kernel=kernel, scratch=scratch)
-        add_into(out, dec)
+        decode_then_add(self, buf, lay, out, kernel, scratch)
 
     def unpack_sum(self, buf, lay, out, *, kernel) -> None:
         unpack_sum(buf, lay, self.fmt, out=out, backend=kernel)
@@ -214,9 +214,7 @@ class Fp4Codec:
     def unpack_add(self, buf, lay, out, *, kernel, scratch=_fresh) -> None:
         if kernel == "native" and not self.hadamard and unpack_fp4_add(buf, lay, out):
             return  # decoded and added in one pass
-        dec = scratch(out.numel(), torch.float32, out.device).view(out.shape)
-        self.unpack(buf, lay, dec, kernel=kernel, scratch=scratch)
-        add_into(out, dec)
+        decode_then_add(self, buf, lay, out, kernel, scratch)
 
     def unpack_sum(self, buf, lay, out, *, kernel) -> None:
         unpack_fp4_sum(buf, lay, self.hadamard, self.hadamard_seed, out=out, backend=kernel)
