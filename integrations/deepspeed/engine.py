@@ -16,21 +16,20 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import os
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fp8comm.comm import Guard, GuardBucket, WireConfig, config_for, default_check_policy, teardown
+from fp8comm.comm import Guard, GuardBucket, WireConfig, config_for, teardown
 from fp8comm.errors import Fp8CommRuntimeError, Fp8CommStateError, Fp8CommUnsupportedError
 from fp8comm.gemm import Fp8Linear, convert_to_fp8
 
-from . import compat, levels, moe, planning, updates, zero3, zero12
+from . import checkpoints, compat, levels, moe, planning, summary, zero3, zero12
 from .config import SECTION, Fp8CommDeepSpeedConfig, parse
 from .patching import PASSTHROUGH, TAG, Accounting, Patcher, log, tag, wrap_method
-from .residuals import CHECKPOINT_FORMAT, Residuals, checkpoint_file
+from .residuals import Residuals
 
 
 class EngineState:
@@ -61,7 +60,7 @@ class EngineState:
         self._engine: weakref.ref | None = None
         self.splits: dict = {}  # global ranks of a group -> its fp8comm.comm.topology.Split (levels.py)
         self._flat_warned: set = set()
-        self.grad_layouts: list[str] = []  # ZeRO-1/2: the gradient bucket layout lines logged (zero12._Reducer)
+        self.grad_layouts: list[str] = []  # ZeRO-1/2: the gradient bucket layout lines logged (grad_reduce._Reducer)
         self.planner = planning.make(cfg, self._log)  # fp8_comm.planner (None: off)
         self.shapes: dict = {}  # global ranks of a group -> its planner GroupShape (planning.shape_of)
 
@@ -229,7 +228,7 @@ def install(ds_config: dict, model: torch.nn.Module | None = None) -> EngineStat
             quant_backend=g.quant_backend,
             weight_cache="gathered" if combo["stage"] == 3 else "step",
         )
-    es.summary = _describe(cfg, version, combo, model, es.conversion)
+    es.summary = summary.describe(cfg, version, combo, model, es.conversion)
     _LAST[0] = es
     return es
 
@@ -326,7 +325,7 @@ def _after_build(es: EngineState, engine) -> None:
     if cfg.gemm.enabled:
         _track_weight_changes(es, engine)
     if es.residuals is not None or es.guard is not None or cfg.gemm.enabled or es.updates is not None:
-        _wrap_checkpoints(es, engine)
+        checkpoints.wrap(es, engine)
     _ENGINES.append(es)
 
 
@@ -395,193 +394,6 @@ def _track_weight_changes(es: EngineState, engine) -> None:
     for m in engine.module.modules():
         if isinstance(m, Fp8Linear):
             es.handles.append(m.register_forward_pre_hook(pre))
-
-
-def _wrap_checkpoints(es: EngineState, engine) -> None:
-    """save_checkpoint/load_checkpoint carry this rank's residuals (and guard state) in a per-rank file next to
-    DeepSpeed's (residuals differ by rank); a load also invalidates FP8 GEMM weight caches."""
-
-    def make_save(save):
-        @functools.wraps(save)
-        def save_checkpoint(save_dir, tag=None, *a, **k):
-            tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-            out = save(save_dir, tag, *a, **k)
-            state = _checkpoint_state(es)
-            if state:
-                path = checkpoint_file(save_dir, tag, dist.get_rank())
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                torch.save(state, path)
-            return out
-
-        return save_checkpoint
-
-    def make_load(load):
-        @functools.wraps(load)
-        def load_checkpoint(load_dir, tag=None, *a, **k):
-            try:
-                out = load(load_dir, tag, *a, **k)
-            finally:
-                es.generation += 1
-            # DeepSpeed's order after tag: load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-            # load_module_only
-            optim = k.get("load_optimizer_states", a[1] if len(a) > 1 else True)
-            module_only = k.get("load_module_only", a[3] if len(a) > 3 else False)
-            if out is not None and out[0] is not None and optim and not module_only:
-                if tag is None:
-                    with open(os.path.join(load_dir, "latest")) as f:
-                        tag = f.read().strip()
-                _load_state(es, checkpoint_file(load_dir, tag, dist.get_rank()))
-            return out
-
-        return load_checkpoint
-
-    if es.residuals is not None or es.guard is not None or es.updates is not None:
-        wrap_method(es, engine, "save_checkpoint", make_save)
-    wrap_method(es, engine, "load_checkpoint", make_load)
-
-
-def _checkpoint_state(es: EngineState) -> dict:
-    state: dict[str, Any] = {}
-    if es.residuals is not None:
-        # the two-level groups the residuals were kept for: a resume across the switch resets them (_load_state)
-        state["error_feedback"] = {**es.residuals.state_dict(), "levels": levels.signature(es.splits)}
-    if es.guard is not None:
-        state["guard"] = es.guard.state_dict()
-    if es.updates is not None:
-        state["replica_updates"] = updates.replica_state(es)
-    return {"format": CHECKPOINT_FORMAT, **state} if state else {}
-
-
-def _load_state(es: EngineState, path: str) -> None:
-    if es.residuals is None and es.guard is None and es.updates is None:
-        return
-    if not os.path.exists(path):
-        # Not an error (a checkpoint saved without error feedback or guard), but never silent.
-        es.acct.hit("checkpoint.no_fp8comm_state")
-        log.warning(
-            f"fp8comm: {path} not found; error-feedback residuals start at zero, the guard from scratch, and "
-            "weight replicas from DeepSpeed's gather of the fp32 master"
-        )
-        if es.residuals is not None:
-            es.residuals.store.clear()
-        return
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if es.residuals is not None:
-        if "error_feedback" not in state:
-            raise Fp8CommStateError(
-                f"fp8comm: {path} holds no error-feedback residuals, but this engine has "
-                "fp8_comm.gradients.error_feedback on"
-            )
-        saved = state["error_feedback"].get("levels", [])
-        if saved != levels.signature(es.splits):
-            # A residual is the quantization error of what this rank sent: its own chunks (flat) or its node's
-            # sum on its rail (two-level). Across the switch it belongs to other data: start from zero.
-            es.acct.hit("checkpoint.residuals_reset_levels")
-            es.residuals.store.clear()
-            if dist.get_rank() == 0:
-                log.warning(
-                    f"fp8comm: {path}: error-feedback residuals were saved with "
-                    f"{_levels_text(saved)} collectives, this run uses {_levels_text(levels.signature(es.splits))} "
-                    "(fp8_comm.hierarchical or the node layout changed): residuals restart from zero"
-                )
-        else:
-            es.residuals.load_state_dict({k: v for k, v in state["error_feedback"].items() if k != "levels"})
-    if es.guard is not None and "guard" in state:
-        es.guard.load_state_dict(state["guard"])
-    if es.updates is not None:
-        if "replica_updates" in state:
-            updates.load_replica_state(es, state["replica_updates"])
-        else:  # DeepSpeed's load re-gathered the replicas from the master in full: consistent, not the saved ones
-            es.acct.hit("checkpoint.no_replica_state")
-            log.warning(f"fp8comm: {path} holds no weight-replica state; replicas restart from the fp32 master")
-    es.acct.hit("checkpoint.fp8comm_state_loaded")
-
-
-def _levels_text(sig: list) -> str:
-    if not sig:
-        return "flat"
-    return "two-level (" + ", ".join(f"{len(r) // n} nodes x {n} over ranks {r}" for r, n in sig) + ")"
-
-
-def _describe(cfg: Fp8CommDeepSpeedConfig, version: str, combo: dict, model, conversion) -> str:
-    """The one-line summary: each traffic kind's wire (FP8 and its format, or native: DeepSpeed's own), and
-    whether FP8 GEMMs are on (with the recipe)."""
-    world = dist.get_world_size() if dist.is_initialized() else "?"
-    head = f"fp8comm: DeepSpeed {version}, ZeRO-{combo['stage']} {combo['dtype']}, {world} ranks"
-    gemm = _describe_gemm(cfg, conversion)
-    if cfg.measure_only:
-        return head + ": MEASURE mode - DeepSpeed's own collectives run unchanged, fp8comm only counts bytes; " + gemm
-    parts = []
-    upd = cfg.weights.update_wire(None)
-    if cfg.planner is not None:
-        how = "reduce-scatter" if combo["stage"] == 3 else "reduce to owners"
-        four = f", 4-bit ({cfg.gradients.describe()})" if cfg.planner.allow_4bit else ""
-        parts.append(
-            f"weight all-gather and gradient {how} PLANNED per bucket-size class: DeepSpeed's own, FP8 "
-            f"({cfg.weights.describe()}){four}, flat or two-level"
-        )
-    elif cfg.weights.enabled and upd is not None:
-        parts.append(f"weight all-gather as 4-bit changes of the replica ({upd.describe()})")
-    elif cfg.weights.enabled:
-        parts.append(f"weight all-gather FP8 ({cfg.weights.describe()}{', hpZ' if combo['hpz'] > 1 else ''})")
-    else:
-        parts.append("weight all-gather native (DeepSpeed's own)")
-    how = "reduce-scatter" if combo["stage"] == 3 else "reduce to owners"
-    if cfg.planner is not None:
-        pass
-    elif cfg.gradients.enabled:
-        bits = "4-bit" if cfg.gradients.is_fp4 else "FP8"
-        # ZeRO-1/2: every owned slice, on both paths (reduce-scatter, all-to-all); which buckets took which path
-        # (and any guard fallback or slice several ranks consume) is logged per bucket layout at the backward
-        where = "" if combo["stage"] == 3 else ", every bucket; layout logged at the first backward"
-        qgz = ", replaces qgZ" if combo["qgz"] else ""
-        parts.append(f"gradient {how} {bits} ({cfg.gradients.describe()}{qgz}{where})")
-    else:
-        parts.append(f"gradient {how} native (DeepSpeed's own)")
-    if cfg.moe.enabled:
-        n = sum(type(m).__name__ == "MOELayer" for m in model.modules()) if model is not None else "?"
-        parts.append(f"MoE dispatch FP8 (MoE layers: {n}; combine {cfg.moe.combine}, backward {cfg.moe.grad})")
-    else:
-        parts.append("MoE all-to-all native (DeepSpeed's own)")
-    parts.append(gemm)
-    if cfg.guard.enabled:
-        g = cfg.guard
-        parts.append(
-            f"guard on (BF16 for {g.cooldown} steps after {g.patience} steps over {g.threshold:.2%} "
-            "saturated or underflowed)"
-        )
-    if cfg.check is None:
-        check = {
-            "first": "on the first calls per group",
-            "always": "on every call (FP8COMM_CHECK=always)",
-            "never": "off (FP8COMM_CHECK=never)",
-        }[default_check_policy()]
-    else:
-        check = "on every call" if cfg.check else "off"
-    if cfg.planner is not None:
-        p = cfg.planner
-        bits = "4-bit gradients allowed: mxfp4 with error feedback" if p.allow_4bit else "FP8 at most"
-        cal = f"from {p.calibration}" if p.calibration else "measured at build"
-        parts.append(
-            f"planner on ({bits}; calibration {cal}; per bucket-size class the plan lines below, at its first "
-            "collective, say which wire)"
-        )
-    if cfg.weights.enabled or cfg.gradients.enabled:
-        hier = (
-            "hierarchical on (two levels per group where it spans nodes, see the lines below; " + levels.FLAT_NOTE + ")"
-            if cfg.hierarchical
-            else "hierarchical off (flat)"
-        )
-        parts.append(hier)
-    return head + ": " + "; ".join(parts) + f"; metadata check {check}"
-
-
-def _describe_gemm(cfg: Fp8CommDeepSpeedConfig, conversion) -> str:
-    if not cfg.gemm.enabled:
-        return "FP8 GEMMs off"
-    if conversion is None:
-        return f"GEMMs FP8 {cfg.gemm.recipe} (no model given: nothing converted)"
-    return f"GEMMs FP8 {conversion.recipe} ({len(conversion.converted)} linears)"
 
 
 # --------------------------------------------------------------------------------------------- initialize

@@ -5,7 +5,7 @@ group, each parameter's partition group, the hpZ secondary group, and the world 
 fp8comm.comm.topology once, at engine build, on every rank in one order (creating groups is collective over the
 whole world): two-level when it spans nodes with more than one member on each, flat otherwise, one log line per
 group. The hooks look their group up here and never create one; the MoE all-to-all stays flat (ZeRO-1/2's
-unbalanced buckets take the two-level all-to-all to the owners, zero12.py; the 4-bit weight-update gather takes
+unbalanced buckets take the two-level all-to-all to the owners, grad_reduce.py; the 4-bit weight-update gather takes
 the DP group's node groups, updates.py).
 
 Error feedback: the engine keeps one residual per parameter laid out like the send buffer [group, L]; a two-level

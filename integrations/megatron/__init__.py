@@ -18,18 +18,10 @@ from .error_feedback import state_dict as error_feedback_state_dict
 from .guard import load_state_dict as load_guard_state_dict
 from .guard import state_dict as guard_state_dict
 from .guard import summary as guard_summary
-from .install import (
-    PATCH_POINTS,
-    SUPPORTED_SERIES,
-    active_config,
-    check_patch_points,
-    check_version,
-    install,
-    megatron_version,
-    uninstall,
-)
+from .install import active_config, install, uninstall
 from .installation import Installation
 from .installation import current as installation
+from .patch_points import PATCH_POINTS, SUPPORTED_SERIES, check_patch_points, check_version, megatron_version
 from .planning import summary as planner_summary
 from .replica_update import load_state_dict as load_replica_update_state_dict
 from .replica_update import nbytes as replica_update_nbytes

@@ -25,9 +25,9 @@ def _bf16_decode():
     delivered in the communication dtype (bf16) instead of fp32."""
     import torch
 
-    from fp8comm.integrations.deepspeed import zero12
+    from fp8comm.integrations.deepspeed import grad_reduce
 
-    real = zero12.fc
+    real = grad_reduce.fc
 
     class Comm:
         def __getattr__(self, name):
@@ -47,7 +47,7 @@ def _bf16_decode():
             real.reduce_scatter_into(low, input, *a, **k)
             return output.copy_(low)
 
-    zero12.fc = Comm()
+    grad_reduce.fc = Comm()
 
 
 def _rs_sum_in_bf16():
@@ -55,9 +55,9 @@ def _rs_sum_in_bf16():
     (bf16) instead of fp32 (the all-to-all path untouched)."""
     import torch
 
-    from fp8comm.integrations.deepspeed import zero12
+    from fp8comm.integrations.deepspeed import grad_reduce
 
-    real = zero12.fc
+    real = grad_reduce.fc
 
     class Comm:
         def __getattr__(self, name):
@@ -69,16 +69,16 @@ def _rs_sum_in_bf16():
             real.reduce_scatter_into(low, input, *a, **k)
             return output.copy_(low)
 
-    zero12.fc = Comm()
+    grad_reduce.fc = Comm()
 
 
 def _fp4_a2a_as_fp8():
     """ZeRO-1/2 4-bit gradients: the all-to-all to the owners silently sends FP8 (e4m3, 1x128 fp32 scales) instead,
     as before this check existed; the hook's own counters still say mxfp4."""
     from fp8comm.comm import config_for
-    from fp8comm.integrations.deepspeed import zero12
+    from fp8comm.integrations.deepspeed import grad_reduce
 
-    real = zero12.fc
+    real = grad_reduce.fc
 
     class Comm:
         def __getattr__(self, name):
@@ -90,15 +90,15 @@ def _fp4_a2a_as_fp8():
                 config = config_for(config, "fp8")
             return real.all_to_all(tokens, *a, config=config, **k)
 
-    zero12.fc = Comm()
+    grad_reduce.fc = Comm()
 
 
 def _whole_slices():
     """ZeRO-1/2 gradients: each slice laid out whole instead of per-parameter pieces (be321a2's layout): sender and
     owner merge slices differently, so their rows disagree."""
-    from fp8comm.integrations.deepspeed import zero12
+    from fp8comm.integrations.deepspeed import grad_reduce
 
-    zero12._segments = lambda t, cur: [(0, t.numel(), None, 0, 0)]
+    grad_reduce._segments = lambda t, cur: [(0, t.numel(), None, 0, 0)]
 
 
 def _residual_not_stored():
@@ -117,9 +117,9 @@ def _no_generation_counter():
 
 def _state_not_loaded():
     """Checkpoints: fp8comm's per-rank file (residuals, the guard's state) is written but never loaded."""
-    from fp8comm.integrations.deepspeed import engine
+    from fp8comm.integrations.deepspeed import checkpoints
 
-    engine._load_state = lambda es, path: None
+    checkpoints.load_state = lambda es, path: None
 
 
 def _guard_ignored():

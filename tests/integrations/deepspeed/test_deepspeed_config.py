@@ -199,7 +199,7 @@ def test_bucket_plan_reduce_scatter_or_all_to_all():
     from the layout alone (the same decision on every rank)."""
     import inspect
 
-    from fp8comm.integrations.deepspeed.zero12 import plan_reduce
+    from fp8comm.integrations.deepspeed.grad_reduce import plan_reduce
 
     assert list(inspect.signature(plan_reduce).parameters) == ["rows"]  # no format: nothing to substitute
     assert plan_reduce([10, 10, 10, 10]) is True

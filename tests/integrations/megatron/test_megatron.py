@@ -21,9 +21,10 @@ import importlib
 import fp8comm.integrations.megatron as fm
 
 inst = importlib.import_module("fp8comm.integrations.megatron.install")  # the module (the package exports the function)
+points = importlib.import_module("fp8comm.integrations.megatron.patch_points")
 
-PGB = inst.PGB
-TD = inst.TD
+PGB = points.PGB
+TD = points.TD
 
 
 def _module(name):
@@ -73,8 +74,8 @@ def test_every_patched_name_exists_and_is_still_used():
     assert fm.check_version()  # the installed version is a supported one
     for p in fm.PATCH_POINTS:
         for user in p.users:
-            fn = inst.resolve_user(p, user)
-            assert p.name.split(".")[-1] in inst._code_names(fn), f"{user} does not call {p.name}"
+            fn = points.resolve_user(p, user)
+            assert p.name.split(".")[-1] in points._code_names(fn), f"{user} does not call {p.name}"
 
 
 def _install_kwargs_for(feature: str) -> dict:
@@ -91,7 +92,7 @@ def _install_kwargs_for(feature: str) -> dict:
     }[feature]
 
 
-@pytest.mark.parametrize("point", inst.PATCH_POINTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("point", points.PATCH_POINTS, ids=lambda p: p.name)
 def test_missing_name_is_an_install_error(point, monkeypatch):
     mod = _module(point.module)
     if "." in point.name:
@@ -119,8 +120,8 @@ def test_call_site_that_bypasses_a_name_is_an_install_error(monkeypatch):
 
 
 def test_unsupported_version_is_refused_unless_allowed(monkeypatch):
-    monkeypatch.setattr(inst, "megatron_version", lambda: "0.99.0")
-    monkeypatch.delenv(inst.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(points, "megatron_version", lambda: "0.99.0")
+    monkeypatch.delenv(points.ALLOW_UNTESTED_ENV, raising=False)
     with pytest.raises(fm.Fp8CommMegatronError, match="0.99.0 is not a supported version"):
         fm.install(ddp_config=_ddp(), grad_reduce=True)
     cfg = fm.install(ddp_config=_ddp(), grad_reduce=True, allow_untested_version=True)
@@ -230,7 +231,7 @@ def test_defaults_are_communication_only(capsys):
     assert not fm.Fp8CommMegatronConfig().any
     assert not [f for f in fm.Fp8CommMegatronConfig.__dataclass_fields__ if "gemm" in f or "linear" in f]
     # DISTOPT: the distributed optimizer's copy of the master into the gathered buffer (4-bit weight updates)
-    assert {p.module for p in fm.PATCH_POINTS} == {inst.PGB, inst.TD, inst.OPT, inst.DISTOPT}
+    assert {p.module for p in fm.PATCH_POINTS} == {points.PGB, points.TD, points.OPT, points.DISTOPT}
     fm.install(ddp_config=_ddp())
     assert "no hook enabled" in capsys.readouterr().err
     before = _snapshot()
@@ -246,7 +247,7 @@ def test_defaults_are_communication_only(capsys):
     err = capsys.readouterr().err
     assert "GEMMs untouched" in err, err
     touched = {(getattr(o, "__module__", None) or o.__name__) for o, _, _ in fm.installation().saved}
-    assert touched == {inst.PGB, inst.TD, inst.OPT}, touched
+    assert touched == {points.PGB, points.TD, points.OPT}, touched
     assert {k for k in before if _snapshot()[k] is not before[k]} <= {p.name for p in fm.PATCH_POINTS}
 
 
