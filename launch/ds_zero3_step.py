@@ -28,6 +28,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         steady = slice(a.warmup, None)
         summary = {
             "fp8comm": a.fp8,
+            # where the adapter was imported from: a worktree A/B must show its own tree here (an editable install
+            # maps fp8comm.integrations to the installed checkout when only fp8comm/ is found on PYTHONPATH)
+            "adapter": str(Path(fd.__file__).parent),
             "stage": a.stage,
             "model": {"layers": a.layers, "dim": a.dim, "bias": a.bias, "gelu": a.gelu, "dtype": "bf16"},
             "zero_optimization": ds["zero_optimization"],

@@ -86,7 +86,7 @@ def load_state(es, path: str) -> None:
             "weight replicas from DeepSpeed's gather of the fp32 master"
         )
         if es.residuals is not None:
-            es.residuals.store.clear()
+            es.residuals.clear()
         return
     state = torch.load(path, map_location="cpu", weights_only=True)
     if es.residuals is not None:
@@ -100,7 +100,7 @@ def load_state(es, path: str) -> None:
             # A residual is the quantization error of what this rank sent: its own chunks (flat) or its node's
             # sum on its rail (two-level). Across the switch it belongs to other data: start from zero.
             es.acct.hit("checkpoint.residuals_reset_levels")
-            es.residuals.store.clear()
+            es.residuals.clear()
             if dist.get_rank() == 0:
                 log.warning(
                     f"fp8comm: {path}: error-feedback residuals were saved with "

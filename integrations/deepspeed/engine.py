@@ -121,9 +121,10 @@ class EngineState:
         if self.residuals is not None:
             out["error_feedback"] = {
                 "residual_bytes": self.residuals.nbytes(),
-                "residuals": len(self.residuals.store),
+                "residuals": self.residuals.count(),
                 "dtype": self.cfg.gradients.residual_dtype,
                 "skipped_step_resets": self.residuals.skipped_step_resets,
+                "calls": dict(self.residuals.calls),  # resident / kept / copied calls, buffers moved back
             }
         if self.guard is not None:
             out["guard"] = self.guard.summary()

@@ -360,7 +360,13 @@ class _Reducer:
                 flat[row0 : (o + 1) * part].zero_()
         self.staged = 0  # everything staged is in the send buffer now
         d = b.decision or planning.Decision(b.how, b.gb, hg, None)
-        ef = es.residuals.assemble(lay, total, b.device) if es.residuals is not None and planning.feedback(d) else None
+        # two levels: the residual covers only what this rank quantizes (its rail's part of the send buffer)
+        window = None
+        if hg is not None:
+            window = levels.rail_window(total, hg) if rs else self._owners_window(rows, hg)
+        ef = None
+        if es.residuals is not None and planning.feedback(d):
+            ef = es.residuals.assemble(lay, total, b.device, window)
         call_cfg = planning.call_config(es, self.wcfg, d)
         path = "reduce_scatter" if rs else "all_to_all"
         es.acct.hit("zero12.grad_reduce." + path)
@@ -377,17 +383,15 @@ class _Reducer:
             if rs:
                 acc = self.scratch.take("acc", part, torch.float32, b.device)
                 # fp32 output: every sender's contribution decoded straight into fp32, summed in fp32 in rank order
-                rail = levels.rail_feedback(ef, hg)
                 fc.reduce_scatter_into(
-                    acc, flat, b.pg, "sum", config=call_cfg, error_feedback=rail, guard=b.gb, hierarchical=hg
+                    acc, flat, b.pg, "sum", config=call_cfg, error_feedback=ef, guard=b.gb, hierarchical=hg
                 )
-                levels.rail_back(ef, rail, hg)
             elif hg is None:
                 acc = self._owners_flat(flat, rows, b, call_cfg, ef)
             else:
                 acc = self._owners_two_level(flat, rows, b, call_cfg, ef, hg)
         if ef is not None:
-            es.residuals.scatter(ef, lay, total)
+            es.residuals.scatter(ef, lay, total, window)
         if b.scale is not None:
             acc.mul_(b.scale)
         off = 0
@@ -431,8 +435,8 @@ class _Reducer:
         """Two levels: inside the node an all-to-all in the communication dtype (exact) to the rank of each owner's
         local index, summed there in fp32 in local-rank order; across nodes one quantization of each node's partial
         sums and an all-to-all among the rails with exact parts, decoded into fp32 and summed in node order.
-        flat is rail-major (owners by local index, then node). Error feedback covers the rail quantization: the
-        residual of my rail's owners' rows; the other owners' rows are zero (theirs to keep, as levels.rail_back)."""
+        flat is rail-major (owners by local index, then node). Error feedback covers the rail quantization: `ef`
+        holds the residual of my rail's owners' rows only (_owners_window), the other owners' rows are theirs."""
         H, lc, nn, lr = self.H, hg.local, hg.nodes, hg.local_rank
         rail_rows = [[rows[m * lc + j] for m in range(nn)] for j in range(lc)]
         R = [sum(r) for r in rail_rows]
@@ -446,20 +450,20 @@ class _Reducer:
             for i in range(1, lc):  # each term widened to fp32 first, then added (levels.hier_rs_phase's order)
                 tmp.copy_(recv[i * mine : (i + 1) * mine].reshape(-1))
                 node.add_(tmp)
-        rail = None
-        start = sum(R[:lr]) * H
-        if ef is not None and ef.residual is not None:
-            rail = fc.ErrorFeedback(dtype=ef.dtype, residual=ef.residual[start : start + mine * H].clone())
         own = rows[b.me]
         got = self.scratch.take("recv32", nn * own * H, torch.float32, b.device).view(-1, H)
         fc.all_to_all(
-            node.view(-1, H), [own] * nn, rail_rows[lr], hg.inter, config=cfg, error_feedback=rail, guard=b.gb, out=got
+            node.view(-1, H), [own] * nn, rail_rows[lr], hg.inter, config=cfg, error_feedback=ef, guard=b.gb, out=got
         )
-        if ef is not None and ef.residual is not None:
-            ef.residual.zero_()
-            if rail is not None and rail.residual is not None:
-                ef.residual[start : start + mine * H].copy_(rail.residual)
         return _sum_rows(got, nn, own * H, self.scratch, b.device)
+
+    def _owners_window(self, rows: list[int], hg) -> list[tuple[int, int, int]]:
+        """The send-buffer range (rail-major: owners by local index, then node) of my rail's owners' rows: what
+        _owners_two_level quantizes across the nodes, so what its error-feedback residual covers."""
+        lc, nn, lr, H = hg.local, hg.nodes, hg.local_rank, self.H
+        R = [sum(rows[m * lc + j] for m in range(nn)) for j in range(lc)]
+        start = sum(R[:lr]) * H
+        return [(start, start + R[lr] * H, 0)]
 
     # ------------------------------------------------------------------------------------------------ the log
     def _log_layout(self) -> None:

@@ -8,14 +8,14 @@ group. The hooks look their group up here and never create one; the MoE all-to-a
 unbalanced buckets take the two-level all-to-all to the owners, grad_reduce.py; the 4-bit weight-update gather takes
 the DP group's node groups, updates.py).
 
-Error feedback: the engine keeps one residual per parameter laid out like the send buffer [group, L]; a two-level
-reduce-scatter keeps the residual of its cross-node phase only (the node-summed chunks of my rail, [nodes, L]),
-which rail_feedback()/rail_back() cut out of and put back into that layout (other ranks' chunks: zero).
+Error feedback: the engine keeps one residual per parameter; a two-level reduce-scatter keeps the residual of its
+cross-node phase only (the node-summed chunks of my rail, [nodes, L]), which rail_window() names in the send
+buffer's layout [group, L] for Residuals.assemble (the other local ranks' chunks: zero here, theirs to keep).
 """
 
 from __future__ import annotations
 
-from fp8comm.comm import ErrorFeedback, HierarchicalGroups
+from fp8comm.comm import HierarchicalGroups
 from fp8comm.comm import topology as topo
 
 HOLDER = "deepspeed"  # the fp8comm.comm.node_groups holder (released by uninstall(): fp8comm.comm.teardown)
@@ -79,25 +79,15 @@ def signature(splits: dict) -> list:
     return sorted([list(s.ranks), s.local] for s in splits.values() if s.two_level)
 
 
-def rail_feedback(ef: ErrorFeedback | None, hg: HierarchicalGroups | None) -> ErrorFeedback | None:
-    """The residual a two-level reduce-scatter keeps ([nodes, L]: my local index's chunk of every node), cut out of
-    the engine's send-buffer layout [group, L]."""
-    if ef is None or hg is None or ef.residual is None:
-        return ef
-    rail = ef.residual.view(hg.nodes, hg.local, -1)[:, hg.local_rank].reshape(-1).clone()
-    return ErrorFeedback(dtype=ef.dtype, residual=rail)
-
-
-def rail_back(ef: ErrorFeedback | None, rail: ErrorFeedback | None, hg: HierarchicalGroups | None) -> None:
-    """Put the updated rail residual back into the send-buffer layout; the chunks of the other local ranks are
-    theirs to keep in two-level mode, so they are zero here (no stale flat-mode residual survives a switch)."""
-    if ef is None or rail is None or rail is ef or hg is None or ef.residual is None:
-        return
-    v = ef.residual.view(hg.nodes, hg.local, -1)
-    v.zero_()
-    got = rail.residual
-    if got is not None:
-        v[:, hg.local_rank].copy_(got.view(hg.nodes, -1))
+def rail_window(total: int, hg: HierarchicalGroups | None) -> list[tuple[int, int, int]] | None:
+    """The send-buffer ranges a two-level reduce-scatter's residual covers, for Residuals.assemble: my local
+    index's chunk of every node ([nodes, local, L] layout), packed node after node; None when flat (all of it).
+    The other local ranks' chunks are theirs: their error is made (and kept) on their rails."""
+    if hg is None:
+        return None
+    chunk = total // (hg.nodes * hg.local)
+    starts = [(m * hg.local + hg.local_rank) * chunk for m in range(hg.nodes)]
+    return [(s, s + chunk, m * chunk) for m, s in enumerate(starts)]
 
 
 def describe(splits: dict) -> list[str]:

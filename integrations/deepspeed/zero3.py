@@ -278,10 +278,10 @@ def _grad_reduce(orig, path: str):
                 pieces += [(name, n, r * c, r * L + poff, min(c, n - r * c)) for r in range(world) if n > r * c]
         out = torch.empty(L, dtype=dtype, device=flat.device)
         ef = None
-        if es.residuals is not None and planning.feedback(d):
-            ef = es.residuals.assemble(pieces, flat.numel(), flat.device)
         hg = d.hier  # two levels where the group spans nodes and the plan (if on) says so (fp32 sums inside a node)
-        rail = levels.rail_feedback(ef, hg)
+        window = levels.rail_window(flat.numel(), hg)  # two levels: the residual of my rail's chunks only
+        if es.residuals is not None and planning.feedback(d):
+            ef = es.residuals.assemble(pieces, flat.numel(), flat.device, window)
         with (
             es.acct.fp8("gradients", baseline=baseline),
             planning.timed(es, d, "reduce_scatter", nbytes, dtype, flat.device),
@@ -292,13 +292,12 @@ def _grad_reduce(orig, path: str):
                 pg,
                 op="avg",
                 config=planning.call_config(es, wire.wire(es.cfg.check), d),  # 4 bits, or FP8 (plan or guard)
-                error_feedback=rail,
+                error_feedback=ef,
                 guard=gb,
                 hierarchical=hg,
             )
-        levels.rail_back(ef, rail, hg)
         if ef is not None:
-            es.residuals.scatter(ef, pieces, flat.numel())
+            es.residuals.scatter(ef, pieces, flat.numel(), window)
         result = []
         for t, (_, poff, c) in zip(tensors, spans):
             mine = max(0, min(c, t.numel() - rank * c))

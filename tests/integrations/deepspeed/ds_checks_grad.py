@@ -190,7 +190,8 @@ zero1_bf16_fp32_accumulation = _fp32_accumulation(1)
 def zero1_fp32_error_feedback(info):
     """ZeRO-1 fp32 with error feedback: over the first SQNR_STEPS steps the running sum of the reduced gradients
     tracks the exact sum at least 6 dB closer than without it (each step re-sends the previous step's quantization
-    error); loss within tolerance of the baseline; residual memory as the docs state: 4 bytes per parameter."""
+    error); loss within tolerance of the baseline; residual memory as the docs state: 4 bytes per parameter, plus the
+    call's padding."""
     plain = SQNR.get("zero1_fp32")
     if plain is None:  # run alone (`only`): measure the run without error feedback here
         plain = GradSqnr(SQNR_STEPS)
@@ -210,7 +211,9 @@ def zero1_fp32_error_feedback(info):
         summary=fd.summary(),
     )
     assert "error feedback (float32 residuals)" in info["summary"], info["summary"]
-    assert ef["residual_bytes"] == 4 * n, (ef, n)
+    # 4 bytes per parameter, held as the call's send layout (residuals.py: resident buffers), whose row pads and
+    # owner padding add at most 1/8 (grad_reduce.BALANCE_SLACK; 1.2% on this model)
+    assert 4 * n <= ef["residual_bytes"] <= 4 * n * 9 // 8, (ef, n)
     assert sq.sum_db[-1] >= plain.sum_db[-1] + 6, (
         f"error feedback: summed-gradient SQNR {sq.sum_db[-1]:.1f} dB vs {plain.sum_db[-1]:.1f} dB without"
     )
