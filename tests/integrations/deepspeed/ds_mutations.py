@@ -105,7 +105,7 @@ def _residual_not_stored():
     """Error feedback: the residual a call leaves is never stored (every step re-sends zeros)."""
     from fp8comm.integrations.deepspeed import residuals
 
-    residuals.Residuals.scatter = lambda self, ef, pieces, total: None
+    residuals.Residuals.scatter = lambda self, ef, pieces, total, window=None: None
 
 
 def _no_generation_counter():
