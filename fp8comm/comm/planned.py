@@ -104,6 +104,12 @@ class Choice:
         return self.option.levels == "two_level"
 
 
+def keeps_feedback(choice: Choice | None) -> bool:
+    """Whether a gradient call keeps the error feedback its config has: always without a plan; under one only on an
+    option that carries it (the 4-bit recipe; FP8 where Policy.fp8_feedback), which is what the plan predicted."""
+    return choice is None or choice.native or choice.option.feedback
+
+
 def group_shape(split: topology.Split | None, size: int) -> GroupShape:
     """The GroupShape of a group: nodes x members per node when it splits evenly; otherwise one node of `size`
     members (uneven or unknown layouts run flat, and the node-local links are what a flat call on them pays)."""

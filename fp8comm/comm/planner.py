@@ -82,7 +82,9 @@ class Policy:
     allow_unpartitioned_residuals, so the log can state it). allow_4bit_updates: 4-bit weight changes
     (ReplicaUpdate), only where the engine keeps weight replicas between steps (replicas=True: ZeRO-1/2, Megatron's
     distributed optimizer; ZeRO-3 and FSDP2 keep none). fp8_scales: the FP8 scale encodings that may be chosen.
-    two_level: may choose two levels where a group spans nodes."""
+    two_level: may choose two levels where a group spans nodes. fp8_feedback: the user asked for error feedback on
+    FP8 gradients (4 bits not allowed): FP8 gradient options carry it, predicted with its cost and kept on the call;
+    otherwise FP8 runs without it (with allow_4bit the residual belongs to the 4-bit recipe)."""
 
     allow_4bit: bool = False
     allow_4bit_updates: bool = False
@@ -91,9 +93,10 @@ class Policy:
     two_level: bool = True
     residual_dtype: str = "float32"
     residual_option: str = ""
+    fp8_feedback: bool = False
 
     def __post_init__(self) -> None:
-        for k in ("allow_4bit", "allow_4bit_updates", "replicas", "two_level"):
+        for k in ("allow_4bit", "allow_4bit_updates", "replicas", "two_level", "fp8_feedback"):
             if not isinstance(getattr(self, k), bool):
                 raise _err(f"Policy.{k} must be True or False, got {getattr(self, k)!r}")
         scales = (self.fp8_scales,) if isinstance(self.fp8_scales, str) else tuple(self.fp8_scales)
@@ -149,14 +152,16 @@ def _wire(codec: str) -> WireConfig:
     return WireConfig(**WIRE_CONFIGS[codec])
 
 
-def options(role: str) -> tuple[Option, ...]:
-    """Every option for a role, in the fixed order that breaks ties (the engine's own first: a tie keeps it)."""
+def options(role: str, fp8_feedback: bool = False) -> tuple[Option, ...]:
+    """Every option for a role, in the fixed order that breaks ties (the engine's own first: a tie keeps it).
+    Gradients: the 4-bit recipe with error feedback; FP8 with it when fp8_feedback (Policy.fp8_feedback)."""
     if role not in ROLES:
         raise _err(f"unknown role {role!r}; valid: {', '.join(ROLES)}")
     out = [Option(NATIVE)]
     for wire in WIRE_CONFIGS:
+        ef = role == "gradients" and (wire == RECIPE_4BIT or (fp8_feedback and wire in FP8_SCALES.values()))
         for levels in LEVELS:
-            out.append(Option(wire, levels, feedback=role == "gradients" and wire == RECIPE_4BIT))
+            out.append(Option(wire, levels, feedback=ef))
     return tuple(out)
 
 
@@ -348,7 +353,7 @@ def choose(
     at = class_bytes(k, d)
     at -= at % DTYPES[d]
     cands = []
-    for opt in options(role):
+    for opt in options(role, policy.fp8_feedback):
         why = excluded(opt, role, shape, policy)
         how = native_op if (opt.native and native_op) else op
         secs = None if why.startswith("n/a") else predict(how, at, d, shape, opt, calibration)
@@ -372,8 +377,9 @@ def choose(
         notes.append(f"the engine's own call: an {native_op.replace('_', '-')} of the same bytes")
     if best.option.feedback:
         rb = {"float32": 4, "bfloat16": 2, "fp8": 1}[policy.residual_dtype]
+        what = "recipe" if best.option.wire == RECIPE_4BIT else "asked for"
         notes.append(
-            f"recipe: {best.option.wire} with error feedback, nearest rounding: a {policy.residual_dtype} residual, "
+            f"{what}: {best.option.wire} with error feedback, nearest rounding: a {policy.residual_dtype} residual, "
             f"{rb} byte(s) per gradient element this rank quantizes"
             + (f"; needs {policy.residual_option}" if policy.residual_option else "")
         )

@@ -358,9 +358,16 @@ def _error_feedback_problems(cfg: Fp8CommDeepSpeedConfig, stage: int, mode: str,
     if stage in (2, 3) and not g.allow_unpartitioned_residuals:
         n = _numel(model)
         size = f"{per * n / 2**20:.1f} MiB for this model's {n:,} parameters" if n else per_txt
+        # two levels quantize once per rail: a rank's residual covers its rail only (levels.rail_window)
+        rail = (
+            "; under two levels (on where a group spans nodes with several ranks on each) it covers only the "
+            "rank's rail: 1/(ranks per node) of that when held as the call's buffer, the usual case"
+            if cfg.hierarchical
+            else ""
+        )
         out.append(
             f"fp8_comm.gradients.error_feedback keeps each rank's quantization residual of the WHOLE gradient "
-            f"({per_txt}, {g.residual_dtype}: {size}) on every rank, while ZeRO-{stage} keeps "
+            f"({per_txt}, {g.residual_dtype}: {size}) on every rank{rail}, while ZeRO-{stage} keeps "
             "only 1/world of the gradients. Set fp8_comm.gradients.allow_unpartitioned_residuals true to "
             'accept that memory (residual_dtype "bfloat16" halves it, "fp8" quarters it), or use ZeRO-1, which '
             "keeps full "

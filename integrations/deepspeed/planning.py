@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fp8comm.comm import topology
-from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape
+from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape, keeps_feedback
 from fp8comm.comm.planner import NATIVE, GroupShape, Option, Policy
 
 
@@ -34,6 +34,7 @@ def make(cfg, log) -> RuntimePlanner | None:
         two_level=cfg.hierarchical,
         residual_dtype=g.residual_dtype,
         residual_option="fp8_comm.gradients.allow_unpartitioned_residuals (set by the planner)" if s.allow_4bit else "",
+        fp8_feedback=g.error_feedback and not s.allow_4bit,  # the user's own, kept on FP8 (4 bits: the recipe's)
     )
     return RuntimePlanner(s, policy, log, "fp8_comm.planner")
 
@@ -105,8 +106,8 @@ def ran(d: Decision) -> Choice:
     levels = "two_level" if d.hier is not None else "flat"
     if d.how == "bf16":
         return Choice(Option(NATIVE), d.choice.plan)
-    if d.how == "fp8":
-        return Choice(Option("fp8", levels), d.choice.plan)
+    if d.how == "fp8":  # a 4-bit bucket the guard demoted keeps its error feedback
+        return Choice(Option("fp8", levels, feedback=keeps_feedback(d.choice)), d.choice.plan)
     return d.choice
 
 
@@ -153,10 +154,9 @@ def handle(h, es, d: Decision, op: str, nbytes: int, dtype, device):
 
 
 def feedback(d: Decision | None) -> bool:
-    """Error feedback on this call (when the engine keeps residuals): always without a plan; with one, unless the
-    plan put the size class on FP8, which it predicted and chose without error feedback (the 4-bit recipe has it; a
+    """Error feedback on this call (when the engine keeps residuals): as the plan predicted it (keeps_feedback; a
     bucket the guard demotes from 4 bits keeps it, as without the planner)."""
-    return d is None or d.choice is None or d.choice.option.wire != "fp8"
+    return d is None or keeps_feedback(d.choice)
 
 
 def call_config(es, base, d: Decision):

@@ -199,10 +199,11 @@ def _direction(name: str, raw, schema: dict, cls):
     return cls(**raw)
 
 
-# Keys of a direction's dict that set no format: allowed next to the planner (which chooses the format).
+# Keys of a direction's dict that set no format: allowed next to the planner (which chooses the format). The
+# user's error feedback rides on the FP8 the plan chooses (Policy.fp8_feedback); with allow_4bit it is the recipe's.
 _PLANNER_FREE_KEYS = {
     "weights": ("enabled",),
-    "gradients": ("enabled", "residual_dtype", "allow_unpartitioned_residuals"),
+    "gradients": ("enabled", "error_feedback", "residual_dtype", "allow_unpartitioned_residuals"),
 }
 
 
@@ -238,6 +239,11 @@ def _planned_directions(
             "allow_4bit or turn gradients on"
         )
     raw = options.get("gradients", True)
+    if settings.allow_4bit and isinstance(raw, dict) and raw.get("error_feedback") is False:
+        raise Fp8CommFsdp2Error(
+            f"planner={given!r} allows 4-bit gradients, whose validated recipe is mxfp4 WITH error feedback, but "
+            f"gradients={raw!r} turns error feedback off: drop one of them"
+        )
     if settings.allow_4bit and isinstance(raw, dict) and raw.get("allow_unpartitioned_residuals") is False:
         raise Fp8CommFsdp2Error(
             f"planner={given!r} allows 4-bit gradients, whose validated recipe (mxfp4 with error feedback) keeps a "
@@ -248,9 +254,9 @@ def _planned_directions(
     g = GradientWire(
         enabled=gradients.enabled,
         # allow_4bit: the validated recipe (mxfp4 with error feedback, nearest rounding); buckets planned on FP8 take
-        # fp8comm.comm.config_for(this, "fp8") without error feedback (enable.py)
+        # fp8comm.comm.config_for(this, "fp8"), with error feedback only where the user asked for it (keeps_feedback)
         fmt="mxfp4" if settings.allow_4bit else "e4m3",
-        error_feedback=settings.allow_4bit,
+        error_feedback=settings.allow_4bit or gradients.error_feedback,
         residual_dtype=gradients.residual_dtype,
         # the recipe's memory option, set by the planner with allow_4bit (its plan lines say so)
         allow_unpartitioned_residuals=gradients.allow_unpartitioned_residuals or settings.allow_4bit,

@@ -226,7 +226,7 @@ def _entry(name: str, pg, cfg: Fp8CommFsdp2Config) -> ModuleEntry:
     if g.enabled and g.error_feedback and pg.mesh_info.shard_mesh_size > 1:
         # The residual is laid out like the reduce-scatter's wire input: shard group x this rank's wire row.
         grads = [fp.padded_sharded_param_size.numel() for fp in fps if fp.sharded_param.requires_grad]
-        # under the planner only a class on the 4-bit recipe keeps one (its FP8 runs without error feedback)
+        # under the planner only a class whose option carries error feedback keeps one (keeps_feedback)
         _, wl = layout.spans(grads, g.wire_block, cfg.align_blocks)
         entry.residual_elements = pg.mesh_info.shard_mesh_size * wl
         entry.residual_bytes = residual_nbytes(g.residual_dtype, entry.residual_elements)
@@ -308,9 +308,7 @@ def enable(model: nn.Module, **options) -> Fsdp2Report:
         if planner is not None and table is not None:
             pw = hooks.Planned(planner, "all_gather", ag, {"fp8": cfg.weights.wire(cfg.check)}, table)
             base = cfg.gradients.wire(cfg.check)
-            # a class planned on FP8 runs it as predicted and chosen: without the 4-bit recipe's error feedback
-            fp8 = config_for(base, "fp8").replace(error_feedback=False)
-            pr = hooks.Planned(planner, "reduce_scatter", rs, {"fp8": fp8, "mxfp4": base}, table)
+            pr = hooks.Planned(planner, "reduce_scatter", rs, {"fp8": config_for(base, "fp8"), "mxfp4": base}, table)
         if cfg.weights.enabled:
             m.set_custom_all_gather(hooks.Fp8AllGather(pg, cfg.weights, cfg.check, cfg.align_blocks, splits, pw))
         if cfg.gradients.enabled:
@@ -356,6 +354,7 @@ def _planner(cfg: Fp8CommFsdp2Config, groups: list) -> tuple[RuntimePlanner | No
         residual_option="gradients['allow_unpartitioned_residuals'] (set by the planner)"
         if settings.allow_4bit
         else "",
+        fp8_feedback=cfg.gradients.error_feedback and not settings.allow_4bit,  # the user's own (4 bits: the recipe's)
     )
     planner = RuntimePlanner(settings, policy, _log_rank0, "fp8comm FSDP2 planner")
     env = os.environ.get("LOCAL_WORLD_SIZE", "")

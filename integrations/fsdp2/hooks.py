@@ -22,7 +22,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 import fp8comm.comm as fc
 from fp8comm.comm import topology
-from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape
+from fp8comm.comm.planned import Choice, RuntimePlanner, group_shape, keeps_feedback
 from fp8comm.comm.planner import GroupShape
 
 from . import layout
@@ -215,9 +215,10 @@ class Planned:
         return choice, timer
 
     def config(self, choice: Choice) -> fc.WireConfig:
-        """The WireConfig of the chosen quantized wire (enable() gives the reduce-scatter's "fp8" one without error
-        feedback: the plan predicted and chose FP8 without it)."""
-        return self.configs[choice.option.wire]
+        """The WireConfig of the chosen quantized wire, with error feedback only where the plan's option carries it
+        (keeps_feedback: the 4-bit recipe's residual stays off a class planned on FP8)."""
+        cfg = self.configs[choice.option.wire]
+        return cfg if keeps_feedback(choice) or not cfg.error_feedback else cfg.replace(error_feedback=False)
 
 
 def _unpad_after(dst: torch.Tensor, wire: torch.Tensor, sp):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fp8comm import comm as fcomm
-from fp8comm.comm.planned import Choice
+from fp8comm.comm.planned import Choice, keeps_feedback
 from fp8comm.comm.planner import NATIVE, Option
 
 from . import error_feedback, guard, planning, replica_update
@@ -271,15 +271,15 @@ def _grad_collective(
     wire, bucket = guard.route("grad", input, fp4=fp4)
     if wire == "bf16":  # the numerics guard sends this bucket through Megatron's own collective for now
         return _native(orig_call, route, async_op, input)
-    # A class the plan puts on FP8 runs FP8 as predicted and chosen: without error feedback (the 4-bit recipe's
-    # residual stays off that bucket); a 4-bit bucket the guard demotes to FP8 keeps its residual.
-    planned_fp8 = cfg.grad_fp4 and not fp4
-    ef = error_feedback.for_bucket(input) if cfg.error_feedback and not planned_fp8 else None
+    # Error feedback as the plan predicted it (keeps_feedback: the 4-bit recipe's residual stays off a class the plan
+    # puts on FP8); a 4-bit bucket the guard demotes to FP8 keeps its residual.
+    keep = keeps_feedback(route.choice if route is not None else None)
+    ef = error_feedback.for_bucket(input) if cfg.error_feedback and keep else None
     opts = _options(cfg, "grad", input, group, route)
     if wire == "fp8" and cfg.grad_fp4:  # a 4-bit bucket the plan puts on FP8 or the guard demoted: E4M3 1x128 fp32
         opts["config"] = fcomm.config_for(opts["config"], "fp8")
-        if planned_fp8:
-            opts["config"] = opts["config"].replace(error_feedback=False)
+    if not keep and opts["config"].error_feedback:
+        opts["config"] = opts["config"].replace(error_feedback=False)
 
     def start():
         count(hook, "fp8_calls")

@@ -41,6 +41,7 @@ def policy(cfg: Fp8CommMegatronConfig) -> Policy:
         replicas=True,
         two_level=cfg.hierarchical,
         residual_dtype=cfg.error_feedback_dtype,
+        fp8_feedback=cfg.error_feedback and not cfg.planner_allow_4bit,  # the user's own (4 bits: the recipe's)
     )
 
 
@@ -138,7 +139,7 @@ def ran(r: Route, config, two_level: bool) -> Option:
     if config is None:
         return Option(NATIVE)
     wire = "mxfp4" if config.is_fp4 else "fp8"
-    return Option(wire, "two_level" if two_level else "flat", feedback=wire == "mxfp4")
+    return Option(wire, "two_level" if two_level else "flat", feedback=config.error_feedback)
 
 
 def _sync(dev: torch.device) -> None:

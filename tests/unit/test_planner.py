@@ -135,6 +135,31 @@ def test_engines_own_wins_on_fast_links_with_a_slow_codec():
     assert not choose("reduce_scatter", 256 * MiB, "bf16", SHAPE, pol, slow).chosen.native
 
 
+def test_users_error_feedback_rides_on_fp8_gradients():
+    """Policy.fp8_feedback (the user asked for error feedback, 4 bits not allowed): FP8 gradient options carry it,
+    predicted with its cost, labelled and noted; weights never; without it FP8 runs without. keeps_feedback says
+    what a planned call keeps."""
+    from fp8comm.comm.planned import Choice, keeps_feedback
+
+    grads = options("gradients", fp8_feedback=True)
+    assert all(o.feedback for o in grads if not o.native and o.wire != "nvfp4"), grads
+    assert not any(o.feedback for o in options("weights", fp8_feedback=True))
+    assert not any(o.feedback for o in options("gradients") if o.wire.startswith("fp8"))
+    slow = toy(inter_bw=1e8, intra_bw=1e11, speed=1e9, device="cuda:X", backend="nccl")
+    ef = choose("reduce_scatter", 256 * MiB, "bf16", SHAPE, Policy(fp8_feedback=True), slow)
+    plain = choose("reduce_scatter", 256 * MiB, "bf16", SHAPE, Policy(), slow)
+    assert ef.chosen == Option("fp8", "two_level", feedback=True) and plain.chosen == Option("fp8", "two_level")
+    assert ef.chosen.label() == "fp8 +EF two-level"
+    assert any(x.startswith("asked for: fp8 with error feedback") for x in ef.notes), ef.notes
+    secs = {c.option: c.seconds for c in plain.candidates}
+    fp8 = [c for c in ef.candidates if c.option.wire.startswith("fp8") and c.seconds is not None]
+    assert fp8 and all(c.seconds > secs[Option(c.option.wire, c.option.levels)] for c in fp8)  # EF costs time
+    assert keeps_feedback(None) and keeps_feedback(Choice(ef.chosen, ef))
+    assert not keeps_feedback(Choice(plain.chosen, plain))
+    with pytest.raises(Fp8CommConfigError, match="fp8_feedback must be True or False"):
+        Policy(fp8_feedback=1)
+
+
 # ------------------------------------------------------------------------------------------------ choose()
 def _fastest_allowed(plan):
     ok = [(c.seconds, i) for i, c in enumerate(plan.candidates) if not c.excluded and c.seconds is not None]

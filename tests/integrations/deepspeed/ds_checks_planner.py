@@ -46,11 +46,11 @@ def _file(name: str, inter_bw: float, **kw) -> str:
     return str(path)
 
 
-def _planned(info, stage: int, planner, **zero):
+def _planned(info, stage: int, planner, section: dict | None = None, **zero):
     _nodes()
     fc.reset_comm_stats()
     with captured() as lines:
-        eng, _ = T.build(T.ds_config(stage, "bf16", {"planner": planner}, **zero))
+        eng, _ = T.build(T.ds_config(stage, "bf16", {"planner": planner, **(section or {})}, **zero))
         run = T.train(eng, range(STEPS))
     es = fd.engine_state(eng)
     plans = [(p["op"], p["role"], p["size_class"], p["chosen"]) for p in run.stats["plans"]]
@@ -130,6 +130,12 @@ def planner_slow_link_quantizes(info):
     n8 = sum(v for k, v in hooks8.items() if k.startswith("zero12.grad_reduce.fmt."))
     assert n8 and hooks8.get("zero12.grad_reduce.fmt.e4m3") == n8, hooks8
     assert run8.stats["error_feedback"]["residuals"] == 0, run8.stats["error_feedback"]
+    # the user's own error feedback (4 bits not allowed) is kept on the FP8 the plan chooses, never dropped in silence:
+    # predicted with its cost, labelled, and its residual kept
+    runf, _, _, _ = _planned(info, 1, {"calibration": path}, {"gradients": {"error_feedback": True}})
+    gradsf = [p for p in runf.stats["plans"] if p["role"] == "gradients"]
+    assert gradsf and all(p["chosen"] == "fp8 +EF two-level" for p in gradsf), gradsf
+    assert runf.stats["error_feedback"]["residuals"] > 0, runf.stats["error_feedback"]
 
 
 def planner_trial_measures_and_agrees(info):

@@ -269,6 +269,18 @@ def test_error_feedback_memory_policy(stage, dtype, extra, fragment):
         fd.install(with_fp8(section, **over), model)
 
 
+@pytest.mark.parametrize("hierarchical", [True, False])
+def test_error_feedback_refusal_states_two_level_share(hierarchical):
+    """Under two levels a rank keeps only its rail's share of the residual (levels.rail_window): the refusal says so,
+    and says nothing of it when two levels are off."""
+    section = {"gemm": False, "hierarchical": hierarchical, "gradients": {"error_feedback": True}}
+    over = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    with pytest.raises(fd.Fp8CommUnsupportedError) as e:
+        fd.install(with_fp8(section, **over), nn.Linear(128, 128))
+    said = "1/(ranks per node) of that" in str(e.value)
+    assert said == hierarchical, str(e.value)
+
+
 @pytest.mark.parametrize(
     "given, name",
     [("fp32", "float32"), ("float32", "float32"), ("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp8", "fp8")],

@@ -222,6 +222,25 @@ def planner_slow_link_quantizes(rank, world, info):
     assert run8["hooks"]["gradients"]["fp8_calls"] == len(calls8) == RS_CALLS, (run8["hooks"], calls8)
     assert set(calls8) == {("e4m3", False, False)}, sorted(set(calls8))
     assert not run8["residuals"], f"{len(run8['residuals'])} error-feedback residuals on a plan without feedback"
+    # the user's own error feedback (4 bits not allowed) rides on the FP8 the plan chooses, never dropped in silence
+    callsf: list = []
+
+    def spyf(*a, **kw):
+        c = kw["config"]
+        callsf.append((c.fmt, c.error_feedback, kw.get("error_feedback") is not None))
+        return rs_into(*a, **kw)
+
+    fc.reduce_scatter_into = spyf
+    try:
+        runf = train(1, planner={"calibration": path}, gradients={"error_feedback": True, **RESIDUALS})
+    finally:
+        fc.reduce_scatter_into = rs_into
+    _decided_alike(runf["plans"])
+    info.update(plans_user_feedback=_heads(runf["plans"]), calls_user_feedback=sorted(set(callsf)))
+    assert _heads(runf["plans"])[1].endswith(": fp8 +EF two-level"), runf["plans"]
+    assert "asked for: fp8 with error feedback" in runf["plans"][1], runf["plans"][1]
+    assert callsf and set(callsf) == {("e4m3", True, True)}, sorted(set(callsf))
+    assert runf["residuals"] and all(runf["residuals"]), runf["residuals"]
 
 
 def planner_fast_link_is_fsdp2_own(rank, world, info):

@@ -40,6 +40,12 @@ def test_planner_values():
     assert cfg.planner == PlannerSettings(False, "c.json", 5.0) and not cfg.weights.enabled and not cfg.hierarchical
 
 
+def test_users_error_feedback_survives_the_planner():
+    """planner=True with gradients' own error feedback: kept (it rides on the FP8 the plan chooses), never dropped."""
+    cfg = f2.parse(planner=True, gradients={"error_feedback": True, "allow_unpartitioned_residuals": True})
+    assert cfg.gradients.wire(None) == WireConfig(fmt="e4m3", error_feedback=True)
+
+
 def test_allow_4bit_is_the_validated_recipe():
     cfg = f2.parse(
         planner={"allow_4bit": True},
@@ -67,8 +73,8 @@ def test_allow_4bit_is_the_validated_recipe():
             r"planner=True and gradients=\{'fmt': 'mxfp4'\} both set the gradient reduce-scatter's format.*'fmt'",
         ),
         (
-            {"planner": {"allow_4bit": True}, "gradients": {"error_feedback": True, "residual_dtype": "fp8"}},
-            r"both set the gradient reduce-scatter's format.*drop gradients's 'error_feedback'",
+            {"planner": {"allow_4bit": True}, "gradients": {"error_feedback": False}},
+            r"validated recipe is mxfp4 WITH error feedback, but gradients=\{'error_feedback': False\}",
         ),
         ({"planner": True, "weights": {"fmt": "e5m2"}}, r"planner=True and weights=.* weight all-gather's format"),
         ({"planner": True, "weights": f2.WeightWire()}, r"both set the weight all-gather's format.*'WeightWire'"),
