@@ -226,10 +226,10 @@ def rs_phase(
     for (a, b), lay, send, recv in zip(pieces, lays, sends, recvs):
         call.pack(x2[:, a:b], lay, send, kb)
         call.checked()  # the deferred metadata check travelled while piece 0 was quantized
-        if ef is not None:
-            update_residual(call, ef, xin.view(gsize, L), send, lay, (a, b), kb)
         # Equal chunks, so no split sizes: one all_to_all moves payload and scales together.
         works.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
+        if ef is not None:  # reads `send` while it travels (read-only on both sides): overlaps the wire
+            update_residual(call, ef, xin.view(gsize, L), send, lay, (a, b), kb)
     chunk = sum(lay.chunk_bytes[0] for lay in lays) if L else 0
     call.record(stats_op, (gsize - 1) * chunk, (gsize - 1) * L * stats_dtype.itemsize, gsize * L, calls=calls)
 

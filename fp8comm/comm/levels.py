@@ -87,9 +87,9 @@ def hier_rs_phase(
             p.add_(r_ef[:, c0:c1])
         call.pack(part[:, a:b], lay, send, kb)
         call.checked()
-        if ef is not None:
-            update_residual(call, ef, part[:, :L], send, lay, (a, b), kb)
         works.append(dist.all_to_all_single(recv, send, group=hg.inter, async_op=True))
+        if ef is not None:  # reads `send` while it travels: overlaps the wire (core.rs_phase)
+            update_residual(call, ef, part[:, :L], send, lay, (a, b), kb)
     chunk = sum(lay.chunk_bytes[0] for lay in lays) if L else 0
     call.record(call.op, (nn - 1) * chunk, (nn - 1) * L * stats_dtype.itemsize, call.world * L, calls=calls)
 

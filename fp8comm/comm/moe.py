@@ -148,7 +148,7 @@ def all_to_all(
     h = tensor.shape[1]
     mx = meta.max_tokens(world)  # None while the check is deferred (even splits) or when this call is unchecked
     if mx is None and not even:
-        mx = _plan_sizes(call, tensor, ins, outs, wire == "fp8" and error_feedback is None, grad_wire == "fp8")
+        mx = _plan_sizes(call, tensor, ins, outs, wire == "fp8", grad_wire == "fp8")
     if mx is not None:
         call.size_hint, bwd = mx[0] * h, mx[1] * h
     elif even:
@@ -268,8 +268,10 @@ def _start(
         return _Pending(work, lambda: out if recv is out else out.copy_(recv))
     spec, codec = call.spec, call.codec
     # Pipelined on CPU: piece p carries rows row_part(n, p, P) of every destination's chunk (whole tokens, so each
-    # chunk's rows stay contiguous in the input and in the output), one all_to_all each; see core.rs_phase.
-    npieces = call.piece_count(call.size_hint, dev) if ef is None else 1
+    # chunk's rows stay contiguous in the input and in the output), one all_to_all each; see core.rs_phase. With
+    # error feedback too: each piece's rows get their residual once their collective is issued (blocks are per
+    # row, so the one-piece call's bits), overlapping the wire.
+    npieces = call.piece_count(call.size_hint, dev)
     xq = x if ef is None else quantize_input(call, x, x.numel(), ef).view(x.shape)  # + residual, fp32
     x2 = padded_rows(call, xq.reshape(-1), x.shape[0], h)  # tokens padded to the codec's row width
     k = x2.shape[1]
@@ -286,11 +288,10 @@ def _start(
     kq, kd = call.kernel(dev, x2.numel()), call.kernel(dev, sum(outs) * k)
     in0, out0 = [0, *accumulate(ins)], [0, *accumulate(outs)]  # first row of each chunk
     works = []
+    res = None if ef is None else ef.take(x.numel(), dev).view(x.shape[0], h)  # the rows' residuals, updated below
     for pp, lin, send, recv, lout in zip(parts, lins, sends, recvs, louts):
         if npieces == 1:  # one call for every chunk (one fused kernel on GPU)
             call.pack(x2, lin, send, kq)
-            if ef is not None:
-                update_residual(call, ef, xq.view(x.shape[0], h), send, lin, (0, k), kq)
         else:
             for j, (a, b) in enumerate(pp):
                 one, o = codec.layout((b - a,), k), lin.offsets[j]
@@ -302,6 +303,21 @@ def _start(
                 recv, send, list(lout.chunk_bytes), list(lin.chunk_bytes), group=call.group, async_op=True
             )
         )
+        if ef is None:
+            continue
+        # what was meant minus what was sent; reads `send` while it travels (read-only on both sides)
+        if npieces == 1:
+            update_residual(call, ef, xq.view(x.shape[0], h), send, lin, (0, k), kq)
+            continue
+        xr = xq.view(x.shape[0], h)
+        assert res is not None
+        for j, (a, b) in enumerate(pp):
+            if b > a:
+                one, o, r0 = codec.layout((b - a,), k), lin.offsets[j], in0[j] + a
+                sent = send[o : o + one.total_bytes]
+                codec.residual(sent, one, xr[r0 : r0 + b - a], res[r0 : r0 + b - a], kernel=kq, scratch=call.scratch)
+    if ef is not None and npieces > 1:
+        ef.commit()  # every row's residual is written (a compact one is encoded now)
     call.record(
         stats_op,
         sum(lin.total_bytes - lin.chunk_bytes[me] for lin in lins),
