@@ -10,9 +10,10 @@ after each section, atomically (launch/gpu_results.py): a crash or a cut loses n
 $OUT/gpu_ready.json (when OUT is set) holds the run's record, rewritten after each section.
 
 Sections, most valuable first (issue 20's correctness checks, then the GPU speed goals, then the 0.2 checks):
-env; stream_reuse (launch/gpu_check_streams.py: async calls on one stream decoded on another behind a delay,
-eviction and clear()); streams (two streams share one scratch pool; an unordered pool must corrupt);
-version_counters (out= writes of every collective bump tensor._version, Triton and reference backends);
+env; codec_speeds (every wire codec's pack / unpack-and-sum / unpack / residual speed and fixed cost per call,
+the rows `fp8comm plan` reads); stream_reuse (launch/gpu_check_streams.py: async calls on one stream decoded on
+another behind a delay, eviction and clear()); streams (two streams share one scratch pool; an unordered pool
+must corrupt); version_counters (out= writes of every collective bump tensor._version, Triton and reference backends);
 e8m0_decode (all 256 E8M0 scale bytes through every decoder on the GPU: 0 -> 2^-127, 255 -> NaN, bit for bit);
 host_ahead (a GPU sleep queued ahead of the calls: the host must return first); blockwise_gemm (the cuBLASLt
 block-scaled layout the probe trusts, agreement, 8192^3 and Fp8Linear timings); pack_vs_copy (quantize+pack vs a
@@ -108,6 +109,22 @@ def env(run) -> dict:
     }
     run.row("env_versions", f"torch {info['torch']}, triton {info['triton']}, cuda {info['cuda']}", None, "versions")
     return info
+
+
+def codec_speeds(run, device: str = "cuda", elems: tuple[int, int] = (1 << 25, 1 << 28), reps: int = 9) -> dict:
+    """Every wire codec's pack, unpack_sum, unpack and residual speed on this GPU (calibration.measure_codecs: bf16
+    in 8 chunks at two sizes, from the difference, median of `reps`) and its fixed cost per kernel call: the rows
+    `fp8comm plan --codec-speeds docs/results/gpu.json` reads (issue 30; until now 4-bit GPU speeds were assumed)."""
+    from fp8comm.comm.calibration import WIRE_CONFIGS, measure_codecs, speed_rows
+
+    res: dict = {}
+    for name in WIRE_CONFIGS:  # one codec at a time: a cut keeps the codecs already measured
+        t: dict = {}
+        sp = measure_codecs([name], elems=elems, chunks=8, reps=reps, device=device, timings=t)
+        for row in speed_rows(sp):
+            run.row(*row)
+        res[name] = {"first_call_s": round(t[name]["first_call_s"], 2), "source": sp[name].source}
+    return {"status": "ok", "codecs": res}
 
 
 def stream_reuse(run) -> dict:
@@ -798,6 +815,7 @@ def examples(run) -> dict:
 # (name, function, cap seconds, seconds needed to start): most valuable first; the run's deadline cuts the rest
 SECTIONS = [
     Section("env", env, 30, 1),
+    Section("codec_speeds", codec_speeds, 90, 20),
     Section("stream_reuse", stream_reuse, 60, 10),
     Section("streams", streams, 30, 10),
     Section("version_counters", version_counters, 60, 10),

@@ -29,6 +29,9 @@ PATH = ROOT / "docs" / "results" / "gpu.json"
 
 @functools.lru_cache(maxsize=1)
 def commit() -> str:
+    # the device machine gets the working tree without .git: the command passes the commit in FP8COMM_COMMIT
+    if os.environ.get("FP8COMM_COMMIT"):
+        return os.environ["FP8COMM_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10

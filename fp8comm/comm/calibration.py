@@ -298,15 +298,32 @@ def _speed_dict(s: CodecSpeed) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- codec speeds
+def speed_rows(speeds: Mapping[str, CodecSpeed]) -> list[tuple[str, float, str]]:
+    """(name, value, unit) per codec and kind: the rows results_speeds reads back (a GPU script writes them into
+    docs/results/gpu.json), speeds to 4 significant digits, the fixed cost per kernel call when measured."""
+    out = []
+    for codec, s in speeds.items():
+        for kind in SPEED_KINDS:
+            v = getattr(s, kind)
+            if v:
+                out.append((f"codec_{codec}_{kind}_elems_per_s", float(f"{v:.4g}"), "elements/s"))
+        if s.fixed:
+            out.append((f"codec_{codec}_fixed_s", float(f"{s.fixed:.4g}"), "s per codec kernel call"))
+    return out
+
+
 def results_speeds(rows: Iterable[Mapping], where: str = "") -> dict[str, CodecSpeed]:
     """Codec speeds from a results file's rows (docs/results/gpu.json's schema: {"name", "value", "unit", "date",
-    "commit", "device"}): rows named `codec_<codec>_<pack|unpack_sum|unpack|residual>_elems_per_s`. A codec needs
-    pack, unpack_sum and unpack; residual is optional. An error names the rows it looked for when none are there."""
+    "commit", "device"}): rows named `codec_<codec>_<pack|unpack_sum|unpack|residual>_elems_per_s` and, optional,
+    `codec_<codec>_fixed_s`. A codec needs pack, unpack_sum and unpack; residual is optional. An error names the rows
+    it looked for when none are there."""
     found: dict[str, dict[str, float]] = {}
     meta: dict[str, str] = {}
     for r in rows:
         name = str(r.get("name", ""))
         for codec in WIRE_CONFIGS:
+            if name == f"codec_{codec}_fixed_s":
+                found.setdefault(codec, {})["fixed"] = _positive(name, r.get("value"), allow_zero=True)
             for kind in SPEED_KINDS:
                 if name == f"codec_{codec}_{kind}_elems_per_s":
                     found.setdefault(codec, {})[kind] = _positive(name, r.get("value"))
@@ -317,12 +334,17 @@ def results_speeds(rows: Iterable[Mapping], where: str = "") -> dict[str, CodecS
         if missing:
             raise _err(f"{where or 'results'}: codec {codec!r} lacks rows for {', '.join(missing)}")
         out[codec] = CodecSpeed(
-            k["pack"], k["unpack_sum"], k["unpack"], f"{where} ({meta[codec]})", k.get("residual", 0.0)
+            k["pack"],
+            k["unpack_sum"],
+            k["unpack"],
+            f"{where} ({meta[codec]})",
+            k.get("residual", 0.0),
+            k.get("fixed", 0.0),
         )
     if not out:
         raise _err(
             f"{where or 'results'} has no codec speed rows (codec_<{'|'.join(WIRE_CONFIGS)}>_<pack|unpack_sum|unpack>"
-            "_elems_per_s); no GPU script writes them yet (launch/device_check.py writes pack/copy ratios only)"
+            "_elems_per_s); launch/gpu_ready_check.py's codec_speeds section writes them on a GPU"
         )
     return out
 

@@ -330,3 +330,24 @@ def test_stream_reuse_section_records_the_helper_rows(monkeypatch, tmp_path):
     rows = {x["name"]: x for x in json.loads(path.read_text())}
     assert rows["stream_reuse.evict"]["value"] is True and rows["stream_reuse.clear"]["value"] is False
     assert rows["stream_reuse.clear"]["unit"] == "call 3 differs" and rows["section_stream_reuse"]["value"] == "fail"
+
+
+def test_codec_speed_section_writes_the_rows_plan_reads(tmp_path):
+    """gpu_ready_check's codec_speeds section (run here on CPU at small sizes) writes rows that
+    results_speeds, and so `fp8comm plan --codec-speeds docs/results/gpu.json`, reads back to the same speeds."""
+    import gpu_ready_check
+
+    from fp8comm.comm.calibration import WIRE_CONFIGS, results_speeds
+
+    path = tmp_path / "gpu.json"
+    run = gpu_results.Runner(60, "test device", rows_path=path)
+    res = gpu_ready_check.codec_speeds(run, device="cpu", elems=(8 * 1024, 8 * 8192), reps=1)
+    assert res["status"] == "ok" and set(res["codecs"]) == set(WIRE_CONFIGS)
+    rows = json.loads(path.read_text())
+    got = results_speeds(rows, "gpu.json")
+    assert set(got) == set(WIRE_CONFIGS)
+    by_name = {r["name"]: r["value"] for r in rows}
+    for codec, s in got.items():
+        assert s.pack == by_name[f"codec_{codec}_pack_elems_per_s"] > 0
+        assert s.residual == by_name[f"codec_{codec}_residual_elems_per_s"] > 0
+        assert s.fixed == by_name.get(f"codec_{codec}_fixed_s", 0.0)
