@@ -378,6 +378,12 @@ def _rs_start(call: Call, hg, x: torch.Tensor, L: int, ef: ErrorFeedback | None)
     return guarded(call, begin)
 
 
+def _mean_(acc: torch.Tensor, world: int) -> None:
+    """acc /= world, exactly as the reference divides on every device: CUDA multiplies by the reciprocal when the
+    divisor is a Python number (a last-bit difference at 3 ranks), not when it is a 0-dim tensor on the device."""
+    acc.div_(torch.full((), world, dtype=acc.dtype, device=acc.device))
+
+
 def _reduce_scatter_flat(
     call: Call, hg, out: torch.Tensor, x: torch.Tensor, L: int, avg: int, ef: ErrorFeedback | None, async_op: bool
 ):
@@ -389,7 +395,7 @@ def _reduce_scatter_flat(
     def finish():
         acc = acc_fn()
         if avg:
-            acc.div_(call.world)
+            _mean_(acc, call.world)
         out.view(-1).copy_(acc[: out.numel()])
         return out
 
@@ -456,7 +462,7 @@ def all_reduce_into(
     def finish():
         acc = acc_fn()
         if meta.reduce_op:
-            acc.div_(call.world)
+            _mean_(acc, call.world)
         # Second phase: quantize this rank's reduced chunk and gather every chunk to every rank.
         dest = gathered_into(call, out_flat, n, L, call.world)
         if hg is not None:

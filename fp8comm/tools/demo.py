@@ -371,6 +371,7 @@ def _worker(opts: dict) -> int:
         engine.eval()
         with torch.no_grad():
             vl = torch.tensor([engine(*batch(val, 10**6 + i, rank))[1].float().item() for i in range(8)]).mean()
+        vl = vl.to(loss.device)  # NCCL reduces device tensors only
         dist.all_reduce(vl)
         report[name] = {
             "losses": losses,
