@@ -645,7 +645,8 @@ def offsets(
     reference's pack of windows in each chunk; the Triton unpack_sum of that buffer against the reference's sum of
     the same bytes' windows; the Triton quantize of a 140000 x 16384 activation (2.3e9 elements) on sampled rows
     against the reference; the Triton GEMM of that operand x 256 columns on those rows against the same kernel on
-    the rows alone (bit for bit) and against emulate (relative norm error)."""
+    the rows alone (bit for bit) and against emulate (relative norm error). The reference runs on the CPU, where its
+    bits are defined: torch ops on CUDA may round differently (a Python divisor becomes a reciprocal multiply)."""
     from fp8comm.gemm.backends import emulate
     from fp8comm.quant import Fp8Tensor, Scaling, quantize
     from fp8comm.quant.formats import E4M3
@@ -676,7 +677,7 @@ def offsets(
         for c in range(3)
         for a0 in wins
         if not torch.equal(
-            window_bytes(buf, c, a0), pack_chunks(x[c : c + 1, a0 : a0 + w].contiguous(), wl, E4M3, backend="reference")
+            window_bytes(buf, c, a0).cpu(), pack_chunks(x[c : c + 1, a0 : a0 + w].cpu(), wl, E4M3, backend="reference")
         )
     ]
     out["pack_bad"] = pack_bad
@@ -684,9 +685,9 @@ def offsets(
     acc = unpack_sum(buf, lay, E4M3, backend=backend)
     sum_bad = []
     for a0 in wins:
-        small = torch.cat([window_bytes(buf, c, a0) for c in range(3)])
+        small = torch.cat([window_bytes(buf, c, a0) for c in range(3)]).cpu()
         ref = unpack_sum(small, layout_of((1, 1, 1), w, sc), E4M3, backend="reference")
-        if not torch.equal(acc[:, a0 : a0 + w], ref):
+        if not torch.equal(acc[:, a0 : a0 + w].cpu(), ref):
             sum_bad.append(a0)
     out["unpack_sum_bad_windows"] = sum_bad
     out["unpack_sum_packed_gib"] = round(lay.total_bytes / 2**30, 2)
@@ -696,13 +697,13 @@ def offsets(
     xa = torch.randn(m, kk, device=dev, dtype=torch.bfloat16)
     qa = quantize(xa, "e4m3", scaling=Scaling(1, 128), backend=backend)
     rows = torch.tensor(sorted({0, m // 2, (1 << 31) // kk - 1, (1 << 31) // kk, m - 1} & set(range(m))), device=dev)
-    qr = quantize(xa[rows], "e4m3", scaling=Scaling(1, 128), backend="reference")
+    qr = quantize(xa[rows].cpu(), "e4m3", scaling=Scaling(1, 128), backend="reference")
     q_bad = [
         int(r)
         for i, r in enumerate(rows.tolist())
         if not (
-            torch.equal(qa.data[r].view(torch.uint8), qr.data[i].view(torch.uint8))
-            and torch.equal(qa.scale[r], qr.scale[i])
+            torch.equal(qa.data[r].cpu().view(torch.uint8), qr.data[i].view(torch.uint8))
+            and torch.equal(qa.scale[r].cpu(), qr.scale[i])
         )
     ]
     out["quantize_bad_rows"] = q_bad
@@ -719,8 +720,10 @@ def offsets(
     out["gemm_rel_norm_err_vs_emulate"] = err
     # information, not a pass condition: nothing promises the same bits for a row inside another tile of rows
     run.row("offsets_gemm_140000x16384_rows_equal", len(rows) - len(g_bad), None, "rows bit-equal to the rows alone")
-    run.row("offsets_gemm_140000x16384_rel_err", err, 1e-5, "max over rows of |got - emulate| / |emulate|")
-    ok = not (pack_bad or sum_bad or q_bad) and err < 1e-5
+    # 1e-3: FP8 MMA on Hopper accumulates each 128-wide K tile in reduced precision (blockwise_gemm's agreement
+    # rows: 1.5e-4 to 1.9e-4 vs emulate on the H200); an offset that wraps gives garbage rows (error ~1)
+    run.row("offsets_gemm_140000x16384_rel_err", err, 1e-3, "max over rows of |got - emulate| / |emulate|")
+    ok = not (pack_bad or sum_bad or q_bad) and err < 1e-3
     return {"status": "ok" if ok else "fail", **out}
 
 
@@ -823,6 +826,7 @@ def examples(run) -> dict:
             "1024",
             "--transformer-impl",
             "local",
+            "--no-persist-layer-norm",
             "--log-interval",
             "5",
             "--fp8comm-grad-reduce",
