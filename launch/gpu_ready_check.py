@@ -827,6 +827,11 @@ def examples(run) -> dict:
             "--transformer-impl",
             "local",
             "--no-persist-layer-norm",
+            # fusions need APEX's or Megatron's compiled extensions, absent there (docs/megatron.md's flags)
+            "--no-gradient-accumulation-fusion",
+            "--no-bias-gelu-fusion",
+            "--no-bias-dropout-fusion",
+            "--no-masked-softmax-fusion",
             "--log-interval",
             "5",
             "--fp8comm-grad-reduce",

@@ -147,7 +147,8 @@ def _codecs(args, ranks: int) -> tuple[dict, str, str]:
 
     src = args.codec_speeds or "gpu"
     if src == "gpu":
-        return linkmodel.gpu_speeds(), H200, "one H200, docs/benchmarks.md (2026-11-30, 256 MiB, CUDA-graph replay)"
+        where = "one H200 (FP8: docs/benchmarks.md, 2026-11-30; residuals and 4-bit: docs/results/gpu.json, 2026-12-04)"
+        return linkmodel.gpu_speeds(), H200, where
     if src == "cpu":
         n = count(args.codec_elems, "--codec-elems")
         sp = measure_codecs(elems=n)

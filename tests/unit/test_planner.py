@@ -408,3 +408,17 @@ def test_cli_codec_speeds_from_files(capsys, tmp_path):
     assert cli.main(["plan", "--nodes", "8", "--gpus-per-node", "8", *SHAPE_ARGS[0], "--buckets", "64Mi",
                      "--codec-speeds", str(rows)]) == 2  # fmt: skip
     assert "no codec speed rows" in capsys.readouterr().err
+
+
+def test_gpu_speeds_are_the_committed_gpu_run():
+    """linkmodel.gpu_speeds()' 4-bit and residual figures are docs/results/gpu.json's rows (the H200 run of
+    2026-12-04), and `fp8comm plan --codec-speeds docs/results/gpu.json` reads that file."""
+    path = Path(__file__).resolve().parents[2] / "docs" / "results" / "gpu.json"
+    measured = results_speeds(json.loads(path.read_text()), str(path))
+    used = lm.gpu_speeds()
+    for codec in ("mxfp4", "nvfp4"):
+        for kind in ("pack", "unpack_sum", "unpack", "residual"):
+            assert getattr(used[codec], kind) == pytest.approx(getattr(measured[codec], kind), rel=1e-3), (codec, kind)
+    for codec in ("fp8", "fp8_e8m0"):
+        assert used[codec].residual == pytest.approx(measured[codec].residual, rel=1e-3)
+    assert all(s.fixed > 0 for s in measured.values())  # the file form charges the fixed cost per call
