@@ -15,6 +15,7 @@ the rows `fp8comm plan` reads); stream_reuse (launch/gpu_check_streams.py: async
 another behind a delay, eviction and clear()); streams (two streams share one scratch pool; an unordered pool
 must corrupt); version_counters (out= writes of every collective bump tensor._version, Triton and reference backends);
 e8m0_decode (all 256 E8M0 scale bytes through every decoder on the GPU: 0 -> 2^-127, 255 -> NaN, bit for bit);
+reference_on_device (the torch reference on the GPU gives the CPU's bits);
 host_ahead (a GPU sleep queued ahead of the calls: the host must return first); blockwise_gemm (the cuBLASLt
 block-scaled layout the probe trusts, agreement, 8192^3 and Fp8Linear timings); pack_vs_copy (quantize+pack vs a
 device copy at 256 MiB and 1 GiB); train (examples/train_gpt.py, bf16 / fp8_amax / tensorwise / blockwise, seeds in
@@ -311,6 +312,34 @@ def e8m0_decode(run) -> dict:
         if not exact:
             bad.append(key)
     run.row("e8m0_decoders_exact", len(res) - len(bad), len(res), "decoder paths, 256 bytes each")
+    return {"status": "fail" if bad else "ok", "paths": res}
+
+
+def reference_on_device(run, dev: str = "cuda") -> dict:
+    """The pure-torch reference run on the GPU gives the CPU's bits (it defines them on every device): FP8 quantize
+    with fp32 / E8M0 / pow2 scales, MXFP4 and NVFP4 quantize, at magnitudes from 1e-30 to 1e30, and a mean over 3
+    ranks' worth of sums. Run 2 of 2026-12-04 found the FP8 one differing (amax / 448 as a reciprocal multiply)."""
+    from fp8comm.quant import Scaling, quantize
+    from fp8comm.quant.formats import div_exact
+    from fp8comm.quant.fp4_api import quantize_fp4
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 1024, generator=g) * torch.logspace(-30, 30, 256).reshape(256, 1)
+    res, bad = {}, []
+    for enc in ("fp32", "e8m0", "pow2"):
+        c = quantize(x, "e4m3", scaling=Scaling(1, 128, enc), backend="reference")
+        d = quantize(x.to(dev), "e4m3", scaling=Scaling(1, 128, enc), backend="reference")
+        res[f"fp8.{enc}"] = torch.equal(c.data.view(torch.uint8), d.data.cpu().view(torch.uint8)) and torch.equal(
+            c.scale, d.scale.cpu()
+        )
+    for fmt in ("mxfp4", "nvfp4"):
+        c4 = quantize_fp4(x, fmt, backend="reference")
+        d4 = quantize_fp4(x.to(dev), fmt, backend="reference")
+        res[fmt] = all(torch.equal(getattr(c4, f), getattr(d4, f).cpu()) for f in ("codes", "scales", "tensor_scale"))
+    y = torch.randn(1 << 16, generator=g)
+    res["mean_of_3"] = torch.equal(y / 3, div_exact(y.to(dev), 3).cpu())
+    bad = [k for k, ok in res.items() if not ok]
+    run.row("reference_on_device_exact", len(res) - len(bad), len(res), "reference paths, GPU bits == CPU bits")
     return {"status": "fail" if bad else "ok", "paths": res}
 
 
@@ -862,6 +891,7 @@ SECTIONS = [
     Section("streams", streams, 30, 10),
     Section("version_counters", version_counters, 60, 10),
     Section("e8m0_decode", e8m0_decode, 60, 10),
+    Section("reference_on_device", reference_on_device, 30, 10),
     Section("fp4_wire", fp4_wire, 60, 15),
     Section("capture_refused", capture_refused, 30, 10),
     Section("guard_streams", guard_streams, 60, 10),

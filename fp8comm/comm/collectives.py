@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import Fp8CommError
+from ..quant.formats import div_exact
 from ..quant.layout import view_2d
 from ..quant.tensor import Fp8Tensor
 from ..quant.wire4 import backend_problem
@@ -378,12 +379,6 @@ def _rs_start(call: Call, hg, x: torch.Tensor, L: int, ef: ErrorFeedback | None)
     return guarded(call, begin)
 
 
-def _mean_(acc: torch.Tensor, world: int) -> None:
-    """acc /= world, exactly as the reference divides on every device: CUDA multiplies by the reciprocal when the
-    divisor is a Python number (a last-bit difference at 3 ranks), not when it is a 0-dim tensor on the device."""
-    acc.div_(torch.full((), world, dtype=acc.dtype, device=acc.device))
-
-
 def _reduce_scatter_flat(
     call: Call, hg, out: torch.Tensor, x: torch.Tensor, L: int, avg: int, ef: ErrorFeedback | None, async_op: bool
 ):
@@ -395,7 +390,7 @@ def _reduce_scatter_flat(
     def finish():
         acc = acc_fn()
         if avg:
-            _mean_(acc, call.world)
+            div_exact(acc, call.world, out=acc)
         out.view(-1).copy_(acc[: out.numel()])
         return out
 
@@ -462,7 +457,7 @@ def all_reduce_into(
     def finish():
         acc = acc_fn()
         if meta.reduce_op:
-            _mean_(acc, call.world)
+            div_exact(acc, call.world, out=acc)
         # Second phase: quantize this rank's reduced chunk and gather every chunk to every rank.
         dest = gathered_into(call, out_flat, n, L, call.world)
         if hg is not None:

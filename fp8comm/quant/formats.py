@@ -69,3 +69,9 @@ def get_format(fmt: str | Fp8Format | torch.dtype) -> Fp8Format:
         if key in FORMATS:
             return FORMATS[key]
     raise Fp8CommError(f"unknown FP8 format {fmt!r}; valid: {', '.join(FORMATS)} (or their torch float8 dtypes)")
+
+
+def div_exact(x: torch.Tensor, divisor: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x / divisor (into `out`, which may be x), correctly rounded on every device. CUDA turns a Python divisor into a
+    multiply by its reciprocal, which can differ in the last bit (1/448, 1/3); a 0-dim tensor on x's device does not."""
+    return torch.div(x, x.new_full((), divisor), out=out)

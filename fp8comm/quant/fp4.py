@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import Fp8CommError, Fp8CommTypeError
+from .formats import div_exact
 from .layout import decode_e8m0
 from .reference import M32, mix32, pow2, seed_key
 
@@ -184,7 +185,7 @@ def _exp_bits(a: torch.Tensor) -> torch.Tensor:
 def e4m3_ceil(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 block scale for a = block amax / tensor scale (fp32, 0 <= a): the smallest E4M3 value s with 6 s >= a,
     capped at 448; (s fp32, its E4M3 code int32). a == 0 gives s = 0 (code 0)."""
-    r = torch.clamp(a / E2M1_MAX, max=E4M3_MAX)
+    r = torch.clamp(div_exact(a, E2M1_MAX), max=E4M3_MAX)
     sp = torch.clamp(_exp_bits(r) - 3, min=-9)  # E4M3 grid spacing around r (subnormal spacing 2**-9)
     t = r * pow2(-sp)  # exact: a power-of-two rescale into [0, 16)
     q = torch.ceil(t)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import Fp8CommError, Fp8CommTypeError
-from .formats import E8M0_MAX_EXP, E8M0_MIN_EXP, Fp8Format
+from .formats import E8M0_MAX_EXP, E8M0_MIN_EXP, Fp8Format, div_exact
 
 ENCODINGS = ("fp32", "pow2", "e8m0")
 """fp32: exact amax/max scale. pow2: a power of two (with `margin`), stored as fp32. e8m0: a power of two, one byte."""
@@ -117,7 +117,7 @@ def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, scaling: Scaling) -> tor
     """fp32 dequantization scales from block amax (finite values only). amax == 0 gives 1.0, never 0 or inf."""
     amax = amax.float()
     if scaling.encoding == "fp32":
-        s = amax / fmt.max
+        s = div_exact(amax, fmt.max)
         if scaling.margin:
             s = s * (2.0**scaling.margin)
         # A normal-range floor keeps every scale a normal fp32 number (GPU flush-to-zero would change bits).
