@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--calibration", default=None, help="with --planner: a calibration file (default: measured)")
     p.add_argument(
+        "--no-planner-trials",
+        action="store_true",
+        help='with --planner: "trials": false (the prediction alone chooses, no measured trials)',
+    )
+    p.add_argument(
         "--hierarchical",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -123,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             plan: dict = {"allow_4bit": a.planner == "4bit"}
             if a.calibration:
                 plan["calibration"] = a.calibration
+            if a.no_planner_trials:
+                plan["trials"] = False
             ds["fp8_comm"]["planner"] = plan
         if a.hierarchical is not None:
             ds["fp8_comm"]["hierarchical"] = a.hierarchical
