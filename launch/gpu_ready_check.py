@@ -373,7 +373,55 @@ def fp4_wire(run) -> dict:
                     res[key] = _first_line(e)
                 if res[key] != "exact":
                     bad.append(key)
-    run.row("fp4_wire_exact", len(res) - len(bad), len(res), "pack + fp32 sum paths, bit for bit vs the reference")
+    from fp8comm.quant.wire4 import residual_fp4, unpack_fp4
+
+    x2 = torch.randn(4, 4064, generator=g) * torch.logspace(-6, 6, 4).reshape(4, 1)  # 127 MXFP4 blocks per row
+    x2[1, 7] = float("nan")
+    for fmt in (MXFP4, NVFP4):  # the fused wire kernel: uneven and empty chunks, strided outputs, residuals
+        key = f"{fmt.name}.wire_kernel"
+        try:
+            lay = fp4_layout((2, 0, 1, 1), 4064, fmt)
+            want = pack_fp4(x2, lay, "nearest", backend="reference")
+            full = unpack_fp4(want, lay, backend="reference")
+            stale = torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8, device="cuda")
+            packed = pack_fp4(x2.cuda(), lay, "nearest", out=stale, backend="triton").cpu()
+            if not torch.equal(packed, want):
+                raise RuntimeError(f"pack into the sections: {int((packed != want).sum())} bytes differ")
+            dev = want.cuda()
+            wide = torch.zeros(4, 4200, device="cuda")
+            unpack_fp4(dev, lay, out=wide[:, 100:4100], backend="triton")
+            checks = [(wide[:, 100:4100].cpu(), full[:, :4000])]
+            for xin in (x2[:, :4000].contiguous(), x2[:, :4000].bfloat16()):
+                r32 = torch.empty(4, 4000, device="cuda")
+                residual_fp4(dev, lay, xin.cuda(), r32, "triton")
+                ref = xin.float() - full[:, :4000]
+                checks.append((r32.cpu(), ref.masked_fill(~torch.isfinite(ref), 0.0)))
+            eq = fp4_layout((2, 2), 4064, fmt)
+            weq = pack_fp4(x2, eq, "nearest", backend="reference")
+            acc = torch.zeros(2, 4200, device="cuda")
+            unpack_fp4_sum(weq.cuda(), eq, out=acc[:, 100:4164], backend="triton")
+            checks.append((acc[:, 100:4164].cpu(), unpack_fp4_sum(weq, eq, backend="reference")))
+            ok = all(
+                torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in checks
+            )
+            res[key] = (
+                "exact"
+                if ok
+                else "FAIL: "
+                + ", ".join(
+                    str(i) for i, (a, b) in enumerate(checks) if not torch.equal(a.nan_to_num(), b.nan_to_num())
+                )
+            )
+        except Exception as e:
+            res[key] = _first_line(e)
+        if res[key] != "exact":
+            bad.append(key)
+    run.row(
+        "fp4_wire_exact",
+        len(res) - len(bad),
+        len(res),
+        "pack, fused decode / sum / residual, bit for bit vs the reference",
+    )
     n = 1 << 26
     big = torch.randn(4, n // 4, device="cuda")
     lay = fp4_layout((1,) * 4, n // 4, MXFP4)

@@ -220,8 +220,11 @@ class Fp4Codec:
         unpack_fp4_sum(buf, lay, self.hadamard, self.hadamard_seed, out=out, backend=kernel)
 
     def residual(self, buf, lay, x, r, *, kernel, scratch=_fresh) -> None:
-        if kernel == "native" and not self.hadamard and r.dtype == x.dtype == torch.float32:
-            residual_fp4(buf, lay, x, r)  # one pass, the same bits as the decode + subtraction below
+        fused = r.dtype == torch.float32 and (
+            x.dtype == torch.float32 or kernel == "triton" and x.dtype == torch.bfloat16
+        )
+        if kernel in ("native", "triton") and not self.hadamard and fused:
+            residual_fp4(buf, lay, x, r, kernel)  # one pass, the same bits as the decode + subtraction below
             return
         m, w = x.shape
         deq = scratch(m * lay.k, torch.float32, x.device).view(m, lay.k)

@@ -110,6 +110,22 @@ def _e2m1_value(c):
 
 
 @triton.jit
+def _block_scale(b, TWO_LEVEL: tl.constexpr):
+    """Scale byte (int32) -> fp32: E4M3 (NVFP4; 0x7F/0xFF NaN) or E8M0 (MXFP4; OCP MX: 0 is 2**-127, 255 NaN)."""
+    if TWO_LEVEL:
+        mag = b & 0x7F
+        ex = mag >> 3
+        man = mag & 7
+        bits = tl.where(ex == 0, (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True), (ex + 120) << 23)
+        bits = tl.where(ex == 0, bits, bits | (man << 20))
+        bits = tl.where(mag == 0x7F, 0x7FC00000, bits) | ((b & 0x80) << 24)
+    else:
+        bits = tl.where(b == 0, 0x00400000, b << 23)
+        bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def fp4_amax_kernel(x_ptr, amax_bits_ptr, N, BLOCK: tl.constexpr, IN_BF16: tl.constexpr):
     """amax of the finite |x| of a flat tensor, merged by an integer atomic max (exact, order-free; starts at +0)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -124,15 +140,21 @@ def fp4_quant_kernel(
     codes_ptr,
     scale_ptr,
     tamax_ptr,
+    starts_ptr,
+    offs_ptr,
+    pbytes_ptr,
+    nchunks,
     M,
     K,
     index_base,
     key,
+    WIRE: tl.constexpr,
     R: tl.constexpr,
     NB: tl.constexpr,
     B: tl.constexpr,
     HB: tl.constexpr,
     TWO_LEVEL: tl.constexpr,
+    TA_ROWS: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     IN_BF16: tl.constexpr,
     FM6: tl.constexpr,
@@ -141,7 +163,9 @@ def fp4_quant_kernel(
     FKT: tl.constexpr,
 ):
     """Fused 4-bit quantize + pack of an [M, K] tile (K a multiple of B): packed codes [M, K/2] and scale bytes
-    [M, K/B] (E8M0, or E4M3 relative to the tensor scale 2**G from the tensor amax at tamax_ptr)."""
+    [M, K/B] (E8M0, or E4M3 relative to the tensor scale 2**G from the tensor amax at tamax_ptr: one, or one per
+    row with TA_ROWS). WIRE: straight into the chunk sections of a wire buffer (codes_ptr; chunk tables as the wire
+    kernel's), NVFP4's tensor scale written by the chunk's first row."""
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
     kb = K // B
@@ -163,8 +187,14 @@ def fp4_quant_kernel(
     xe = tl.where(fe, xe, 0.0)  # non-finite lanes get code 0; their block's NaN scale marks them
     xo = tl.where(fo, xo, 0.0)
     if TWO_LEVEL:
-        g = _pow2_exponent(tl.load(tamax_ptr), FMT, FKT)
-        rg = _pow2(-g)
+        if TA_ROWS:
+            g = _pow2_exponent(tl.load(tamax_ptr + rows, mask=rows < M, other=0.0), FMT, FKT)[:, None]
+            rg = _pow2(-g)  # [R, 1] over the blocks
+            rgx = rg[:, :, None]  # [R, 1, 1] over the elements
+        else:
+            g = _pow2_exponent(tl.load(tamax_ptr), FMT, FKT)
+            rg = _pow2(-g)
+            rgx = rg
         a = amax * rg
         r = tl.minimum(tl.math.div_rn(a, tl.full(a.shape, 6.0, tl.float32)), 448.0)
         sp = tl.maximum(_exp_bits(r) - 3, -9)
@@ -177,8 +207,8 @@ def fp4_quant_kernel(
         sbyte = tl.where(bad, 0x7F, ((sp + 9) << 3) + q)
         div = tl.where(s > 0, s, 1.0)[:, :, None]
         div = tl.broadcast_to(div, xe.shape)
-        ye = tl.math.div_rn(xe * rg, div)
-        yo = tl.math.div_rn(xo * rg, div)
+        ye = tl.math.div_rn(xe * rgx, div)
+        yo = tl.math.div_rn(xo * rgx, div)
     else:
         e = _pow2_exponent(amax, FM6, FK6)
         sbyte = tl.where(bad, 255, e + 127)
@@ -194,8 +224,39 @@ def fp4_quant_kernel(
     ce = _round_e2m1(ye, xe.to(tl.int32, bitcast=True) < 0, idx_e, key, STOCHASTIC)
     co = _round_e2m1(yo, xo.to(tl.int32, bitcast=True) < 0, idx_o, key, STOCHASTIC)
     packed = (ce | (co << 4)).to(tl.uint8)
-    tl.store(codes_ptr + (rows64 * (K // 2))[:, None, None] + blk[None, :, None] * HB + j[None, None, :], packed, mask)
-    tl.store(scale_ptr + (rows64 * kb)[:, None] + blk[None, :], sbyte.to(tl.uint8), bmask)
+    if WIRE:  # the row's chunk: its sections' byte offsets in the buffer
+        rmask = rows < M
+        c = tl.full([R], 0, tl.int32)
+        for t in range(1, nchunks):
+            c += (tl.load(starts_ptr + t) <= rows).to(tl.int32)
+        st = tl.load(starts_ptr + c, mask=rmask, other=0)
+        lr = (rows - st).to(tl.int64)
+        cb = tl.load(offs_ptr + c, mask=rmask, other=0)
+        pb = tl.load(pbytes_ptr + c, mask=rmask, other=0)
+        cbase = cb + lr * (K // 2)
+        sbase = cb + pb + lr * kb
+        nrow = (tl.load(starts_ptr + c + 1, mask=rmask, other=0) - st).to(tl.int64)
+        send = cb + pb + (nrow * kb + 15) // 16 * 16  # end of the 16-byte-aligned scale section
+        if pid1 == 0:  # the chunk's last row zeroes its sections' alignment bytes: no stale memory on the wire
+            z = tl.arange(0, 16)
+            last = (rmask & (lr == nrow - 1))[:, None]
+            zero = tl.full([R, 16], 0, tl.uint8)
+            pend = (cb + nrow * (K // 2))[:, None] + z[None, :]
+            tl.store(codes_ptr + pend, zero, last & (pend < (cb + pb)[:, None]))
+            tend = (cb + pb + nrow * kb)[:, None] + z[None, :]
+            tl.store(codes_ptr + tend, zero, last & (tend < send[:, None]))
+            if TWO_LEVEL:  # the chunk's fp32 tensor scale (little-endian) and its 12 alignment bytes
+                tbits = _pow2(tl.reshape(g, (R,))).to(tl.int32, bitcast=True)
+                first = rmask & (lr == 0)
+                for i in tl.static_range(4):
+                    tl.store(codes_ptr + send + i, ((tbits >> (8 * i)) & 0xFF).to(tl.uint8), first)
+                tpad = send[:, None] + 4 + z[None, :]
+                tl.store(codes_ptr + tpad, zero, first[:, None] & (z < 12)[None, :])
+    else:
+        cbase = rows64 * (K // 2)
+        sbase = rows64 * kb
+    tl.store(codes_ptr + cbase[:, None, None] + blk[None, :, None] * HB + j[None, None, :], packed, mask)
+    tl.store(scale_ptr + sbase[:, None] + blk[None, :], sbyte.to(tl.uint8), bmask)
 
 
 @triton.jit
@@ -226,27 +287,101 @@ def fp4_dequant_kernel(
     p = tl.load(codes_ptr + (rows64 * (K // 2))[:, None, None] + blk[None, :, None] * HB + j[None, None, :], mask, 0)
     p = p.to(tl.int32)
     b = tl.load(scale_ptr + (rows64 * kb)[:, None] + blk[None, :], bmask, 0).to(tl.int32)
+    s = _block_scale(b, TWO_LEVEL)[:, :, None]
     if TWO_LEVEL:
-        mag = b & 0x7F
-        ex = mag >> 3
-        man = mag & 7
-        bits = tl.where(ex == 0, (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True), (ex + 120) << 23)
-        bits = tl.where(ex == 0, bits, bits | (man << 20))
-        bits = tl.where(mag == 0x7F, 0x7FC00000, bits) | ((b & 0x80) << 24)
-        s = bits.to(tl.float32, bitcast=True)[:, :, None]
         ts = tl.load(tscale_ptr)
         ve = (_e2m1_value(p & 15) * s) * ts
         vo = (_e2m1_value(p >> 4) * s) * ts
     else:
-        bits = tl.where(b == 0, 0x00400000, b << 23)  # OCP MX: byte 0 is 2**-127, 255 is NaN
-        bits = tl.where(b == 255, 0x7FC00000, bits)
-        s = bits.to(tl.float32, bitcast=True)[:, :, None]
         ve = _e2m1_value(p & 15) * s
         vo = _e2m1_value(p >> 4) * s
     col = blk[None, :, None] * B + 2 * j[None, None, :]
     dst = out_ptr + (rows64 * K)[:, None, None] + col
     tl.store(dst, ve, mask)
     tl.store(dst + 1, vo, mask)
+
+
+@triton.jit
+def _wire_chunk(buf_ptr, cb, pb, nrow, lr, jb, rmask, bmask, KH, KB, HB: tl.constexpr, TWO_LEVEL: tl.constexpr):
+    """(even, odd) element values [R, BH] of code bytes jb of rows lr of the chunk at byte cb (int64 [R]): payload
+    at cb, scale bytes at cb + pb, NVFP4's fp32 tensor scale after the 16-byte-aligned scale section."""
+    p = tl.load(buf_ptr + (cb + lr * KH)[:, None] + jb[None, :], bmask, 0).to(tl.int32)
+    b = tl.load(buf_ptr + (cb + pb + lr * KB)[:, None] + (jb // HB)[None, :], bmask, 0).to(tl.int32)
+    s = _block_scale(b, TWO_LEVEL)
+    if TWO_LEVEL:
+        to = cb + pb + (nrow * KB + 15) // 16 * 16
+        bits = tl.load(buf_ptr + to, rmask, 0).to(tl.int32)
+        for i in tl.static_range(1, 4):  # little-endian fp32 from its bytes (the buffer is uint8)
+            bits = bits | (tl.load(buf_ptr + to + i, rmask, 0).to(tl.int32) << (8 * i))
+        ts = bits.to(tl.float32, bitcast=True)[:, None]
+        return (_e2m1_value(p & 15) * s) * ts, (_e2m1_value(p >> 4) * s) * ts
+    return _e2m1_value(p & 15) * s, _e2m1_value(p >> 4) * s
+
+
+@triton.jit
+def fp4_wire_kernel(
+    buf_ptr,
+    out_ptr,
+    x_ptr,
+    starts_ptr,
+    offs_ptr,
+    pbytes_ptr,
+    nchunks,
+    chunk_stride,
+    M,
+    K,
+    L,
+    out_stride,
+    x_stride,
+    R: tl.constexpr,
+    BH: tl.constexpr,
+    HB: tl.constexpr,
+    B: tl.constexpr,
+    MODE: tl.constexpr,
+    TWO_LEVEL: tl.constexpr,
+    IN_BF16: tl.constexpr,
+):
+    """Straight from a 4-bit wire buffer, one pass: MODE 0 every chunk decoded into fp32 out[:, :L]; MODE 1
+    `nchunks` equal chunks (chunk_stride bytes apart, M rows each) decoded and summed in fp32 in chunk order into
+    out [M, K]; MODE 2 error feedback's out = x - decoded over [:, :L] (x fp32 or bf16), non-finite differences
+    0. No FMA."""
+    pid0 = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    KH = K // 2
+    KB = K // B
+    rows = pid0 * R + tl.arange(0, R)
+    jb = pid1 * BH + tl.arange(0, BH)  # code bytes of the row: elements 2jb (low nibble) and 2jb + 1
+    rmask = rows < M
+    bmask = rmask[:, None] & (jb < KH)[None, :]
+    rows64 = rows.to(tl.int64)
+    if MODE == 1:
+        lr = rows64
+        cb = tl.full([R], 0, tl.int64)
+        pb = cb + tl.load(pbytes_ptr)
+        nrow = cb + M
+        ve, vo = _wire_chunk(buf_ptr, cb, pb, nrow, lr, jb, rmask, bmask, KH, KB, HB, TWO_LEVEL)
+        for _ci in range(1, nchunks):  # in chunk order from chunk 0's values, as the reference's copy then adds
+            cb = cb + chunk_stride
+            qe, qo = _wire_chunk(buf_ptr, cb, pb, nrow, lr, jb, rmask, bmask, KH, KB, HB, TWO_LEVEL)
+            ve = ve + qe
+            vo = vo + qo
+    else:
+        c = tl.full([R], 0, tl.int32)  # the last chunk starting at or before the row (zero-row chunks share a start)
+        for t in range(1, nchunks):
+            c += (tl.load(starts_ptr + t) <= rows).to(tl.int32)
+        st = tl.load(starts_ptr + c, mask=rmask, other=0)
+        lr = (rows - st).to(tl.int64)
+        cb = tl.load(offs_ptr + c, mask=rmask, other=0)
+        pb = tl.load(pbytes_ptr + c, mask=rmask, other=0)
+        nrow = (tl.load(starts_ptr + c + 1, mask=rmask, other=0) - st).to(tl.int64)
+        ve, vo = _wire_chunk(buf_ptr, cb, pb, nrow, lr, jb, rmask, bmask, KH, KB, HB, TWO_LEVEL)
+    v = tl.reshape(tl.join(ve, vo), (R, 2 * BH))  # interleaved: contiguous columns, one coalesced store
+    col = pid1 * (2 * BH) + tl.arange(0, 2 * BH)
+    mask = rmask[:, None] & (col < L)[None, :]
+    if MODE == 2:
+        d = _load_x(x_ptr + (rows64 * x_stride)[:, None] + col[None, :], mask, IN_BF16) - v
+        v = tl.where(_isfinite(d), d, 0.0)
+    tl.store(out_ptr + (rows64 * out_stride)[:, None] + col[None, :], v, mask)
 
 
 # --------------------------------------------------------------------------------------------------- launchers
@@ -295,47 +430,73 @@ def tensor_amax(x2: torch.Tensor) -> torch.Tensor:
 
 
 def encode_2d(x2, fmt, seed=None, index_base=0, tensor_amax_=None):
-    """fp4.encode_2d on the kernel: seed None = nearest rounding, else stochastic with that seed."""
+    """fp4.encode_2d on the kernel: seed None = nearest rounding, else stochastic with that seed; NVFP4's
+    tensor_amax_ [1] or [M] (one second-level scale per row, returned with its shape)."""
     x2 = _check_input(x2)
     m, k = x2.shape
-    bsz = fmt.block
-    kb = k // bsz
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=x2.device)
-    sbytes = torch.empty(m, kb, dtype=torch.uint8, device=x2.device)
+    sbytes = torch.empty(m, k // fmt.block, dtype=torch.uint8, device=x2.device)
     if fmt.two_level:
-        ta = tensor_amax(x2) if tensor_amax_ is None else tensor_amax_.float().reshape(1).to(x2.device).contiguous()
+        ta = tensor_amax(x2) if tensor_amax_ is None else tensor_amax_.float().reshape(-1).to(x2.device).contiguous()
         ts = fp4.pow2(fp4.pow2_exponent(ta, fp4.NV_TENSOR_MAX))
     else:
         ta = torch.zeros(1, dtype=torch.float32, device=x2.device)
         ts = torch.ones(1, dtype=torch.float32, device=x2.device)
-    if m and k:
-        r, nb, grid = _tiles(m, kb, bsz)
-        fm6, fk6 = _frexp_consts(fp4.E2M1_MAX)
-        fmt_, fkt = _frexp_consts(fp4.NV_TENSOR_MAX)
-        key = 0 if seed is None else _i32(fp4.seed_key(seed))
-        xin = x2.view(torch.int16) if x2.dtype == torch.bfloat16 else x2
-        fp4_quant_kernel[grid](
-            xin,
-            codes,
-            sbytes,
-            ta,
-            m,
-            k,
-            _i32(index_base),
-            key,
-            R=r,
-            NB=nb,
-            B=bsz,
-            HB=bsz // 2,
-            TWO_LEVEL=fmt.two_level,
-            STOCHASTIC=seed is not None,
-            IN_BF16=x2.dtype == torch.bfloat16,
-            FM6=fm6,
-            FK6=fk6,
-            FMT=fmt_,
-            FKT=fkt,
-        )
+    _quantize(x2, fmt, seed, index_base, ta, codes, sbytes, None)
     return codes, sbytes, ts
+
+
+def encode_wire(x2, layout, seed, row_amax, out) -> None:
+    """x2 [M, K] quantized straight into the chunk sections of the wire buffer `out` in one launch, alignment
+    bytes zeroed (not those of a zero-row chunk); NVFP4: row_amax [M] gives each row its chunk's second-level
+    scale, written once per chunk."""
+    from .backend_triton import chunk_tables
+
+    x2 = _check_input(x2)
+    fmt = layout.fmt
+    ta = row_amax.float().contiguous() if fmt.two_level else torch.zeros(1, dtype=torch.float32, device=x2.device)
+    _quantize(x2, fmt, seed, 0, ta, out, out, chunk_tables(layout, out.device))
+
+
+def _quantize(x2, fmt, seed, index_base, ta, codes, sbytes, tables) -> None:
+    m, k = x2.shape
+    if ta.numel() not in (1, m):
+        raise Fp8CommTypeError(f"fp4 triton kernel: tensor amax of {ta.numel()} values for {m} rows")
+    if not (m and k):
+        return
+    bsz = fmt.block
+    r, nb, grid = _tiles(m, k // bsz, bsz)
+    fm6, fk6 = _frexp_consts(fp4.E2M1_MAX)
+    fmt_, fkt = _frexp_consts(fp4.NV_TENSOR_MAX)
+    key = 0 if seed is None else _i32(fp4.seed_key(seed))
+    starts, offs, pbytes = tables if tables is not None else (ta, ta, ta)
+    fp4_quant_kernel[grid](
+        x2.view(torch.int16) if x2.dtype == torch.bfloat16 else x2,
+        codes,
+        sbytes,
+        ta,
+        starts,
+        offs,
+        pbytes,
+        starts.numel() - 1 if tables is not None else 1,
+        m,
+        k,
+        _i32(index_base),
+        key,
+        WIRE=tables is not None,
+        R=r,
+        NB=nb,
+        B=bsz,
+        HB=bsz // 2,
+        TWO_LEVEL=fmt.two_level,
+        TA_ROWS=fmt.two_level and (ta.numel() > 1 or tables is not None),
+        STOCHASTIC=seed is not None,
+        IN_BF16=x2.dtype == torch.bfloat16,
+        FM6=fm6,
+        FK6=fk6,
+        FMT=fmt_,
+        FKT=fkt,
+    )
 
 
 def decode_2d(packed, sbytes, tscale, fmt):
@@ -358,4 +519,65 @@ def decode_2d(packed, sbytes, tscale, fmt):
             HB=fmt.block // 2,
             TWO_LEVEL=fmt.two_level,
         )
+    return out
+
+
+def _wire_tiles(m: int, kh: int) -> tuple[int, int, tuple[int, int]]:
+    """(rows per program, code bytes per program, grid) for the wire kernel: GPU tiles of 2048 code bytes."""
+    tile = INTERP_TILE if _interpreting() else 2048
+    bh = min(_p2(kh), tile)
+    r = max(1, min(_p2(m), tile // bh))
+    grid = (-(-m // r), -(-kh // bh))
+    if grid[1] > 65535:
+        raise Fp8CommTypeError(f"fp4 triton wire kernel: rows of {2 * kh} elements are too long; split the row")
+    return r, bh, grid
+
+
+def wire(buf: torch.Tensor, layout, out: torch.Tensor, mode: str, x: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch from the wire buffer `buf` (no Hadamard transform): mode "unpack" decodes every chunk into fp32
+    out [M, L <= K]; "sum" sums the equal chunks into fp32 out [rows, K]; "residual" writes fp32 out = x - decoded
+    (x fp32 or bf16 [M, L])."""
+    from .backend_triton import chunk_tables, launch
+
+    fmt, k = layout.fmt, layout.k
+    n = len(layout.rows)
+    if mode == "sum":
+        m, width = layout.rows[0], k
+    else:
+        m, width = layout.total_rows, out.shape[1]
+    if not m or not k:
+        return out
+    o = out if out.stride(1) == 1 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    xs = o if x is None else x if x.stride(1) == 1 else x.contiguous()
+    bf16 = xs.dtype == torch.bfloat16
+    starts, offs, pbytes = chunk_tables(layout, buf.device)
+    r, bh, grid = _wire_tiles(m, k // 2)
+    launch(
+        fp4_wire_kernel,
+        grid,
+        buf,
+        o,
+        xs.view(torch.int16) if bf16 else xs,
+        starts,
+        offs,
+        pbytes,
+        n,
+        layout.chunk_bytes[0] if mode == "sum" else 0,
+        m,
+        k,
+        width,
+        o.stride(0),
+        xs.stride(0),
+        writes=(o,),
+        num_warps=4,
+        R=r,
+        BH=bh,
+        HB=fmt.block // 2,
+        B=fmt.block,
+        MODE={"unpack": 0, "sum": 1, "residual": 2}[mode],
+        TWO_LEVEL=fmt.two_level,
+        IN_BF16=bf16,
+    )
+    if o is not out:
+        out.copy_(o)
     return out

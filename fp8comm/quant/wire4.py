@@ -157,8 +157,10 @@ def _decode(codes, scales, ts, fmt: Fp4Format, backend: str) -> torch.Tensor:
 
 def _chunk_amax_rows(y: torch.Tensor, layout: Fp4Layout) -> torch.Tensor:
     """NVFP4's per-chunk second-level scope as one value per row: each row gets its chunk's finite amax (chunks
-    of several rows; one-row chunks take the encoder's own per-row scales)."""
+    of several rows; one-row chunks: each row's own)."""
     a = torch.where(torch.isfinite(y), y.abs(), 0.0).amax(dim=1) if y.numel() else y.new_zeros(y.shape[0])
+    if all(r <= 1 for r in layout.rows):
+        return a
     out = torch.empty_like(a)
     for r0, rows in zip(layout.row_starts, layout.rows):
         if rows:
@@ -192,32 +194,34 @@ def pack_fp4(
     be = fp4_backend(backend, x2.device, x2.numel())
     y = hadamard_forward(x2, hadamard, hadamard_seed) if hadamard else x2
     sr = None if rounding == "nearest" else int(seed)
-    k, fmt = layout.k, layout.fmt
+    fmt = layout.fmt
     _zero_empty_chunks(out, layout)
     if be == "native":  # straight into each chunk's sections
         _pack_native(y, layout, sr, out, counters)
         return out
-    if be == "triton" and fmt.two_level:  # the kernel takes one tensor scale: a launch per chunk
-        parts = [
-            (c, _encode(y[r0 : r0 + n], fmt, sr, r0 * k, be))
-            for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows))
-            if n
-        ]
-    else:  # one call for every chunk (a per-row NVFP4 scope), then each chunk's rows copied into its section
-        one_row = all(r <= 1 for r in layout.rows)  # the collectives' chunks: the encoder scales each row
-        ta = _chunk_amax_rows(y, layout) if fmt.two_level and not one_row else None
-        q, sb, t = _encode(y, fmt, sr, 0, be, ta, fmt.two_level and one_row)
-        parts = [
-            (c, (q[r0 : r0 + n], sb[r0 : r0 + n], t[r0 : r0 + 1] if fmt.two_level else None))
-            for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows))
-            if n
-        ]
-    for c, (q, sb, t) in parts:
+    if be == "triton":  # one launch straight into every chunk's sections
+        from . import fp4_triton
+
+        fp4_triton.encode_wire(y, layout, sr, _chunk_amax_rows(y, layout) if fmt.two_level else None, out)
+        if counters is not None and layout.total_rows:
+            live = [layout.sections(out, c)[0] for c, n in enumerate(layout.rows) if n]
+            counters += _counts(y, torch.cat(live) if len(live) > 1 else live[0])
+        return out
+    # one call for every chunk (a per-row NVFP4 scope), then each chunk's rows copied into its section
+    one_row = all(r <= 1 for r in layout.rows)  # the collectives' chunks: the encoder scales each row
+    ta = _chunk_amax_rows(y, layout) if fmt.two_level and not one_row else None
+    q, sb, t = _encode(y, fmt, sr, 0, be, ta, fmt.two_level and one_row)
+    parts = [
+        (c, (q[r0 : r0 + n], sb[r0 : r0 + n], t[r0 : r0 + 1] if fmt.two_level else None))
+        for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows))
+        if n
+    ]
+    for c, (qc, sc, tc) in parts:
         codes, scales, ts = layout.sections(out, c)
-        codes.copy_(q)
-        scales.copy_(sb)
-        if ts is not None:
-            ts.copy_(t.reshape(1))
+        codes.copy_(qc)
+        scales.copy_(sc)
+        if ts is not None and tc is not None:
+            ts.copy_(tc.reshape(1))
         _zero_padding(out, layout, c)
     if counters is not None:
         q_all = torch.cat([p[1][0] for p in parts]) if len(parts) != 1 else parts[0][1][0]
@@ -277,10 +281,15 @@ def _counts(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def _decode_all(buf: torch.Tensor, layout: Fp4Layout, backend: str) -> torch.Tensor:
     """Every chunk decoded, fp32 [M, K]: sections gathered into one [M, K/2] + [M, K/B] (+ per-row tensor scale)
-    and decoded in one call (Triton NVFP4: a launch per chunk, as its kernel takes one tensor scale)."""
+    and decoded in one call (Triton: one launch reading the wire buffer in place)."""
     m, fmt = layout.total_rows, layout.fmt
+    if backend == "triton":  # one launch straight from the wire sections
+        from . import fp4_triton
+
+        out = torch.empty(m, layout.k, dtype=torch.float32, device=buf.device)
+        return fp4_triton.wire(buf, layout, out, "unpack")
     live = [(c, r0, n) for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows)) if n]
-    if backend == "triton" and fmt.two_level or len(live) == 1:
+    if len(live) == 1:
         out = torch.empty(m, layout.k, dtype=torch.float32, device=buf.device)
         for c, r0, n in live:
             out[r0 : r0 + n] = _decode(*layout.sections(buf, c), fmt, backend)
@@ -317,6 +326,10 @@ def unpack_fp4(
         for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows)):
             if n:
                 fp4_native.decode([layout.sections(buf, c)], layout.fmt, out[r0 : r0 + n])
+    elif be == "triton" and not hadamard:  # one launch into out's columns
+        from . import fp4_triton
+
+        fp4_triton.wire(buf, layout, out, "unpack")
     elif layout.total_rows:
         v = _decode_all(buf, layout, be)
         out.copy_((hadamard_inverse(v, hadamard, hadamard_seed) if hadamard else v)[:, : out.shape[1]])
@@ -359,8 +372,13 @@ def unpack_fp4_sum(
     be = fp4_backend(backend, buf.device, layout.total_rows * layout.k)
     if not rows:
         return out
-    if be == "native":  # decoded and summed in one pass, in chunk order
-        fp4_native.decode([layout.sections(buf, c) for c in range(len(layout.rows))], layout.fmt, out, "sum")
+    if be in ("native", "triton"):  # decoded and summed in one pass, in chunk order
+        if be == "native":
+            fp4_native.decode([layout.sections(buf, c) for c in range(len(layout.rows))], layout.fmt, out, "sum")
+        else:
+            from . import fp4_triton
+
+            fp4_triton.wire(buf, layout, out, "sum")
         if hadamard:
             out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
         return out
@@ -373,13 +391,19 @@ def unpack_fp4_sum(
     return out
 
 
-def residual_fp4(buf: torch.Tensor, layout: Fp4Layout, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Error feedback's residual in one pass (native kernels, no transform): out = x - decoded, over the first
-    L = x.shape[1] columns of each row, non-finite differences 0; x and out fp32 [M, L], L <= K. The same bits as
-    unpack_fp4 followed by the subtraction in torch."""
+def residual_fp4(
+    buf: torch.Tensor, layout: Fp4Layout, x: torch.Tensor, out: torch.Tensor, backend: str = "native"
+) -> torch.Tensor:
+    """Error feedback's residual in one pass (native or Triton kernels, no transform): out = x - decoded, over the
+    first L = x.shape[1] columns of each row, non-finite differences 0; out fp32 [M, L], L <= K, x fp32 (Triton:
+    or bf16). The same bits as unpack_fp4 followed by the subtraction in torch."""
     _check_buf(buf, layout)
     if x.shape != out.shape or x.shape[0] != layout.total_rows or x.shape[1] > layout.k:
         raise Fp8CommError(f"residual_fp4: x {tuple(x.shape)} and out {tuple(out.shape)} vs layout rows of {layout.k}")
+    if backend == "triton":
+        from . import fp4_triton
+
+        return fp4_triton.wire(buf, layout, out, "residual", x)
     for c, (r0, n) in enumerate(zip(layout.row_starts, layout.rows)):
         if n:
             fp4_native.decode([layout.sections(buf, c)], layout.fmt, out[r0 : r0 + n], "residual", x[r0 : r0 + n])

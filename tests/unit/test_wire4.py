@@ -160,6 +160,55 @@ def test_triton_wire_bit_exact(interpreted, fmt):
 
 
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4])
+def test_triton_wire_kernel_reads_the_buffer_in_place(interpreted, fmt):
+    """The fused Triton wire kernels (the encoder into the sections; decode, fp32 sum, error-feedback residual
+    from them) bit for bit against the reference: multi-row and zero-row chunks (NVFP4's per-chunk scale),
+    partial-width and strided outputs (a column slice of a wider accumulator), wide magnitudes, a non-finite block."""
+    from fp8comm.quant.wire4 import residual_fp4
+
+    def same(a, b, what):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), what
+
+    x = rows(6, 224, 5) * torch.logspace(-6, 6, 6).reshape(6, 1)  # 224: 7 / 14 scale bytes per row, padded
+    x[2, 100] = float("inf")
+    x[4, 3] = -0.0
+    for chunking in ((2, 0, 1, 3), (3, 3)):
+        lay = fp4_layout(chunking, 224, fmt)
+        buf = pack_fp4(x, lay, "nearest", backend="reference")
+        for rounding in ("nearest", "stochastic"):  # the encoder: one launch, NVFP4's scale per chunk as a row's
+            want = pack_fp4(x, lay, rounding, 5, backend="reference")
+            assert torch.equal(pack_fp4(x, lay, rounding, 5, backend="triton"), want), (chunking, rounding)
+        full = unpack_fp4(buf, lay, backend="reference")
+        same(unpack_fp4(buf, lay, backend="triton"), full, (chunking, "unpack"))
+        wide = torch.full((6, 300), 7.0)  # out = the first 200 columns, a strided view
+        unpack_fp4(buf, lay, out=wide[:, 50:250], backend="triton")
+        same(wide[:, 50:250], full[:, :200], (chunking, "partial"))
+        assert (wide[:, :50] == 7).all() and (wide[:, 250:] == 7).all(), "wrote outside its columns"
+        r = torch.full((6, 200), 5.0)
+        residual_fp4(buf, lay, x[:, :200].contiguous(), r, "triton")
+        ref = x[:, :200] - full[:, :200]
+        assert torch.equal(r, ref.masked_fill(~torch.isfinite(ref), 0.0)), (chunking, "residual")
+        xb = x[:, :200].bfloat16()  # bf16 gradients: widened exactly, then subtracted in fp32
+        residual_fp4(buf, lay, xb, r, "triton")
+        ref = xb.float() - full[:, :200]
+        assert torch.equal(r, ref.masked_fill(~torch.isfinite(ref), 0.0)), (chunking, "residual bf16")
+        if len(set(chunking)) == 1:
+            acc = torch.full((3, 480), 9.0)
+            unpack_fp4_sum(buf, lay, out=acc[:, 128:352], backend="triton")
+            same(acc[:, 128:352], unpack_fp4_sum(buf, lay, backend="reference"), (chunking, "sum"))
+            assert (acc[:, :128] == 9).all() and (acc[:, 352:] == 9).all(), "sum wrote outside its columns"
+    k13 = 13 * fmt.block  # 13 scale bytes a row; NVFP4's 104 code bytes leave payload padding after odd rows
+    lay = fp4_layout((3, 0, 1, 2), k13, fmt)
+    xs = rows(6, k13, 6)
+    stale = pack_fp4(xs, lay, "nearest", out=torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8), backend="triton")
+    assert torch.equal(stale, pack_fp4(xs, lay, "nearest", backend="reference")), "alignment bytes not zeroed"
+    one = fp4_layout((4,), 224, fmt)  # one chunk: its -0.0 survives the sum (the reference copies chunk 0)
+    b1 = pack_fp4(torch.full((4, 224), -0.0), one, "nearest", backend="reference")
+    s1 = unpack_fp4_sum(b1, one, backend="triton")
+    assert torch.equal(s1.view(torch.int32), unpack_fp4_sum(b1, one, backend="reference").view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4])
 def test_native_wire_bit_exact(fmt):
     """The native CPU path of the wire byte for byte against the reference: one-row and multi-row chunks (NVFP4's
     per-chunk scale), both roundings, with and without the transform, wide magnitudes, a non-finite block; its
