@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
             model.start_param_sync(force_sync=True)  # the last step's gather, dispatched lazily otherwise
         history["grad_reduce_in_fp32"] = ddp_config.grad_reduce_in_fp32
         cs = history["start_cpu"][2 if len(history["start_cpu"]) >= 5 else 0 :]
-        mine = torch.tensor([statistics.median([b - a for a, b in zip(cs, cs[1:])] or [0.0])], dtype=torch.float64)
+        cpu_s = statistics.median([b - a for a, b in zip(cs, cs[1:])] or [0.0])
+        mine = torch.tensor([cpu_s], dtype=torch.float64, device=_device())  # NCCL gathers device tensors only
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         history["cpu_s_per_period_by_rank"] = [round(float(c), 3) for c in every]
