@@ -468,23 +468,23 @@ def gpu_speeds() -> dict[str, CodecSpeed]:
     converted from GB/s (bytes read + written) to elements/s by the bytes per element launch/device_check.py
     counts: pack 2 + 1 + 4/128 (fp32 scales) or 2 + 1 + 1/128 (e8m0), unpack to bf16 1 + 4/128 + 2, unpack_sum over
     8 chunks 1 + 4/128 + 4/8. Error-feedback residuals and every 4-bit speed: docs/results/gpu.json's codec rows
-    (gpu_ready_check.py codec_speeds, 2026-12-04 11:27 UTC, commit 550448e: 2^25 and 2^28 elements, from the
-    difference; its unpack_sum decodes one chunk per call). Fixed costs per call are not included (see
-    docs/scaling.md, "What is not modelled")."""
+    (gpu_ready_check.py codec_speeds, 2026-12-04 14:22 UTC, commit bd13a54, the fused 4-bit wire kernels: 2^25 and
+    2^28 elements, from the difference; its unpack_sum decodes one chunk per call). Fixed costs per call are not
+    included (see docs/scaling.md, "What is not modelled")."""
     src = "H200, measured (docs/benchmarks.md, 256 MiB; residual: docs/results/gpu.json 2026-12-04)"
     fp8 = CodecSpeed(
-        2322e9 / (3 + 4 / 128), 2946e9 / (1 + 4 / 128 + 4 / 8), 3859e9 / (3 + 4 / 128), src, residual=82.16e9
+        2322e9 / (3 + 4 / 128), 2946e9 / (1 + 4 / 128 + 4 / 8), 3859e9 / (3 + 4 / 128), src, residual=77.72e9
     )
     e8m0 = CodecSpeed(
         3226e9 / (3 + 1 / 128),
         fp8.unpack_sum,
         fp8.unpack,
         src + "; decode: assumed = fp32 scales'",
-        residual=77.18e9,
+        residual=78.67e9,
     )
-    src4 = "H200, measured (docs/results/gpu.json, 2026-12-04, commit 550448e)"
-    mxfp4 = CodecSpeed(548.6e9, 52.44e9, 53.09e9, src4, residual=34.5e9)
-    nvfp4 = CodecSpeed(84.63e9, 63.53e9, 65.03e9, src4, residual=39.5e9)
+    src4 = "H200, measured (docs/results/gpu.json, 2026-12-04, commit bd13a54)"
+    mxfp4 = CodecSpeed(496.2e9, 323.9e9, 387.2e9, src4, residual=558.6e9)
+    nvfp4 = CodecSpeed(105.0e9, 345.3e9, 368.3e9, src4, residual=571.0e9)
     return {"fp8": fp8, "fp8_e8m0": e8m0, "mxfp4": mxfp4, "nvfp4": nvfp4}
 
 
