@@ -119,7 +119,11 @@ def codec_speeds(run, device: str = "cuda", elems: tuple[int, int] = (1 << 25, 1
     from fp8comm.comm.calibration import WIRE_CONFIGS, measure_codecs, speed_rows
 
     res: dict = {}
-    for name in WIRE_CONFIGS:  # one codec at a time: a cut keeps the codecs already measured
+    chosen = getattr(run, "codecs", None) or list(WIRE_CONFIGS)
+    unknown = set(chosen) - set(WIRE_CONFIGS)
+    if unknown:
+        raise ValueError(f"--codecs: unknown {sorted(unknown)}; known {list(WIRE_CONFIGS)}")
+    for name in chosen:  # one codec at a time: a cut keeps the codecs already measured
         t: dict = {}
         sp = measure_codecs([name], elems=elems, chunks=8, reps=reps, device=device, timings=t)
         for row in speed_rows(sp):
@@ -448,6 +452,43 @@ def fp4_wire(run) -> dict:
     run.row("fp4_pack_ms_64M", round(pack_ms, 3), round(copy_ms, 3), "ms; target = a bf16 copy of the elements")
     run.row("fp4_sum4_ms_64M", round(sum_ms, 3), round(copy_ms, 3), "ms, 4 chunks decoded + fp32 sum")
     return {"status": "fail" if bad else "ok", "paths": res, "copy_ms": copy_ms, "pack_ms": pack_ms, "sum_ms": sum_ms}
+
+
+def fp8_residual(run) -> dict:
+    """FP8 error feedback's one-pass residual on the GPU (Fp8Codec.residual on Triton: decode and subtract in one
+    kernel from the wire buffer) bit for bit against the CPU reference's decode then subtraction: uneven chunks,
+    fp32 and bf16 inputs, column-slice views in and out, a non-finite element."""
+    from fp8comm.quant import E4M3
+    from fp8comm.quant import backend_reference as br
+    from fp8comm.quant.codec import Fp8Codec, subtract_into
+    from fp8comm.quant.layout import ChunkLayout
+    from fp8comm.quant.scaling import Scaling
+
+    g = torch.Generator().manual_seed(6)
+    res, bad = {}, []
+    for sc in (Scaling(1, 128), Scaling(1, 128, "e8m0")):
+        lay = ChunkLayout((3, 0, 2, 5), 4096, sc)
+        wide = torch.randn(10, 4160, generator=g) * torch.logspace(-4, 4, 10).reshape(10, 1)
+        wide[4, 9] = float("inf")
+        buf = br.pack_chunks(
+            wide[:, 32:4128].contiguous(), lay, E4M3, "nearest", 0, torch.empty(lay.total_bytes, dtype=torch.uint8)
+        )
+        deq = br.unpack_chunks(buf, lay, E4M3, torch.empty(10, 4096))
+        for x in (wide[:, 32:4128], wide[:, 32:4128].bfloat16()):
+            key = f"{sc.describe()}.{x.dtype}"
+            try:
+                want = torch.empty(10, 4096)
+                subtract_into(x, deq, want)
+                out = torch.zeros(10, 4200, device="cuda")
+                Fp8Codec(E4M3, sc).residual(buf.cuda(), lay, x.cuda(), out[:, 50:4146], kernel="triton")
+                ok = torch.equal(out[:, 50:4146].cpu().view(torch.int32), want.view(torch.int32))
+                res[key] = "exact" if ok else f"FAIL: {int((out[:, 50:4146].cpu() != want).sum())} differ"
+            except Exception as e:
+                res[key] = _first_line(e)
+            if res[key] != "exact":
+                bad.append(key)
+    run.row("fp8_residual_exact", len(res) - len(bad), len(res), "one-pass FP8 residuals, bit for bit vs the reference")
+    return {"status": "fail" if bad else "ok", "paths": res}
 
 
 def host_ran_ahead(fn, calls: int, cuda=torch.cuda) -> tuple[bool, float]:
@@ -941,6 +982,7 @@ SECTIONS = [
     Section("e8m0_decode", e8m0_decode, 60, 10),
     Section("reference_on_device", reference_on_device, 30, 10),
     Section("fp4_wire", fp4_wire, 60, 15),
+    Section("fp8_residual", fp8_residual, 30, 10),
     Section("capture_refused", capture_refused, 30, 10),
     Section("guard_streams", guard_streams, 60, 10),
     Section("host_ahead", host_ahead, 60, 15),
@@ -962,6 +1004,7 @@ def main(argv=None) -> int:
     p.add_argument("--train-seeds", default="0,1,2", help="examples/train_gpt.py seeds, one process each")
     p.add_argument("--train-args", default="", help="extra examples/train_gpt.py arguments (e.g. --steps 200)")
     p.add_argument("--no-write", action="store_true", help="do not write rows into docs/results/gpu.json")
+    p.add_argument("--codecs", default="", help="codec_speeds: only these codecs (comma-separated; default every one)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_ready_check: no CUDA device; nothing to run (every section needs a GPU)", file=sys.stderr)
@@ -975,6 +1018,7 @@ def main(argv=None) -> int:
     )
     run.train_seeds = [int(s) for s in a.train_seeds.split(",") if s]
     run.train_args = a.train_args.split()
+    run.codecs = [c for c in a.codecs.split(",") if c]
     only = {s for s in a.only.split(",") if s}
     unknown = only - {s.name for s in SECTIONS}
     if unknown:

@@ -478,6 +478,9 @@ def dequantize_2d(
         br,
         bc,
         kb,
+        c,
+        0,
+        0,
         MODE=0,
         SCALE_BYTES=4,
         NCH_STEPS=0,
@@ -578,11 +581,65 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: t
         1,
         layout.block,
         layout.kb,
+        buf,
+        0,
+        0,
         MODE=1,
         SCALE_BYTES=layout.scaling.scale_bytes,
         NCH_STEPS=(n - 1).bit_length(),
         K16=k % 16 == 0,
         OUT_BF16=bf16,
+        writes=(o,),
+        num_warps=p.num_warps,
+        **p.meta(),
+        **decode_meta(fmt, buf.device),
+    )
+    if o is not out:
+        out.copy_(o)
+    return out
+
+
+def residual_chunks(
+    buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, x: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Error feedback's residual in one launch from the wire buffer: fp32 out [M, K] = x - every chunk decoded,
+    non-finite differences 0 (x fp32 or bf16 [M, K]; rows of either may be strided, columns contiguous)."""
+    m, k = layout.total_rows, layout.k
+    if x.shape != (m, k) or out.shape != (m, k) or out.dtype != torch.float32:
+        raise Fp8CommError(f"residual_chunks: x {tuple(x.shape)}, out {tuple(out.shape)} {out.dtype} vs {(m, k)} fp32")
+    if m == 0 or k == 0:
+        return out
+    starts, offs, pbytes = chunk_tables(layout, buf.device)
+    n = len(layout.rows)
+    o = out if out.stride(1) == 1 else torch.empty(m, k, dtype=torch.float32, device=out.device)
+    xs = x if x.stride(1) == 1 else x.contiguous()
+    bf16 = xs.dtype == torch.bfloat16
+    p = plan(m, k, 1, layout.block)
+    launch(
+        tk.dequant_kernel,
+        p.grid,
+        buf,
+        buf,
+        o,
+        starts,
+        offs,
+        pbytes,
+        n,
+        0,
+        m,
+        k,
+        1,
+        layout.block,
+        layout.kb,
+        xs.view(torch.int16) if bf16 else xs,
+        xs.stride(0),
+        o.stride(0),
+        MODE=3,
+        SCALE_BYTES=layout.scaling.scale_bytes,
+        NCH_STEPS=(n - 1).bit_length(),
+        K16=k % 16 == 0,
+        OUT_BF16=False,
+        IN_BF16=bf16,
         writes=(o,),
         num_warps=p.num_warps,
         **p.meta(),
@@ -618,6 +675,9 @@ def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torc
         1,
         layout.block,
         layout.kb,
+        buf,
+        0,
+        0,
         MODE=2,
         SCALE_BYTES=layout.scaling.scale_bytes,
         NCH_STEPS=0,

@@ -26,6 +26,9 @@ from .wire4 import fp4_backend, fp4_layout, pack_fp4, residual_fp4, unpack_fp4, 
 Scratch = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 
 
+_RESIDUAL_IN = (torch.float32, torch.bfloat16)  # inputs the one-pass Triton residuals widen exactly
+
+
 def _fresh(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device=device)
 
@@ -159,6 +162,11 @@ class Fp8Codec:
 
     def residual(self, buf, lay, x, r, *, kernel, scratch=_fresh) -> None:
         m, w = x.shape
+        if kernel == "triton" and w == lay.k and r.dtype == torch.float32 and x.dtype in _RESIDUAL_IN:
+            from .backend_triton import residual_chunks
+
+            residual_chunks(buf, lay, self.fmt, x, r)  # one pass, the bits of the decode + subtraction below
+            return
         deq = scratch(m * lay.k, torch.float32, x.device).view(m, lay.k)
         unpack_chunks(buf, lay, self.fmt, torch.float32, out=deq, backend=kernel)
         subtract_into(x, deq[:, :w], r)

@@ -584,6 +584,9 @@ def dequant_kernel(
     BR,
     BC,
     KB,
+    x_ptr,
+    x_stride,
+    out_stride,
     RSTEP: tl.constexpr,
     SEG: tl.constexpr,
     R: tl.constexpr,
@@ -601,11 +604,14 @@ def dequant_kernel(
     MIN_SUB_MUL: tl.constexpr,
     HAS_INF: tl.constexpr,
     HW: tl.constexpr,
+    IN_BF16: tl.constexpr = False,
 ):
     """code * scale in fp32, stored as out's dtype. MODE 0: codes [M, K] + fp32 scales [MB, KB] (any block shape).
     MODE 1: every chunk of a wire buffer -> out [M, K]. MODE 2: `nchunks` equal chunks (stride chunk_stride bytes,
-    M rows each, payload bytes pbytes[0]) summed in chunk order from +0.0 -> fp32 out [M, K]; launch without FMA
-    contraction. Byte offsets are int64 (a packed buffer passes 2 GiB long before one chunk does)."""
+    M rows each, payload bytes pbytes[0]) summed in chunk order from +0.0 -> fp32 out [M, K]. MODE 3: as MODE 1,
+    then error feedback's residual x - decoded (x fp32 or bf16, row stride x_stride) into fp32 out (row stride
+    out_stride), non-finite differences 0. Launch without FMA contraction. Byte offsets are int64 (a packed buffer
+    passes 2 GiB long before one chunk does)."""
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
     row, seg, col, rmask, mask = _coords(pid0, pid1, M, K, RSTEP, SEG, R, NB, SEGW)
@@ -624,7 +630,7 @@ def dequant_kernel(
             s = tl.load(scale_ptr + (row64 // BR)[:, None, None] * KB + col // BC, mask=mask, other=1.0)
         v = _decode(code, MBITS, BIAS, MIN_SUB_MUL, HAS_INF, HW) * s
     else:
-        if MODE == 1:
+        if MODE == 1 or MODE == 3:
             c = _chunk_of(row, starts_ptr, nchunks, NCH_STEPS)
             lr = (row - tl.load(starts_ptr + c, mask=rmask, other=0)).to(tl.int64)
             base = tl.load(offs_ptr + c, mask=rmask, other=0)
@@ -650,12 +656,17 @@ def dequant_kernel(
             else:
                 s = _scale_from_bytes(src_ptr, sbase[:, None, None] + (col // BC) * SCALE_BYTES, mask, SCALE_BYTES)
             q = _decode(code, MBITS, BIAS, MIN_SUB_MUL, HAS_INF, HW) * s
-            if MODE == 1:
+            if MODE != 2:
                 v = q
             else:
                 v = v + q
             cb = cb + chunk_stride
-    dst = out_ptr + (row64 * K)[:, None, None] + col
+    if MODE == 3:
+        d = _load_x(x_ptr + (row64 * x_stride)[:, None, None] + col, mask, IN_BF16) - v
+        v = tl.where(_isfinite(d), d, 0.0)
+        dst = out_ptr + (row64 * out_stride)[:, None, None] + col
+    else:
+        dst = out_ptr + (row64 * K)[:, None, None] + col
     if OUT_BF16:
         tl.store(dst, _bf16_bits(v), mask=mask)
     else:

@@ -53,7 +53,7 @@ def test_unpack_sum_chunk_offsets_past_2gib():
         _, _, pbytes = bt.chunk_tables(one, big.device)
         out = torch.empty(1, k)
         p = bt.plan(1, k, 1, 128)
-        bt.launch(tk.dequant_kernel, p.grid, big, big, out, pbytes, pbytes, pbytes, n, S, 1, k, 1, 128, 1,
+        bt.launch(tk.dequant_kernel, p.grid, big, big, out, pbytes, pbytes, pbytes, n, S, 1, k, 1, 128, 1, big, 0, 0,
                    MODE=2, SCALE_BYTES=4, NCH_STEPS=0, K16=True, OUT_BF16=False, num_warps=p.num_warps,
                    **p.meta(), **bt.decode_meta(E4M3, big.device))
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (out[0, :4], want[0, :4])

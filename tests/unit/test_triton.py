@@ -374,6 +374,31 @@ def test_unpack_sum(bt, n):
             assert torch.isnan(got[0, 0]), "inf + -inf must be NaN"
 
 
+@pytest.mark.parametrize("case", PACK_CASES[:3], ids=lambda c: f"{c[0]}-k{c[1]}-{c[2].describe()}")
+def test_residual_in_one_pass(bt, case):
+    """Error feedback's residual in one launch from the wire (Fp8Codec.residual on Triton) equals the decode then the
+    subtraction in torch, non-finite differences 0: fp32 and bf16 inputs, strided rows in and out (column slices)."""
+    from fp8comm.quant.codec import Fp8Codec, subtract_into
+
+    rows, k, sc, fmt, rnd = case
+    layout = ChunkLayout(rows, k, sc)
+    m = layout.total_rows
+    wide = mixed(m, k + 24, seed=k + 1)
+    wide[m // 2, 3] = float("inf")
+    buf = br.pack_chunks(
+        wide[:, 8 : 8 + k].contiguous(), layout, fmt, rnd, 3, torch.empty(layout.total_bytes, dtype=torch.uint8)
+    )
+    codec = Fp8Codec(fmt, sc)
+    for x in (wide[:, 8 : 8 + k], wide[:, 8 : 8 + k].bfloat16()):
+        deq = br.unpack_chunks(buf, layout, fmt, torch.empty(m, k))
+        want = torch.empty(m, k)
+        subtract_into(x, deq, want)
+        out = torch.full((m, k + 10), 5.0)
+        codec.residual(buf, layout, x, out[:, 4 : 4 + k], kernel="triton")
+        same(out[:, 4 : 4 + k].contiguous(), want, f"residual {x.dtype}")
+        assert (out[:, :4] == 5).all() and (out[:, 4 + k :] == 5).all(), "wrote outside its columns"
+
+
 def test_api_routes_to_triton(bt):
     """fp8comm.quant.quantize/dequantize with backend='triton' equal the reference end to end."""
     from fp8comm.quant import dequantize, quantize
