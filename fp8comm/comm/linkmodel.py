@@ -468,19 +468,20 @@ def gpu_speeds() -> dict[str, CodecSpeed]:
     converted from GB/s (bytes read + written) to elements/s by the bytes per element launch/device_check.py
     counts: pack 2 + 1 + 4/128 (fp32 scales) or 2 + 1 + 1/128 (e8m0), unpack to bf16 1 + 4/128 + 2, unpack_sum over
     8 chunks 1 + 4/128 + 4/8. Error-feedback residuals and every 4-bit speed: docs/results/gpu.json's codec rows
-    (gpu_ready_check.py codec_speeds, 2026-12-04 14:22 UTC, commit bd13a54, the fused 4-bit wire kernels: 2^25 and
-    2^28 elements, from the difference; its unpack_sum decodes one chunk per call). Fixed costs per call are not
-    included (see docs/scaling.md, "What is not modelled")."""
+    (gpu_ready_check.py codec_speeds: 4-bit 2026-12-04 14:22 UTC at commit bd13a54, the fused 4-bit wire kernels;
+    FP8 residuals 14:34 UTC at d695f05, the one-pass FP8 residual; 2^25 and 2^28 elements, from the difference; its
+    unpack_sum decodes one chunk per call). Fixed costs per call are not included (see docs/scaling.md, "What is
+    not modelled")."""
     src = "H200, measured (docs/benchmarks.md, 256 MiB; residual: docs/results/gpu.json 2026-12-04)"
     fp8 = CodecSpeed(
-        2322e9 / (3 + 4 / 128), 2946e9 / (1 + 4 / 128 + 4 / 8), 3859e9 / (3 + 4 / 128), src, residual=77.72e9
+        2322e9 / (3 + 4 / 128), 2946e9 / (1 + 4 / 128 + 4 / 8), 3859e9 / (3 + 4 / 128), src, residual=525.2e9
     )
     e8m0 = CodecSpeed(
         3226e9 / (3 + 1 / 128),
         fp8.unpack_sum,
         fp8.unpack,
         src + "; decode: assumed = fp32 scales'",
-        residual=78.67e9,
+        residual=574.8e9,
     )
     src4 = "H200, measured (docs/results/gpu.json, 2026-12-04, commit bd13a54)"
     mxfp4 = CodecSpeed(496.2e9, 323.9e9, 387.2e9, src4, residual=558.6e9)
