@@ -8,8 +8,6 @@ CUDA returns the canonical NaN); which elements are NaN, and every other bit, ma
 from __future__ import annotations
 
 import math
-import os
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
@@ -21,6 +19,17 @@ from . import triton_kernels as tk
 from .formats import Fp8Format
 from .layout import ChunkLayout
 from .scaling import Scaling, scale_from_amax
+from .triton_launch import (  # noqa: F401 (LAUNCHED, _TABLES: read through this module by tools and tests)
+    _TABLES,
+    LAUNCHED,
+    _cdiv,
+    _i32,
+    _interpreting,
+    _p2,
+    _p2_floor,
+    chunk_tables,
+    launch,
+)
 
 name = "triton"
 
@@ -39,15 +48,7 @@ GPU_T_WARPS = 4
 ROWCOL_MAX_BLOCK = 128  # quantize_2d_rowcol: one B x B tile per program
 MAX_GRID_1 = 65535  # CUDA's limit on grid dimension 1
 
-# kernel name -> {id: compiled kernel} of every variant launched on CUDA (launch/device_check.py inspects the PTX)
-LAUNCHED: dict = {}
-TABLES_MAX = 1024  # chunk-offset tables kept per process (least recently used dropped first)
-_TABLES: OrderedDict = OrderedDict()
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _hw(device: torch.device) -> bool:
@@ -62,25 +63,6 @@ def _hw(device: torch.device) -> bool:
 @cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
-
-
-def _p2(n: int) -> int:
-    """Smallest power of two >= n (>= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _p2_floor(n: int) -> int:
-    return 1 << max(0, int(n).bit_length() - 1) if n >= 1 else 1
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _i32(v: int) -> int:
-    """A uint32 value as the signed int32 with the same bits (kernels bitcast it back)."""
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= 1 << 31 else v
 
 
 @dataclass(frozen=True)
@@ -141,18 +123,6 @@ def _plan_cached(m: int, k: int, br: int, bc: int, tile: int, fit_limit: int) ->
     return _Plan(fit, rows2d, rstep, seg, r, nb, segw, (_cdiv(m, rstep), _cdiv(nseg, nb)))
 
 
-def launch(kernel, grid, *args, writes: tuple = (), num_warps: int = 4, **meta) -> None:
-    """kernel[grid](*args, **meta); `writes`: the tensors the kernel stores into, whose autograd version counters
-    are bumped, as a torch op's would be (autograd's in-place checks and version-keyed caches see the write)."""
-    # FMA contraction off: the reference rounds every product and every sum separately (unpack_sum's acc + q*s).
-    # The interpreter drops launch options it does not know.
-    compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **meta)
-    if writes:
-        torch.autograd.graph.increment_version(writes)
-    if not _interpreting() and compiled is not None:
-        LAUNCHED.setdefault(kernel.fn.__name__, {})[id(compiled)] = compiled
-
-
 @lru_cache(maxsize=256)
 def _quant_meta(fmt: Fp8Format, scaling: Scaling, rounding: str) -> dict:
     fm, fk = math.frexp(fmt.max)
@@ -202,34 +172,6 @@ def _out_target(out: torch.Tensor):
     # the interpreter's fp32->bf16 cast truncates: there the kernel rounds in integers and stores int16 bits
     bf16 = o.dtype == torch.bfloat16 and _interpreting()
     return o, (o.view(torch.int16) if bf16 else o), bf16
-
-
-def chunk_tables(layout: ChunkLayout, device: torch.device):
-    """Per-chunk first row (int32, + total), byte offset (int64, + total) and payload bytes (int64), cached (LRU).
-
-    On CUDA a cache miss (every MoE step: its splits change) must not stall the host: the tables are built in
-    pinned memory and copied asynchronously on the current stream (a pageable copy would synchronize). The
-    pinned source stays referenced with the entry, as long as the device tables are cached (the copy may still
-    be queued when this returns)."""
-    key = (layout, device)
-    entry = _TABLES.get(key)
-    if entry is not None:
-        _TABLES.move_to_end(key)
-        return entry[0]
-    n = len(layout.rows)
-    pin = device.type == "cuda"
-    host: tuple[torch.Tensor, ...] = (
-        torch.tensor(list(layout.row_starts) + [layout.total_rows], dtype=torch.int32),
-        torch.tensor(list(layout.offsets) + [layout.total_bytes], dtype=torch.int64),
-        torch.tensor([layout.payload_bytes(c) for c in range(n)] or [0], dtype=torch.int64),
-    )
-    if pin:
-        host = tuple(v.pin_memory() for v in host)
-    t = tuple(v.to(device, non_blocking=True) for v in host) if device.type != "cpu" else host
-    _TABLES[key] = (t, host)  # (the tables, their copy source): the source lives as long as the entry
-    while len(_TABLES) > TABLES_MAX:
-        _TABLES.popitem(last=False)
-    return t
 
 
 def _amax_big(x: torch.Tensor, bf16: bool, amax: torch.Tensor, m: int, k: int, br: int, bc: int) -> None:
@@ -561,9 +503,37 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: t
     m, k = layout.total_rows, layout.k
     if m == 0 or k == 0:
         return out
+    o, ov, bf16 = _out_target(out)
+    _decode_chunks(buf, layout, fmt, o, ov, 1, OUT_BF16=bf16)
+    if o is not out:
+        out.copy_(o)
+    return out
+
+
+def residual_chunks(
+    buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, x: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Error feedback's residual in one launch from the wire buffer: fp32 out [M, K] = x - every chunk decoded,
+    non-finite differences 0 (x fp32 or bf16 [M, K]; rows of either may be strided, columns contiguous)."""
+    m, k = layout.total_rows, layout.k
+    if x.shape != (m, k) or out.shape != (m, k) or out.dtype != torch.float32:
+        raise Fp8CommError(f"residual_chunks: x {tuple(x.shape)}, out {tuple(out.shape)} {out.dtype} vs {(m, k)} fp32")
+    if m == 0 or k == 0:
+        return out
+    o = out if out.stride(1) == 1 else torch.empty(m, k, dtype=torch.float32, device=out.device)
+    xs = x if x.stride(1) == 1 else x.contiguous()
+    bf16 = xs.dtype == torch.bfloat16
+    _decode_chunks(buf, layout, fmt, o, o, 3, xs.view(torch.int16) if bf16 else xs, xs.stride(0), IN_BF16=bf16)
+    if o is not out:
+        out.copy_(o)
+    return out
+
+
+def _decode_chunks(buf, layout, fmt, o, ov, mode: int, x=None, x_stride: int = 0, **flags) -> None:
+    """dequant_kernel over every chunk of `buf` (MODE 1: decode into ov; MODE 3: the residual against x)."""
+    m, k = layout.total_rows, layout.k
     starts, offs, pbytes = chunk_tables(layout, buf.device)
     n = len(layout.rows)
-    o, ov, bf16 = _out_target(out)
     p = plan(m, k, 1, layout.block)
     launch(
         tk.dequant_kernel,
@@ -581,73 +551,19 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: t
         1,
         layout.block,
         layout.kb,
-        buf,
-        0,
-        0,
-        MODE=1,
-        SCALE_BYTES=layout.scaling.scale_bytes,
-        NCH_STEPS=(n - 1).bit_length(),
-        K16=k % 16 == 0,
-        OUT_BF16=bf16,
-        writes=(o,),
-        num_warps=p.num_warps,
-        **p.meta(),
-        **decode_meta(fmt, buf.device),
-    )
-    if o is not out:
-        out.copy_(o)
-    return out
-
-
-def residual_chunks(
-    buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, x: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """Error feedback's residual in one launch from the wire buffer: fp32 out [M, K] = x - every chunk decoded,
-    non-finite differences 0 (x fp32 or bf16 [M, K]; rows of either may be strided, columns contiguous)."""
-    m, k = layout.total_rows, layout.k
-    if x.shape != (m, k) or out.shape != (m, k) or out.dtype != torch.float32:
-        raise Fp8CommError(f"residual_chunks: x {tuple(x.shape)}, out {tuple(out.shape)} {out.dtype} vs {(m, k)} fp32")
-    if m == 0 or k == 0:
-        return out
-    starts, offs, pbytes = chunk_tables(layout, buf.device)
-    n = len(layout.rows)
-    o = out if out.stride(1) == 1 else torch.empty(m, k, dtype=torch.float32, device=out.device)
-    xs = x if x.stride(1) == 1 else x.contiguous()
-    bf16 = xs.dtype == torch.bfloat16
-    p = plan(m, k, 1, layout.block)
-    launch(
-        tk.dequant_kernel,
-        p.grid,
-        buf,
-        buf,
-        o,
-        starts,
-        offs,
-        pbytes,
-        n,
-        0,
-        m,
-        k,
-        1,
-        layout.block,
-        layout.kb,
-        xs.view(torch.int16) if bf16 else xs,
-        xs.stride(0),
+        buf if x is None else x,
+        x_stride,
         o.stride(0),
-        MODE=3,
+        MODE=mode,
         SCALE_BYTES=layout.scaling.scale_bytes,
         NCH_STEPS=(n - 1).bit_length(),
         K16=k % 16 == 0,
-        OUT_BF16=False,
-        IN_BF16=bf16,
         writes=(o,),
         num_warps=p.num_warps,
+        **{"OUT_BF16": False, **flags},
         **p.meta(),
         **decode_meta(fmt, buf.device),
     )
-    if o is not out:
-        out.copy_(o)
-    return out
 
 
 def unpack_sum(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: torch.Tensor) -> torch.Tensor:

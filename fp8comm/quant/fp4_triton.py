@@ -11,7 +11,6 @@ transform, when asked for, runs before the kernel (fp4.hadamard_forward), as doe
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -19,6 +18,7 @@ import triton.language as tl
 
 from ..errors import Fp8CommTypeError
 from . import fp4
+from .triton_launch import _i32, _interpreting, _p2, chunk_tables, launch
 
 GPU_TILE = 4096
 INTERP_TILE = 1 << 16  # the interpreter pays per program: one big tile
@@ -134,6 +134,21 @@ def fp4_amax_kernel(x_ptr, amax_bits_ptr, N, BLOCK: tl.constexpr, IN_BF16: tl.co
     tl.atomic_max(amax_bits_ptr, m.to(tl.int32, bitcast=True))
 
 
+@triton.jit
+def _row_chunk(rows, rmask, starts_ptr, offs_ptr, pbytes_ptr, nchunks, R: tl.constexpr):
+    """Each row's place in a wire buffer (chunk tables of triton_launch.chunk_tables): (row within its chunk, the
+    chunk's byte offset, its payload bytes, its rows), int64 [R]. The chunk is the last one starting at or before
+    the row (a zero-row chunk shares its successor's start, so it is never picked)."""
+    c = tl.full([R], 0, tl.int32)
+    for t in range(1, nchunks):
+        c += (tl.load(starts_ptr + t) <= rows).to(tl.int32)
+    st = tl.load(starts_ptr + c, mask=rmask, other=0)
+    cb = tl.load(offs_ptr + c, mask=rmask, other=0)
+    pb = tl.load(pbytes_ptr + c, mask=rmask, other=0)
+    nrow = (tl.load(starts_ptr + c + 1, mask=rmask, other=0) - st).to(tl.int64)
+    return (rows - st).to(tl.int64), cb, pb, nrow
+
+
 @triton.jit(do_not_specialize=["index_base", "key"])
 def fp4_quant_kernel(
     x_ptr,
@@ -226,16 +241,9 @@ def fp4_quant_kernel(
     packed = (ce | (co << 4)).to(tl.uint8)
     if WIRE:  # the row's chunk: its sections' byte offsets in the buffer
         rmask = rows < M
-        c = tl.full([R], 0, tl.int32)
-        for t in range(1, nchunks):
-            c += (tl.load(starts_ptr + t) <= rows).to(tl.int32)
-        st = tl.load(starts_ptr + c, mask=rmask, other=0)
-        lr = (rows - st).to(tl.int64)
-        cb = tl.load(offs_ptr + c, mask=rmask, other=0)
-        pb = tl.load(pbytes_ptr + c, mask=rmask, other=0)
+        lr, cb, pb, nrow = _row_chunk(rows, rmask, starts_ptr, offs_ptr, pbytes_ptr, nchunks, R)
         cbase = cb + lr * (K // 2)
         sbase = cb + pb + lr * kb
-        nrow = (tl.load(starts_ptr + c + 1, mask=rmask, other=0) - st).to(tl.int64)
         send = cb + pb + (nrow * kb + 15) // 16 * 16  # end of the 16-byte-aligned scale section
         if pid1 == 0:  # the chunk's last row zeroes its sections' alignment bytes: no stale memory on the wire
             z = tl.arange(0, 16)
@@ -366,14 +374,7 @@ def fp4_wire_kernel(
             ve = ve + qe
             vo = vo + qo
     else:
-        c = tl.full([R], 0, tl.int32)  # the last chunk starting at or before the row (zero-row chunks share a start)
-        for t in range(1, nchunks):
-            c += (tl.load(starts_ptr + t) <= rows).to(tl.int32)
-        st = tl.load(starts_ptr + c, mask=rmask, other=0)
-        lr = (rows - st).to(tl.int64)
-        cb = tl.load(offs_ptr + c, mask=rmask, other=0)
-        pb = tl.load(pbytes_ptr + c, mask=rmask, other=0)
-        nrow = (tl.load(starts_ptr + c + 1, mask=rmask, other=0) - st).to(tl.int64)
+        lr, cb, pb, nrow = _row_chunk(rows, rmask, starts_ptr, offs_ptr, pbytes_ptr, nchunks, R)
         ve, vo = _wire_chunk(buf_ptr, cb, pb, nrow, lr, jb, rmask, bmask, KH, KB, HB, TWO_LEVEL)
     v = tl.reshape(tl.join(ve, vo), (R, 2 * BH))  # interleaved: contiguous columns, one coalesced store
     col = pid1 * (2 * BH) + tl.arange(0, 2 * BH)
@@ -385,23 +386,10 @@ def fp4_wire_kernel(
 
 
 # --------------------------------------------------------------------------------------------------- launchers
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _p2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _frexp_consts(limit: float) -> tuple[int, int]:
     """(fraction field of 2*m, k) for limit = m * 2**k, m in [0.5, 1): what _pow2_exponent compares against."""
     m, k = math.frexp(limit)
     return int((2 * m - 1) * 2**23), k
-
-
-def _i32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= 1 << 31 else v
 
 
 def _tiles(m: int, kb: int, block: int) -> tuple[int, int, tuple[int, int]]:
@@ -450,8 +438,6 @@ def encode_wire(x2, layout, seed, row_amax, out) -> None:
     """x2 [M, K] quantized straight into the chunk sections of the wire buffer `out` in one launch, alignment
     bytes zeroed (not those of a zero-row chunk); NVFP4: row_amax [M] gives each row its chunk's second-level
     scale, written once per chunk."""
-    from .backend_triton import chunk_tables
-
     x2 = _check_input(x2)
     fmt = layout.fmt
     ta = row_amax.float().contiguous() if fmt.two_level else torch.zeros(1, dtype=torch.float32, device=x2.device)
@@ -537,8 +523,6 @@ def wire(buf: torch.Tensor, layout, out: torch.Tensor, mode: str, x: torch.Tenso
     """One launch from the wire buffer `buf` (no Hadamard transform): mode "unpack" decodes every chunk into fp32
     out [M, L <= K]; "sum" sums the equal chunks into fp32 out [rows, K]; "residual" writes fp32 out = x - decoded
     (x fp32 or bf16 [M, L])."""
-    from .backend_triton import chunk_tables, launch
-
     fmt, k = layout.fmt, layout.k
     n = len(layout.rows)
     if mode == "sum":

@@ -77,6 +77,9 @@ class Chunks:
     def chunk_bytes(self) -> tuple[int, ...]:
         raise NotImplementedError  # each layout says what its chunks hold
 
+    def payload_bytes(self, c: int) -> int:
+        raise NotImplementedError  # chunk c's codes section, aligned: its scales follow (the Triton chunk tables)
+
     @property
     def kb(self) -> int:
         raise NotImplementedError  # scale blocks per row
