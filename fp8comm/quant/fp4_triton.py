@@ -376,7 +376,9 @@ def fp4_wire_kernel(
     else:
         lr, cb, pb, nrow = _row_chunk(rows, rmask, starts_ptr, offs_ptr, pbytes_ptr, nchunks, R)
         ve, vo = _wire_chunk(buf_ptr, cb, pb, nrow, lr, jb, rmask, bmask, KH, KB, HB, TWO_LEVEL)
-    v = tl.reshape(tl.join(ve, vo), (R, 2 * BH))  # interleaved: contiguous columns, one coalesced store
+    # interleaved: contiguous columns, one coalesced store (tl.interleave itself is a @jit library function that
+    # the interpreter refuses to call, Triton 3.9; join + reshape is the same on both)
+    v = tl.reshape(tl.join(ve, vo), (R, 2 * BH))
     col = pid1 * (2 * BH) + tl.arange(0, 2 * BH)
     mask = rmask[:, None] & (col < L)[None, :]
     if MODE == 2:
