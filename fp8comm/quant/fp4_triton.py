@@ -458,7 +458,9 @@ def _quantize(x2, fmt, seed, index_base, ta, codes, sbytes, tables) -> None:
     fmt_, fkt = _frexp_consts(fp4.NV_TENSOR_MAX)
     key = 0 if seed is None else _i32(fp4.seed_key(seed))
     starts, offs, pbytes = tables if tables is not None else (ta, ta, ta)
-    fp4_quant_kernel[grid](
+    launch(
+        fp4_quant_kernel,
+        grid,
         x2.view(torch.int16) if x2.dtype == torch.bfloat16 else x2,
         codes,
         sbytes,
@@ -484,6 +486,7 @@ def _quantize(x2, fmt, seed, index_base, ta, codes, sbytes, tables) -> None:
         FK6=fk6,
         FMT=fmt_,
         FKT=fkt,
+        writes=(codes,) if codes is sbytes else (codes, sbytes),
     )
 
 

@@ -209,6 +209,21 @@ def test_triton_wire_kernel_reads_the_buffer_in_place(interpreted, fmt):
 
 
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4])
+def test_triton_wire_writes_bump_version_counters(interpreted, fmt):
+    """The Triton wire kernels' outputs see their write as a torch op's would (autograd's in-place checks and
+    version-keyed caches), like the FP8 kernels' (tests/unit/test_triton.py)."""
+    lay = fp4_layout((2, 1), 64, fmt)
+    buf = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+    v = buf._version
+    pack_fp4(rows(3, 64), lay, out=buf, backend="triton")
+    assert buf._version > v, "pack"
+    dec = torch.zeros(3, 64)
+    v = dec._version
+    unpack_fp4(buf, lay, out=dec, backend="triton")
+    assert dec._version > v, "unpack"
+
+
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4])
 def test_native_wire_bit_exact(fmt):
     """The native CPU path of the wire byte for byte against the reference: one-row and multi-row chunks (NVFP4's
     per-chunk scale), both roundings, with and without the transform, wide magnitudes, a non-finite block; its
