@@ -119,11 +119,8 @@ def codec_speeds(run, device: str = "cuda", elems: tuple[int, int] = (1 << 25, 1
     from fp8comm.comm.calibration import WIRE_CONFIGS, measure_codecs, speed_rows
 
     res: dict = {}
-    chosen = getattr(run, "codecs", None) or list(WIRE_CONFIGS)
-    unknown = set(chosen) - set(WIRE_CONFIGS)
-    if unknown:
-        raise ValueError(f"--codecs: unknown {sorted(unknown)}; known {list(WIRE_CONFIGS)}")
-    for name in chosen:  # one codec at a time: a cut keeps the codecs already measured
+    # one codec at a time: a cut keeps the codecs already measured
+    for name in getattr(run, "codecs", None) or WIRE_CONFIGS:
         t: dict = {}
         sp = measure_codecs([name], elems=elems, chunks=8, reps=reps, device=device, timings=t)
         for row in speed_rows(sp):
@@ -1006,6 +1003,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-write", action="store_true", help="do not write rows into docs/results/gpu.json")
     p.add_argument("--codecs", default="", help="codec_speeds: only these codecs (comma-separated; default every one)")
     a = p.parse_args(argv)
+    from fp8comm.comm.calibration import WIRE_CONFIGS
+
+    codecs = [c for c in a.codecs.split(",") if c]
+    if set(codecs) - set(WIRE_CONFIGS):  # refused before anything runs
+        p.error(f"--codecs: unknown {sorted(set(codecs) - set(WIRE_CONFIGS))}; known: {', '.join(WIRE_CONFIGS)}")
     if not torch.cuda.is_available():
         print("gpu_ready_check: no CUDA device; nothing to run (every section needs a GPU)", file=sys.stderr)
         return 2
@@ -1018,7 +1020,7 @@ def main(argv=None) -> int:
     )
     run.train_seeds = [int(s) for s in a.train_seeds.split(",") if s]
     run.train_args = a.train_args.split()
-    run.codecs = [c for c in a.codecs.split(",") if c]
+    run.codecs = codecs
     only = {s for s in a.only.split(",") if s}
     unknown = only - {s.name for s in SECTIONS}
     if unknown:

@@ -504,7 +504,7 @@ def unpack_chunks(buf: torch.Tensor, layout: ChunkLayout, fmt: Fp8Format, out: t
     if m == 0 or k == 0:
         return out
     o, ov, bf16 = _out_target(out)
-    _decode_chunks(buf, layout, fmt, o, ov, 1, OUT_BF16=bf16)
+    _decode_chunks(buf, layout, fmt, o, ov, 1, out_bf16=bf16)
     if o is not out:
         out.copy_(o)
     return out
@@ -523,13 +523,13 @@ def residual_chunks(
     o = out if out.stride(1) == 1 else torch.empty(m, k, dtype=torch.float32, device=out.device)
     xs = x if x.stride(1) == 1 else x.contiguous()
     bf16 = xs.dtype == torch.bfloat16
-    _decode_chunks(buf, layout, fmt, o, o, 3, xs.view(torch.int16) if bf16 else xs, xs.stride(0), IN_BF16=bf16)
+    _decode_chunks(buf, layout, fmt, o, o, 3, xs.view(torch.int16) if bf16 else xs, xs.stride(0), in_bf16=bf16)
     if o is not out:
         out.copy_(o)
     return out
 
 
-def _decode_chunks(buf, layout, fmt, o, ov, mode: int, x=None, x_stride: int = 0, **flags) -> None:
+def _decode_chunks(buf, layout, fmt, o, ov, mode: int, x=None, x_stride=0, out_bf16=False, in_bf16=False) -> None:
     """dequant_kernel over every chunk of `buf` (MODE 1: decode into ov; MODE 3: the residual against x)."""
     m, k = layout.total_rows, layout.k
     starts, offs, pbytes = chunk_tables(layout, buf.device)
@@ -560,7 +560,8 @@ def _decode_chunks(buf, layout, fmt, o, ov, mode: int, x=None, x_stride: int = 0
         K16=k % 16 == 0,
         writes=(o,),
         num_warps=p.num_warps,
-        **{"OUT_BF16": False, **flags},
+        OUT_BF16=out_bf16,
+        IN_BF16=in_bf16,
         **p.meta(),
         **decode_meta(fmt, buf.device),
     )

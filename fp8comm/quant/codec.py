@@ -228,10 +228,8 @@ class Fp4Codec:
         unpack_fp4_sum(buf, lay, self.hadamard, self.hadamard_seed, out=out, backend=kernel)
 
     def residual(self, buf, lay, x, r, *, kernel, scratch=_fresh) -> None:
-        fused = r.dtype == torch.float32 and (
-            x.dtype == torch.float32 or kernel == "triton" and x.dtype == torch.bfloat16
-        )
-        if kernel in ("native", "triton") and not self.hadamard and fused:
+        takes = {"native": (torch.float32,), "triton": _RESIDUAL_IN}.get(kernel, ())  # x dtypes of a one-pass kernel
+        if not self.hadamard and r.dtype == torch.float32 and x.dtype in takes:
             residual_fp4(buf, lay, x, r, kernel)  # one pass, the same bits as the decode + subtraction below
             return
         m, w = x.shape

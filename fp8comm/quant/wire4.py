@@ -142,11 +142,7 @@ def _encode(x2, fmt: Fp4Format, seed: int | None, index_base: int, backend: str,
 def _decode(codes, scales, ts, fmt: Fp4Format, backend: str) -> torch.Tensor:
     if ts is None:
         ts = torch.ones(1, dtype=torch.float32, device=codes.device)
-    if backend == "triton":
-        from . import fp4_triton
-
-        return fp4_triton.decode_2d(codes, scales, ts, fmt)
-    if backend == "native":
+    if backend == "native":  # (Triton decodes the wire buffer in place: _decode_all)
         return fp4_native.decode_2d(codes, scales, ts, fmt)
     if backend == "compiled":
         from . import fp4_compiled
@@ -372,20 +368,17 @@ def unpack_fp4_sum(
     be = fp4_backend(backend, buf.device, layout.total_rows * layout.k)
     if not rows:
         return out
-    if be in ("native", "triton"):  # decoded and summed in one pass, in chunk order
-        if be == "native":
-            fp4_native.decode([layout.sections(buf, c) for c in range(len(layout.rows))], layout.fmt, out, "sum")
-        else:
-            from . import fp4_triton
+    if be == "native":  # decoded and summed in one pass, in chunk order
+        fp4_native.decode([layout.sections(buf, c) for c in range(len(layout.rows))], layout.fmt, out, "sum")
+    elif be == "triton":  # the same, in one launch
+        from . import fp4_triton
 
-            fp4_triton.wire(buf, layout, out, "sum")
-        if hadamard:
-            out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
-        return out
-    v = _decode_all(buf, layout, be).view(len(layout.rows), rows, layout.k)
-    out.copy_(v[0])
-    for c in range(1, len(layout.rows)):
-        out.add_(v[c])
+        fp4_triton.wire(buf, layout, out, "sum")
+    else:
+        v = _decode_all(buf, layout, be).view(len(layout.rows), rows, layout.k)
+        out.copy_(v[0])
+        for c in range(1, len(layout.rows)):
+            out.add_(v[c])
     if hadamard:
         out.copy_(hadamard_inverse(out, hadamard, hadamard_seed))
     return out
