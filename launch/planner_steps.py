@@ -32,6 +32,7 @@ MODES = {
     "mxfp4+ef": ["--fp8", "--grad-fmt", "mxfp4", "--error-feedback"],
     "planner-4bit": ["--planner", "4bit"],
     "planner-4bit-notrials": ["--planner", "4bit", "--no-planner-trials"],  # only when --modes names it
+    "mxfp4+updates": ["--fp8", "--grad-fmt", "mxfp4", "--update-fmt", "mxfp4"],  # issue 29's 4-bit step (named only)
 }
 MEGATRON_MODES = {
     "megatron": [],
@@ -39,7 +40,11 @@ MEGATRON_MODES = {
     "mxfp4+ef": ["--fp8comm-grad-reduce", "--fp8comm-grad-format", "mxfp4", "--fp8comm-error-feedback"]
     + ["--fp8comm-param-gather"],
     "planner-4bit": ["--fp8comm-planner-allow-4bit"],
+    # issue 29's 4-bit step: the gradient recipe and 4-bit weight updates (named only: outside the planner's space)
+    "mxfp4+ef+updates": ["--fp8comm-grad-reduce", "--fp8comm-grad-format", "mxfp4", "--fp8comm-error-feedback"]
+    + ["--fp8comm-param-update-format", "mxfp4"],
 }
+NAMED_ONLY = ("planner-4bit-notrials", "mxfp4+updates", "mxfp4+ef+updates")  # run only when --modes names them
 # the docs' GPT at sequence 32 (docs/benchmarks.md, "Megatron's 4-bit step with overlapped weight updates"); no
 # --global-batch-size: Megatron then takes micro-batch x data-parallel size (4 at 2x2, as the docs' runs; 8 at 2x4,
 # where a fixed 4 is refused), so every rank does the same work per step at any layout
@@ -77,6 +82,14 @@ def megatron_run(cluster: str, nproc: int, mode: str, extra: list[str], steps: i
     return s
 
 
+def cpu_per_step(s: dict) -> float:
+    """A run's process CPU seconds per rank and step: DeepSpeed's median (rank 0), Megatron's mean over ranks."""
+    if "cpu_s_per_step_median" in s:
+        return float(s["cpu_s_per_step_median"])
+    by_rank = s.get("cpu_s_per_period_by_rank") or [0.0]
+    return statistics.mean(by_rank)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -94,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the runs and the table here")
     a = p.parse_args(argv)
     table = MEGATRON_MODES if a.engine == "megatron" else MODES
-    modes = a.modes.split(",") if a.modes else [m for m in table if m != "planner-4bit-notrials"]
+    modes = a.modes.split(",") if a.modes else [m for m in table if m not in NAMED_ONLY]
     bad = [m for m in modes if m not in table]
     if bad or a.rounds < 1:
         p.error(f"unknown modes {bad}; valid: {', '.join(table)}" if bad else "--rounds must be >= 1")
@@ -115,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     best = min(fixed, key=fixed.__getitem__) if fixed else None
     what = "Megatron DP (distributed optimizer)" if a.engine == "megatron" else f"ZeRO-{a.stage}"
     print(f"\n{what}, {a.nproc_per_node} ranks per node, {a.rounds} round(s), args {extra}")
-    print(f"{'mode':<14}{'ms/step':>10}{'vs engine':>14}{'vs best fixed':>15}  link MB/step")
+    print(f"{'mode':<17}{'ms/step':>10}{'vs engine':>14}{'vs best fixed':>15}  link MB/step  CPU-s/rank-step")
     for m, t in med.items():
         link = statistics.median((s.get("link_tx_bytes_per_step_median") or 0) / 1e6 for s in runs[m])
+        cpu = statistics.median(cpu_per_step(s) for s in runs[m])
         own = f"{med[a.engine] / t:.2f}x" if a.engine in med else "-"
         vs = f"{t / med[best]:.3f}" if best else "-"
-        print(f"{m:<14}{t * 1e3:>10.0f}{own:>14}{vs:>15}  {link:.1f}")
+        print(f"{m:<17}{t * 1e3:>10.0f}{own:>14}{vs:>15}  {link:12.1f}  {cpu:.3f}")
     if "planner-4bit" in runs:
         plans = runs["planner-4bit"][-1]["fp8comm_hook_stats"].get("plans", [])
         for pl in plans:
