@@ -43,6 +43,14 @@ MEGATRON_MODES = {
     # issue 29's 4-bit step: the gradient recipe and 4-bit weight updates (named only: outside the planner's space)
     "mxfp4+ef+updates": ["--fp8comm-grad-reduce", "--fp8comm-grad-format", "mxfp4", "--fp8comm-error-feedback"]
     + ["--fp8comm-param-update-format", "mxfp4"],
+    # the same without error feedback (the adapter's default)
+    "mxfp4+updates": [
+        "--fp8comm-grad-reduce",
+        "--fp8comm-grad-format",
+        "mxfp4",
+        "--fp8comm-param-update-format",
+        "mxfp4",
+    ],
 }
 NAMED_ONLY = ("planner-4bit-notrials", "mxfp4+updates", "mxfp4+ef+updates")  # run only when --modes names them
 # the docs' GPT at sequence 32 (docs/benchmarks.md, "Megatron's 4-bit step with overlapped weight updates"); no
