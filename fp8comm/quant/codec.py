@@ -27,6 +27,7 @@ Scratch = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 
 
 _RESIDUAL_IN = (torch.float32, torch.bfloat16)  # inputs the one-pass Triton residuals widen exactly
+_ONE_PASS_RESIDUAL = {"native": (torch.float32,), "triton": _RESIDUAL_IN}  # 4-bit kernel -> x dtypes it takes
 
 
 def _fresh(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -228,8 +229,7 @@ class Fp4Codec:
         unpack_fp4_sum(buf, lay, self.hadamard, self.hadamard_seed, out=out, backend=kernel)
 
     def residual(self, buf, lay, x, r, *, kernel, scratch=_fresh) -> None:
-        takes = {"native": (torch.float32,), "triton": _RESIDUAL_IN}.get(kernel, ())  # x dtypes of a one-pass kernel
-        if not self.hadamard and r.dtype == torch.float32 and x.dtype in takes:
+        if not self.hadamard and r.dtype == torch.float32 and x.dtype in _ONE_PASS_RESIDUAL.get(kernel, ()):
             residual_fp4(buf, lay, x, r, kernel)  # one pass, the same bits as the decode + subtraction below
             return
         m, w = x.shape
