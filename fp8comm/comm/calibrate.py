@@ -4,7 +4,7 @@ numbers; a calibration that cannot finish in time falls back, on every rank alik
 
 What is timed (on every rank, at once, as a collective would load the machine):
 - node-local: an exchange (send and receive at once, both directions) with a node-mate (local index i ^ 1) at two
-  sizes; latency from the small one, bandwidth from the difference (the fixed cost cancels);
+  sizes; bandwidth from the difference (the fixed cost cancels), latency from the small one (see "latency" below);
 - cross-node: the same with the rail peer (same local index on node n ^ 1), all rail pairs of a node at once (every
   exchange starts after a barrier): a node's figure is all its rail bytes over the window until its last rail
   exchange ends (Calibration.inter is a node's cross-node bandwidth, all its NICs; a sum of the ranks' own rates
@@ -15,11 +15,18 @@ What is timed (on every rank, at once, as a collective would load the machine):
   more; unpack is set to unpack_sum's speed and error feedback's residual to unpack's (not timed: the start-up
   budget);
 - call_overhead: the metadata check every quantized call makes (one all_gather of 16 + 2 x world int64), timed
-  in bursts on the private group (Python's own cost per call is not in it). The small link exchange is timed in
-  bursts too (BURST back to back per window: a barrier's skew amortized).
+  on the private group, one per window, every rank's pooled, the median (Python's own cost per call is not in it).
 Rank 0 keeps the SLOWEST per level (the node-local link of the slowest rank, the cross-node bandwidth of the slowest
-node, the highest latency) and each codec's slowest rank: a collective step ends when its slowest member does, so a
-plan from the typical rank would promise what the collective cannot deliver.
+node) and each codec's slowest rank: a collective step ends when its slowest member does, so a plan from the typical
+rank would promise what the collective cannot deliver.
+The small-size figures are the exception (latency, call_overhead, the codecs' fixed cost per call: the ranks' median).
+Latency: every rank's small samples pooled, the median, less their bytes; node-local from one
+node-mate exchange per window after a barrier, cross-node from a ring pass over the group at the small size (send to
+the next group rank, receive from the previous, world - 1 steps per window: a ring collective's own steps). On shared
+hosts a small exchange either takes its link's time or stalls for milliseconds (the simulated cluster, 2026-12-04:
+0.1-0.4 ms, or 2-4 ms in a third of the windows or more); the slowest rank's median (or a node's slowest rail per
+window) landed on the stalls, 1.7-3.7 ms per step where the bench's ring steps took 0.3-0.8 ms, and exchanges back to
+back (a burst) stalled more often (0.7-2.4 ms per exchange).
 
 Transfers run on a private gloo group built on this calibration's own store prefix (not registered with
 torch.distributed, no group names to agree on), with CPU tensors: a peer that stops answering breaks that group's
@@ -67,8 +74,7 @@ SIZES = (16 << 10, 2 << 20)  # bytes per exchange: small (latency), large (bandw
 CODEC_ELEMS = (1 << 14, 1 << 18)  # elements per codec call, small and large
 TAG = 0xCA1  # point-to-point tag on the private group
 LARGE_ELEMS = COMPILE_MIN_NUMEL  # codecs timed at this size too: large calls' kernel, every rank at once
-SMALL_REPS = 3  # windows of small exchanges (and of check gathers) per rep of the large exchange
-BURST = 4  # small exchanges (and metadata-check gathers) timed back to back per window: a barrier's skew amortized
+SMALL_REPS = 5  # windows of one small exchange (and of check gathers) per rep of the large exchange
 _POLL_S = 0.005
 _epochs: dict[tuple[int, ...], int] = {}
 
@@ -349,31 +355,42 @@ def _time_links(
             exchange(peer, *bufs[0])  # untimed: first use of the pair
         times: list[list[float]] = []
         for i, (a, b) in enumerate(bufs):
-            # the small size: per exchange of a burst (the barrier's skew amortized), SMALL_REPS x reps windows
-            # (cheap; latency is noisy on shared cores)
-            burst, n = (BURST, SMALL_REPS * reps) if i == 0 else (1, reps)
+            # the small size in SMALL_REPS x reps windows (cheap; latency is noisy on shared cores), one exchange
+            # each: back to back they stall more often than the collectives' steps do (module docstring)
             ts = []
-            for _ in range(n):
+            for _ in range(SMALL_REPS * reps if i == 0 else reps):
                 wait(pg.barrier())
                 t0 = time.perf_counter()
                 if peer is not None:
-                    for _ in range(burst):
-                        exchange(peer, a, b)
-                ts.append((time.perf_counter() - t0) / burst)
+                    exchange(peer, a, b)
+                ts.append(time.perf_counter() - t0)
             times.append(ts)
         out[level] = times if peer is not None else None
-    # the metadata check every quantized call makes (fp8comm.comm.checks): one all_gather of (16 + 2*world) int64
+    # a ring pass at the small size (group rank order, node-major: one crossing per node boundary and step), as a ring
+    # collective's steps run: the per-step time, the cross-node latency's source where the group spans nodes
     world = len(nodes)
+    a, b = bufs[0]
+    nxt, prv = (me + 1) % world, (me - 1) % world
+    ring = []
+    for _ in range(SMALL_REPS * reps):
+        wait(pg.barrier())
+        t0 = time.perf_counter()
+        for _ in range(world - 1):
+            r, s = pg.recv([b], prv, TAG), pg.send([a], nxt, TAG)
+            wait(r)
+            wait(s)
+        ring.append((time.perf_counter() - t0) / (world - 1))
+    out["ring"] = [ring]
+    # the metadata check every quantized call makes (fp8comm.comm.checks): one all_gather of (16 + 2*world) int64
     mine = torch.zeros(16 + 2 * world, dtype=torch.int64)
     table = [[torch.empty_like(mine) for _ in range(world)]]
     wait(pg.allgather(table, [mine]))  # untimed: first use
     check = []
-    for _ in range(SMALL_REPS * reps):
+    for _ in range(SMALL_REPS * reps):  # one gather per window, as the latency's exchanges
         wait(pg.barrier())
         t0 = time.perf_counter()
-        for _ in range(BURST):
-            wait(pg.allgather(table, [mine]))
-        check.append((time.perf_counter() - t0) / BURST)
+        wait(pg.allgather(table, [mine]))
+        check.append(time.perf_counter() - t0)
     out["check"] = [check]
     wait(pg.barrier())
     return out
@@ -392,7 +409,9 @@ def _link(t: Sequence[float], sizes: tuple[int, int], count: int = 1) -> tuple[f
 def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world: int, times: dict) -> dict:
     """Rank 0's decision: the slowest per level and per codec (see the module's docstring), as published JSON.
     Node-local: each rank's link from its median exchanges. Cross-node: per node, each rep's window is the slowest
-    of its rail exchanges (they started together after a barrier), the node's bytes are all of them."""
+    of its rail exchanges (they started together after a barrier), the node's bytes are all of them. Latency per
+    level: every rank's small samples pooled (node-local exchanges, cross-node ring steps), the median, less their
+    bytes (the per-rank and per-node latencies in the report are the pair exchanges', kept to show the spread)."""
     n_nodes = max(nodes) + 1
     per_node = world // n_nodes
     med = statistics.median
@@ -413,11 +432,25 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
             node_links.append({"node": n, "rails": len(rails), "inter": _link(window, sizes, len(rails))})
     notes = []
     intra = inter = None
+    # latency: the median of every rank's small samples, pooled, less their bytes at the level's (slowest) bandwidth:
+    # node-local from the node-mate exchanges, cross-node from the ring pass's steps (one crossing per node and step)
+    pooled = {
+        lv: [x for r in rows if r["links"].get(lv) is not None for x in r["links"][lv][0]] for lv in ("intra", "ring")
+    }
+    latency: dict[str, dict[str, Any]] = {}
+
+    def lat(level: str, samples: str, bw: float) -> float:
+        m = med(pooled[samples])
+        latency[level] = {"from": samples, "median_s": m, "samples": len(pooled[samples]), "bytes_s": sizes[0] / bw}
+        return max(0.0, m - sizes[0] / bw)
+
     got: list[tuple[float, float]] = [x["intra"] for x in ranks if x["intra"] is not None]
     if got:
-        intra = Link(min(bw for bw, _ in got), max(lat for _, lat in got))
+        bw = min(b for b, _ in got)
+        intra = Link(bw, lat("intra", "intra", bw))
     if node_links:
-        inter = Link(min(x["inter"][0] for x in node_links), max(x["inter"][1] for x in node_links))
+        bw = min(x["inter"][0] for x in node_links)
+        inter = Link(bw, lat("inter", "ring", bw))
     if inter is None:  # one node
         assert intra is not None
         inter = Link(intra.bandwidth * per_node, intra.latency)
@@ -429,10 +462,12 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     for name in rows[0]["codecs"]:
         pack = min(r["codecs"][name][0] for r in rows)
         usum = min(r["codecs"][name][1] for r in rows)
-        fixed = max(r.get("codec_fixed", {}).get(name, 0.0) for r in rows)
+        # the fixed cost per call is a small-size figure (the intercept of two short timings): the ranks' median, as
+        # the latencies (a rank whose short calls met a stall read 1.4-5.5 ms where the others read 0.3-0.5)
+        fixed = med([r.get("codec_fixed", {}).get(name, 0.0) for r in rows])
         src = (
             f"calibrate: slowest of {world} ranks, pack and unpack_sum timed at two sizes (unpack set to unpack_sum, "
-            "residual to unpack: not timed), fixed cost per kernel call from the two sizes"
+            "residual to unpack: not timed), fixed cost per kernel call from the two sizes (the ranks' median)"
         )
         codecs[name] = CodecSpeed(pack, usum, usum, src, fixed=fixed)
         big = [r["codecs_large"][name] for r in rows if name in r.get("codecs_large", {})]
@@ -443,10 +478,11 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
                 "at once (the kernel large calls run)"
             )
             codecs[name] = replace(codecs[name], above=(int(big[0][0]), CodecSpeed(lp, lu, lu, src_big)))
-    # the metadata check's gather every quantized call adds (the slowest rank's median); Python's own cost per call
-    # is not in it
-    checks = [statistics.median(r["links"]["check"][0]) for r in rows if r["links"].get("check")]
-    call_overhead = max(checks) if checks else 0.0
+    # the metadata check's gather every quantized call adds: every rank's single gathers pooled, the median (the
+    # latency's rule: a host's stalls are not the call's cost); Python's own cost per call is not in it
+    checks = [x for r in rows if r["links"].get("check") for x in r["links"]["check"][0]]
+    call_overhead = med(checks) if checks else 0.0
+    latency["check"] = {"from": "check", "median_s": call_overhead, "samples": len(checks)}
     spent = {
         "links_s": max(r["links_s"] for r in rows),
         "codecs_s": max(r["codecs_s"] for r in rows),
@@ -478,8 +514,10 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     report = {
         "seconds": spent,
         "rule": "slowest: node-local link of the slowest rank, cross-node bandwidth of the slowest node (all its rail "
-        "exchanges at once, timed to the last one), highest latency, each codec's slowest rank",
-        "ranks": [x | {"codecs": r["codecs"]} for x, r in zip(ranks, rows)],
+        "exchanges at once, timed to the last one), each codec's slowest rank; latency per level: the median of every "
+        "rank's small samples, pooled, less their bytes (node-local: node-mate exchanges; cross-node: ring steps)",
+        "latency": latency,
+        "ranks": [x | {"codecs": r["codecs"], "codec_fixed": r.get("codec_fixed", {})} for x, r in zip(ranks, rows)],
         "nodes": node_links,
     }
     return {"calibration": cal.to_dict(), "report": report}
