@@ -98,6 +98,30 @@ def cpu_per_step(s: dict) -> float:
     return statistics.mean(by_rank)
 
 
+def planner_report(planner_runs: list[dict]) -> list[str]:
+    """Per run of the planner's mode: its plans (each launch calibrates and plans anew, so they may differ; a run
+    whose plans equal the run before's says so), its trials, and predicted against measured time per collective."""
+    lines: list[str] = []
+    before = None
+    for i, s in enumerate(planner_runs, 1):
+        stats = s["fp8comm_hook_stats"]
+        plans = [(pl["op"], pl["role"], pl["size_class"], pl["chosen"]) for pl in stats.get("plans", [])]
+        if plans == before:
+            lines.append(f"  run {i}: the same plans as run {i - 1}")
+        for op, role, k, chosen in plans if plans != before else []:
+            lines.append(f"  run {i} plan: {op} {role} class {k}: {chosen}")
+        before = plans
+        for t in stats.get("plan_trials", []):
+            tried = ", ".join(f"{k} {v:.0f} ms" for k, v in t["measured_ms"].items())
+            lines.append(f"  run {i} trial: {t['op']} class {t['size_class']}: {tried} -> {t['running']}")
+        for op, t in s.get("planned_times", {}).items():
+            lines.append(
+                f"  run {i} {op}: {t['timed_calls']} timed calls, predicted {t['predicted_s'] * 1e3:.0f} ms, "
+                f"measured {t['measured_s'] * 1e3:.0f} ms"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -144,19 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         vs = f"{t / med[best]:.3f}" if best else "-"
         print(f"{m:<17}{t * 1e3:>10.0f}{own:>14}{vs:>15}  {link:12.1f}  {cpu:.3f}")
     if "planner-4bit" in runs:
-        plans = runs["planner-4bit"][-1]["fp8comm_hook_stats"].get("plans", [])
-        for pl in plans:
-            print(f"  plan: {pl['op']} {pl['role']} class {pl['size_class']}: {pl['chosen']}")
-        for i, s in enumerate(runs["planner-4bit"]):
-            for t in s["fp8comm_hook_stats"].get("plan_trials", []):
-                tried = ", ".join(f"{k} {v:.0f} ms" for k, v in t["measured_ms"].items())
-                print(f"  run {i + 1} trial: {t['op']} class {t['size_class']}: {tried} -> {t['running']}")
-        times = runs["planner-4bit"][-1].get("planned_times", {})
-        for op, t in times.items():
-            print(
-                f"  {op}: {t['timed_calls']} timed calls, predicted {t['predicted_s'] * 1e3:.0f} ms, "
-                f"measured {t['measured_s'] * 1e3:.0f} ms"
-            )
+        for line in planner_report(runs["planner-4bit"]):
+            print(line)
         if best:
             print(f"planner / best fixed ({best}): {med['planner-4bit'] / med[best]:.3f} (target <= 1.05)")
     if "planner-4bit-notrials" in med and best:
