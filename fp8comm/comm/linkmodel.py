@@ -249,8 +249,7 @@ class Machine:
     """A cluster: n nodes x g ranks; inter = one node's inter-node bandwidth (bytes/s per direction, all NICs) and
     latency per step; intra = one rank's node-local bandwidth and latency; intra_node_bw caps a node's node-local
     traffic in all (a shared host bridge; None: no cap); codec speeds per codec name ("*" = any other);
-    call_overhead: host seconds a quantized call costs beyond its stages (fixed per call, not hidden): the metadata
-    check, one smallest collective call on the backend, so also the least torch's gloo call takes per ring pass."""
+    call_overhead: host seconds a quantized call costs beyond its stages (fixed per call, not hidden)."""
 
     name: str
     g: int
@@ -403,13 +402,7 @@ def time(
     first = next((i for i, (name, _) in enumerate(st) if RESOURCES.get(name) == "link"), len(st))
     lead = sum(s for _, s in st[:first]) / max(pieces, 1)
     host = max(0.0, m.call_overhead - lead) if c.quantized else 0.0
-    seconds = host + peak + (total - peak) / max(pieces, 1)
-    if algo == "gloo":
-        # torch's gloo call is a backend collective: no faster than the smallest one (the check's all_gather) per
-        # pass of a ring (its reduce_scatter and all_reduce make two)
-        passes = 2 if op in ("reduce_scatter", "all_reduce") else 1
-        seconds = max(seconds, passes * m.call_overhead)
-    return Estimate(seconds, tuple(st), lv, pieces, tuple(res.items()))
+    return Estimate(host + peak + (total - peak) / max(pieces, 1), tuple(st), lv, pieces, tuple(res.items()))
 
 
 # --------------------------------------------------------------------------------- measured checks, projections

@@ -79,13 +79,9 @@ def test_call_overhead_once_per_quantized_call():
         assert predict("reduce_scatter", nb, "bf16", GroupShape(2, 2), opt, b) == pytest.approx(
             predict("reduce_scatter", nb, "bf16", GroupShape(2, 2), opt, a) + 2e-2 - lead
         )
-    # torch's own call does no metadata check, but it is one backend collective: no faster than the check's gather
     native = Option("native")
-    own = predict("all_gather", nb, "bf16", GroupShape(2, 2), native, a)
-    assert own < 2e-2 and predict("all_gather", nb, "bf16", GroupShape(2, 2), native, b) == 2e-2
-    big = 1 << 28
-    assert predict("all_gather", big, "bf16", GroupShape(2, 2), native, b) == predict(
-        "all_gather", big, "bf16", GroupShape(2, 2), native, a
+    assert predict("all_gather", nb, "bf16", GroupShape(2, 2), native, b) == predict(
+        "all_gather", nb, "bf16", GroupShape(2, 2), native, a
     )
 
 
