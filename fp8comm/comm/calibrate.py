@@ -342,8 +342,9 @@ def _time_links(
             raise TimeoutError("calibration deadline passed during the link timing")
         work.wait(datetime.timedelta(seconds=left))
 
-    def exchange(peer: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        r = pg.recv([b], peer, TAG)
+    def exchange(peer: int, a: torch.Tensor, b: torch.Tensor, src: int | None = None) -> None:
+        # a to peer, b from src (default: the same peer) at once
+        r = pg.recv([b], peer if src is None else src, TAG)
         s = pg.send([a], peer, TAG)
         wait(r)
         wait(s)
@@ -376,9 +377,7 @@ def _time_links(
         wait(pg.barrier())
         t0 = time.perf_counter()
         for _ in range(world - 1):
-            r, s = pg.recv([b], prv, TAG), pg.send([a], nxt, TAG)
-            wait(r)
-            wait(s)
+            exchange(nxt, a, b, src=prv)
         ring.append((time.perf_counter() - t0) / (world - 1))
     out["ring"] = [ring]
     # the metadata check every quantized call makes (fp8comm.comm.checks): one all_gather of (16 + 2*world) int64
