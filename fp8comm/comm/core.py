@@ -79,12 +79,12 @@ class Call:
         settle, self.settle = self.settle, settled
         settle()
 
-    def pieces(self, k: int, numel: int | None, device: torch.device) -> list[tuple[int, int]]:
+    def pieces(self, k: int, numel: int | None, device: torch.device, split: int = 1) -> list[tuple[int, int]]:
         """Column ranges [a, b) of the K dimension, whole blocks each, that travel as separate pipelined pieces
-        (one piece where the codec's pieces would not keep the one-piece bits)."""
+        (one piece where the codec's pieces would not keep the one-piece bits); split: see pieces.piece_count."""
         if not self.spec.codec.pipelines:
             return [(0, k)]
-        return plan_pieces(k, self.spec.codec.block, numel, device, self.spec.rounding, self.pipeline)
+        return plan_pieces(k, self.spec.codec.block, numel, device, self.spec.rounding, self.pipeline, split)
 
     def piece_count(self, numel: int | None, device: torch.device) -> int:
         """Pieces of whole rows (the all-to-all's tokens): see options.piece_count."""

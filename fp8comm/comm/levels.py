@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .core import Call, Pieces, _slices, all_gather_bytes, decode_rows, padded_rows, quantize_input, update_residual
 from .feedback import ErrorFeedback
 from .hierarchical import HierarchicalGroups
+from .pieces import GATHER_SPLIT
 
 
 def _local_dtype(x: torch.Tensor) -> torch.dtype:
@@ -127,7 +128,8 @@ def hier_ag_phase(
     codec, dev, n, nn, lc = call.codec, src.device, src.numel(), hg.nodes, hg.local
     x2 = padded_rows(call, src.reshape(-1), 1, n)
     k = x2.shape[1]
-    pieces = call.pieces(k, call.world * k, dev)  # planned from the whole output (the node-local phase's size)
+    # planned from the whole output (the node-local phase's size), in smaller pieces: a shorter tail after the link
+    pieces = call.pieces(k, call.world * k, dev, GATHER_SPLIT)
     lays = [codec.layout((1,), b - a) for a, b in pieces]
     sizes = [lay.total_bytes for lay in lays]
     sends = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)

@@ -13,17 +13,22 @@ import torch
 # best on the 2-core machine (docs/benchmarks.md).
 PIPELINE_PIECE = 1 << 21
 PIPELINE_MAX = 8
+# A two-level all-gather ends with its last piece's node-local gather and decode (world x piece elements) after the
+# link is done: pieces GATHER_SPLIT times smaller (in output elements) shorten that tail (a 16 MiB bf16 call in 8
+# pieces, not 4: 195 against 198.5 ms a call at 2x4, 200 Mbit/s; 16 pieces 199 ms; docs/benchmarks.md).
+GATHER_SPLIT = 2
 
 
-def piece_count(numel: int | None, device: torch.device, rounding: str, pipeline: int) -> int:
+def piece_count(numel: int | None, device: torch.device, rounding: str, pipeline: int, split: int = 1) -> int:
     """How many pipelined pieces one call travels in: 1 unless on CPU (where the codec costs as much as the wire;
     a GPU codec takes microseconds) with nearest rounding (stochastic rounding hashes the element index within
     one piece's layout). The same on every rank: it depends only on sizes and options the metadata check compares.
+    split: automatic pieces this many times smaller than PIPELINE_PIECE elements of numel.
     """
     if device.type != "cpu" or rounding != "nearest":
         return 1
     # numel None: no size every rank agrees on (an all-to-all with its own splits, planned without sizes): one piece.
-    auto = min(PIPELINE_MAX, numel // PIPELINE_PIECE) if numel is not None else 1
+    auto = min(PIPELINE_MAX, numel * split // PIPELINE_PIECE) if numel is not None else 1
     return max(1, pipeline or auto)
 
 
@@ -34,13 +39,19 @@ def sized_plan(device: torch.device, rounding: str, pipeline: int) -> bool:
 
 
 def plan_pieces(
-    k: int, block: int | None, numel: int | None, device: torch.device, rounding: str, pipeline: int
+    k: int,
+    block: int | None,
+    numel: int | None,
+    device: torch.device,
+    rounding: str,
+    pipeline: int,
+    split: int = 1,
 ) -> list[tuple[int, int]]:
     """Column ranges [a, b) of the K dim that travel as separate pieces: whole blocks each, equal but the last."""
     if k == 0 or block is None:
         return [(0, k)]
     nb = -(-k // block)
-    p = min(piece_count(numel, device, rounding, pipeline), nb)
+    p = min(piece_count(numel, device, rounding, pipeline, split), nb)
     if p == 1:
         return [(0, k)]
     w = -(-nb // p) * block

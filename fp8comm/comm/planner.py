@@ -27,7 +27,7 @@ from ..errors import Fp8CommConfigError
 from . import linkmodel
 from .calibration import WIRE_CONFIGS, Calibration
 from .config import WireConfig, residual_dtype_name
-from .pieces import piece_count
+from .pieces import GATHER_SPLIT, piece_count
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
 ROLES = ("gradients", "weights")
@@ -176,13 +176,14 @@ def _check(op: str, nbytes: int, dtype: str | torch.dtype) -> tuple[str, int]:
 
 def pieces(op: str, option: Option, elems: int, shape: GroupShape, device_type: str) -> int:
     """The pipelined pieces fp8comm cuts this call into (pieces.piece_count with automatic pipelining and nearest
-    rounding): from the whole buffer for reduce-scatters and two-level calls, from the shard for a flat all-gather
-    (as comm/core.py and comm/levels.py plan them); 1 on GPUs, for the engine's own call and for codecs whose scale
-    spans the row (NVFP4)."""
+    rounding): from the whole buffer for reduce-scatters and two-level calls (a two-level all-gather's pieces
+    GATHER_SPLIT times smaller), from the shard for a flat all-gather (as comm/core.py and comm/levels.py plan
+    them); 1 on GPUs, for the engine's own call and for codecs whose scale spans the row (NVFP4)."""
     if option.native or not _wire(option.wire).spec.codec.pipelines:
         return 1
     numel = -(-elems // shape.size) if (op == "all_gather" and option.levels == "flat") else elems
-    return piece_count(numel, torch.device(device_type), "nearest", 0)
+    split = GATHER_SPLIT if (op == "all_gather" and option.levels == "two_level") else 1
+    return piece_count(numel, torch.device(device_type), "nearest", 0, split)
 
 
 def estimate(

@@ -166,3 +166,21 @@ def test_graph_capture_refused_before_anything_moves(one_rank, monkeypatch):
     capturing["on"] = False
     assert torch.equal(h.wait(), fc.all_gather(x)) and h.is_completed()
     assert torch.equal(fc.all_reduce(x), want)
+
+
+def test_two_level_all_gather_cuts_smaller_pieces():
+    """A two-level all-gather's tail after the link is its last piece's node-local gather and decode: it plans pieces
+    GATHER_SPLIT times smaller (8 for a 16 MiB bf16 call, 8 Mi output elements, where a reduce-scatter of the same
+    buffer runs 4), and the planner's model cuts it the same way."""
+    from fp8comm.comm.pieces import GATHER_SPLIT, piece_count
+    from fp8comm.comm.planner import GroupShape, Option, pieces
+
+    E = 8 << 20
+    assert piece_count(E, CPU, "nearest", 0) == 4
+    assert piece_count(E, CPU, "nearest", 0, GATHER_SPLIT) == 8
+    assert piece_count(E, CPU, "nearest", 3, GATHER_SPLIT) == 3  # an explicit piece count wins
+    assert piece_count(64 << 20, CPU, "nearest", 0, GATHER_SPLIT) == PIPELINE_MAX
+    sh = GroupShape(2, 4)
+    assert pieces("all_gather", Option("fp8", "two_level"), E, sh, "cpu") == 8
+    assert pieces("reduce_scatter", Option("fp8", "two_level"), E, sh, "cpu") == 4
+    assert pieces("all_gather", Option("fp8", "two_level"), E, sh, "cuda") == 1
