@@ -6,7 +6,8 @@ What is timed (on every rank, at once, as a collective would load the machine):
 - node-local: an exchange (send and receive at once, both directions) with a node-mate (local index i ^ 1) at two
   sizes; bandwidth from the difference (the fixed cost cancels), latency from the small one (see "latency" below);
 - cross-node: the same with the rail peer (same local index on node n ^ 1), all rail pairs of a node at once (every
-  exchange starts after a barrier): a node's figure is all its rail bytes over the window until its last rail
+  exchange starts after a barrier; beyond two rails per node they share the large size, rail_sizes, so a window
+  stays short on a slow link): a node's figure is all its rail bytes over the window until its last rail
   exchange ends (Calibration.inter is a node's cross-node bandwidth, all its NICs; a sum of the ranks' own rates
   would count a pair that finished early and left the link to the others twice);
 - codecs: pack and unpack_sum of each codec at two sizes (calibration.measure_codecs; the fixed cost per kernel
@@ -75,6 +76,7 @@ CODEC_ELEMS = (1 << 14, 1 << 18)  # elements per codec call, small and large
 TAG = 0xCA1  # point-to-point tag on the private group
 LARGE_ELEMS = COMPILE_MIN_NUMEL  # codecs timed at this size too: large calls' kernel, every rank at once
 SMALL_REPS = 5  # windows of one small exchange (and of check gathers) per rep of the large exchange
+RAIL_SHARE = 2  # a node's rail exchanges move at most RAIL_SHARE x the large size together (rail_sizes)
 _POLL_S = 0.005
 _epochs: dict[tuple[int, ...], int] = {}
 
@@ -325,6 +327,12 @@ def _peers(me: int, nodes: Sequence[int]) -> dict[str, int | None]:
     }
 
 
+def rail_sizes(sizes: tuple[int, int], per_node: int) -> tuple[int, int]:
+    """Bytes of one rail exchange (small, large): the large one shared by the node's rails beyond RAIL_SHARE of
+    them (all cross the node's one link at once: at 2x4 and 200 Mbit/s four rails of 2 MiB took 0.34 s a window)."""
+    return sizes[0], max(sizes[0], min(sizes[1], sizes[1] * RAIL_SHARE // max(per_node, 1)))
+
+
 def _time_links(
     pg: Any, me: int, nodes: Sequence[int], sizes: tuple[int, int], reps: int, deadline: float
 ) -> dict[str, list[list[float]] | None]:
@@ -333,6 +341,7 @@ def _time_links(
     rail pairs start together (rank 0 times a node's cross-node window from the last of them to finish); every rank
     takes part in every barrier, with a partner or not."""
     peers = _peers(me, nodes)
+    by_level = {"intra": sizes, "inter": rail_sizes(sizes, len(nodes) // (max(nodes) + 1))}
     bufs = [(torch.empty(s, dtype=torch.uint8), torch.empty(s, dtype=torch.uint8)) for s in sizes]
     out: dict[str, list[list[float]] | None] = {}
 
@@ -355,7 +364,7 @@ def _time_links(
         if peer is not None:
             exchange(peer, *bufs[0])  # untimed: first use of the pair
         times: list[list[float]] = []
-        for i, (a, b) in enumerate(bufs):
+        for i, (a, b) in enumerate((x[:n], y[:n]) for (x, y), n in zip(bufs, by_level[level])):
             # the small size in SMALL_REPS x reps windows (cheap; latency is noisy on shared cores), one exchange
             # each: back to back they stall more often than the collectives' steps do (module docstring)
             ts = []
@@ -415,9 +424,11 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     per_node = world // n_nodes
     med = statistics.median
 
+    rails_sz = rail_sizes(sizes, per_node)  # what each cross-node exchange moved (_time_links)
+
     def rank_link(r: dict, level: str) -> tuple[float, float] | None:
         t = r["links"][level]
-        return _link([med(t[0]), med(t[1])], sizes) if t is not None else None
+        return _link([med(t[0]), med(t[1])], rails_sz if level == "inter" else sizes) if t is not None else None
 
     ranks: list[dict[str, Any]] = [
         {"rank": i, "node": nodes[i], "intra": rank_link(r, "intra"), "inter": rank_link(r, "inter")}
@@ -428,7 +439,7 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
         rails = [r["links"]["inter"] for i, r in enumerate(rows) if nodes[i] == n and r["links"]["inter"] is not None]
         if rails:
             window = [med(max(t[k][j] for t in rails) for j in range(len(rails[0][k]))) for k in (0, 1)]
-            node_links.append({"node": n, "rails": len(rails), "inter": _link(window, sizes, len(rails))})
+            node_links.append({"node": n, "rails": len(rails), "inter": _link(window, rails_sz, len(rails))})
     notes = []
     intra = inter = None
     # latency: the median of every rank's small samples, pooled, less their bytes at the level's (slowest) bandwidth:
@@ -500,7 +511,8 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
         call_overhead=call_overhead,
         source=(
             f"fp8comm calibrate, {time.strftime('%Y-%m-%d %H:%M')}: {n_nodes} node(s) x {per_node} ranks, gloo, "
-            f"exchanges of {sizes[0]} and {sizes[1]} bytes, slowest rank / node per level"
+            f"exchanges of {sizes[0]} and {sizes[1]} bytes ({rails_sz[1]} per rail across nodes), slowest rank / node "
+            "per level"
         ),
         notes=(
             *notes,

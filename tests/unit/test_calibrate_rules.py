@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fp8comm.comm.calibrate import _build, _link, _peers
+from fp8comm.comm.calibrate import _build, _link, _peers, rail_sizes
 from fp8comm.comm.calibration import Calibration, measure_codecs
 from fp8comm.errors import Fp8CommConfigError
 
@@ -126,3 +126,24 @@ def test_measuring_codecs_leaves_the_callers_random_stream_alone():
     torch.manual_seed(1234)
     measure_codecs(["fp8"], elems=(8 * 256,), reps=1, kinds=("pack", "unpack_sum"))
     assert torch.equal(torch.rand(4), want)
+
+
+def test_rails_share_the_large_exchange_beyond_two_per_node():
+    """Four rails per node cross one link at once: each moves half the large size (the node's window stays two large
+    exchanges long on a slow link), and the node's bandwidth counts the bytes they really moved."""
+    assert rail_sizes(SIZES, 1) == rail_sizes(SIZES, 2) == SIZES
+    assert rail_sizes(SIZES, 4) == (SIZES[0], SIZES[1] // 2) and rail_sizes(SIZES, 8) == (SIZES[0], SIZES[1] // 4)
+    assert rail_sizes((1 << 10, 1 << 11), 64) == (1 << 10, 1 << 10)  # never under the small size
+    reps = lambda x: [[x[0]] * 3, [x[1]] * 3]
+    small, large = rail_sizes(SIZES, 4)
+    # every rail gets a quarter of a 1e8 B/s link: each exchange of `large` bytes takes large / 2.5e7
+    rail = [1e-4 + small / 2.5e7, 1e-4 + large / 2.5e7]
+    rows = [
+        {"rank": i, "links": {"intra": reps(t(1e9, 1e-5)), "inter": reps(rail), "ring": [[2e-4] * 3]},
+         "codecs": {"fp8": [1e8, 4e8]}, "links_s": 0.1, "codecs_s": 0.2, "first_calls_s": 0.05}
+        for i in range(8)
+    ]  # fmt: skip
+    out = _build(rows, [0, 0, 0, 0, 1, 1, 1, 1], SIZES, 8, {"go_s": 0.01, "decided_s": 0.4})
+    cal = Calibration.from_dict(out["calibration"], device="cpu", ranks_per_node=4)
+    assert cal.inter.bandwidth == pytest.approx(1e8)
+    assert [x["inter"][0] for x in out["report"]["ranks"]] == [pytest.approx(2.5e7)] * 8
