@@ -361,6 +361,8 @@ def _measured(fn, ifname):
     out = fn()
     dist.barrier()
     tx1 = _tx(ifname)
+    # and after: a rank through the first barrier would start the next call and its bytes before this read
+    dist.barrier()
     return out, (tx1 - tx0 if tx0 is not None and tx1 is not None else None)
 
 
