@@ -327,9 +327,15 @@ def _peers(me: int, nodes: Sequence[int]) -> dict[str, int | None]:
     }
 
 
+def _per_node(nodes: Sequence[int]) -> int:
+    """Ranks per node of a node layout (node index per rank)."""
+    return len(nodes) // (max(nodes) + 1)
+
+
 def rail_sizes(sizes: tuple[int, int], per_node: int) -> tuple[int, int]:
     """Bytes of one rail exchange (small, large): the large one shared by the node's rails beyond RAIL_SHARE of
-    them (all cross the node's one link at once: at 2x4 and 200 Mbit/s four rails of 2 MiB took 0.34 s a window)."""
+    them (all cross the node's one link at once: at 2x4 and 200 Mbit/s four rails of 2 MiB
+    are 8 MiB, about 0.34 s a window)."""
     return sizes[0], max(sizes[0], min(sizes[1], sizes[1] * RAIL_SHARE // max(per_node, 1)))
 
 
@@ -341,7 +347,7 @@ def _time_links(
     rail pairs start together (rank 0 times a node's cross-node window from the last of them to finish); every rank
     takes part in every barrier, with a partner or not."""
     peers = _peers(me, nodes)
-    by_level = {"intra": sizes, "inter": rail_sizes(sizes, len(nodes) // (max(nodes) + 1))}
+    by_level = {"intra": sizes, "inter": rail_sizes(sizes, _per_node(nodes))}
     bufs = [(torch.empty(s, dtype=torch.uint8), torch.empty(s, dtype=torch.uint8)) for s in sizes]
     out: dict[str, list[list[float]] | None] = {}
 
@@ -420,8 +426,7 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     of its rail exchanges (they started together after a barrier), the node's bytes are all of them. Latency per
     level: every rank's small samples pooled (node-local exchanges, cross-node ring steps), the median, less their
     bytes (the per-rank and per-node latencies in the report are the pair exchanges', kept to show the spread)."""
-    n_nodes = max(nodes) + 1
-    per_node = world // n_nodes
+    n_nodes, per_node = max(nodes) + 1, _per_node(nodes)
     med = statistics.median
 
     rails_sz = rail_sizes(sizes, per_node)  # what each cross-node exchange moved (_time_links)
