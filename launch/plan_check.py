@@ -7,8 +7,11 @@
   .venv/bin/python launch/plan_check.py --nproc 8 --local-size 4 --json out.json
   launch/cluster.py --name pc up --nodes 2 --rate 1gbit         the simulated cluster: one torchrun per node
   launch/cluster.py --name pc run --nproc-per-node 2 -- launch/plan_check.py --json out.json
+  launch/plan_check.py --rounds 3 --json out.json              3 paired rounds (calibrate, then the table) in
+                                                                one launch; each row: the median of the rounds
   launch/plan_check.py --from out.json                          re-predict a saved run's measurements with this
                                                                 checkout's model (its calibration, or --calibration)
+  launch/plan_check.py --from a.json b.json c.json              pool the rounds of several launches of one shape
 
 Every rank first runs fp8comm.comm.calibrate.calibrate() over the world (the calibration an engine would take at
 build), then fp8comm.tools.bench.comm's own table (its timing: median per call, barrier before each, the slowest
@@ -21,6 +24,9 @@ with fp8comm.comm.planner.predict (the planner's own numbers) from that calibrat
   fp8-2l, mxfp4-2l Option(codec, "two_level")                fp8comm's two-level call (planner.predict)
   bf16-ring        (not an option: fp8comm's bench baseline) linkmodel.time(op, "ring", "bf16", ...)
 
+With --rounds N (or several --from files) each round is a pair: a calibration and the table measured right after
+it; a row's measured time is the median of its rounds' and its prediction the median of each round's prediction from
+that round's own calibration (issue 30 item 5: "the median of at least 5 alternating steps or 3 paired runs").
 mxfp4 rows are bench comm's (no error feedback), so they are predicted without it. Rows of a codec the calibration
 did not time are left out. The summary counts the planner's options and every row apart; exit 0 whatever the count
 (it is a measurement, not a test), 1 when the calibration fell back or a rank failed, 2 for bad arguments.
@@ -32,6 +38,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,6 +142,78 @@ def compare(rows: list[dict], cal, nodes: int, local: int, tolerance: float = TO
     return out
 
 
+def compare_rounds(rounds: list[tuple], nodes: int, local: int, tolerance: float = TOLERANCE) -> list[dict]:
+    """compare() over paired rounds [(calibration, rows), ...]: per row (op, size, variant) the median of the rounds'
+    measured ms against the median of each round's prediction from its own calibration; the rounds' figures in
+    measured_rounds / predicted_rounds. Rows follow the first round's order; a row some round lacks uses the rounds
+    that have it."""
+    per: dict[tuple, list[dict]] = {}
+    for cal, rows in rounds:
+        for c in compare(rows, cal, nodes, local, tolerance):
+            per.setdefault((c["op"], c["size"], c["variant"]), []).append(c)
+    out = []
+    for cs in per.values():
+        m = statistics.median(c["measured_ms"] for c in cs)
+        p = statistics.median(c["predicted_ms"] for c in cs)
+        ratio = p / m if m > 0 else float("inf")
+        out.append(
+            {
+                **cs[0],
+                "measured_ms": m,
+                "predicted_ms": p,
+                "ratio": ratio,
+                "within": abs(ratio - 1) <= tolerance,
+                "rounds": len(cs),
+                "measured_rounds": [c["measured_ms"] for c in cs],
+                "predicted_rounds": [c["predicted_ms"] for c in cs],
+            }
+        )
+    return out
+
+
+CHOICE_SLACK = 0.05  # issue 30 item 5: never more than 5% slower than the best fixed choice
+
+
+def choices(checked: list[dict], allow_4bit: bool = True, slack: float = CHOICE_SLACK) -> list[dict]:
+    """Per (op, size): the option the predictions pick among the planner's options for a bf16 buffer (the engine's
+    own bf16 call, FP8 and, with allow_4bit, MXFP4, flat or two-level) against the best of them as measured: the
+    picked option's measured ms over the best's, and whether that stays within `slack`."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in checked:
+        if c["planner_option"] and c["variant"] != "fp32" and (allow_4bit or "fp4" not in c["variant"]):
+            groups.setdefault((c["op"], c["size"]), []).append(c)
+    out = []
+    for (op, size), cs in groups.items():
+        pick = min(cs, key=lambda c: c["predicted_ms"])
+        best = min(cs, key=lambda c: c["measured_ms"])
+        slower = pick["measured_ms"] / best["measured_ms"]
+        out.append(
+            {
+                "op": op,
+                "size": size,
+                "picked": pick["variant"],
+                "picked_ms": pick["measured_ms"],
+                "best": best["variant"],
+                "best_ms": best["measured_ms"],
+                "slower": slower,
+                "within": slower <= 1 + slack,
+            }
+        )
+    return out
+
+
+def format_choices(picked: list[dict], title: str) -> str:
+    lines = [f"# {title}: picked by prediction against the best as measured"]
+    for c in picked:
+        lines.append(
+            f"#   {c['op']:<15}{_human(c['size']):>5}  picked {c['picked']:<9} {c['picked_ms']:9.3f} ms  best "
+            f"{c['best']:<9} {c['best_ms']:9.3f} ms  {c['slower']:.2f}x {'ok' if c['within'] else 'SLOWER'}"
+        )
+    n = sum(c["within"] for c in picked)
+    lines.append(f"# {title}: {n} / {len(picked)} within {CHOICE_SLACK:.0%} of the best")
+    return "\n".join(lines)
+
+
 def summary(checked: list[dict], tolerance: float = TOLERANCE) -> dict:
     opts = [c for c in checked if c["planner_option"]]
     return {
@@ -205,16 +284,34 @@ def describe_calibration(cal, report: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------ the ranks
 def _rank(args) -> int:
-    """One rank's part: calibrate over the world, then bench comm's table; rank 0 compares and prints."""
-    import warnings
-
+    """One rank's part: --rounds times calibrate over the world, then bench comm's table; rank 0 compares and
+    prints."""
     import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    rounds = []
+    for i in range(args.rounds):
+        got = _round(args, rank, i)
+        if got is None:
+            return 1
+        rounds.append(got)
+    if rank != 0:
+        return 0
+    nodes = world // local if world % local == 0 else 1
+    result = {"meta": _meta(world, local, nodes, rounds[0]["calibrate_s"], args), "rounds": rounds}
+    _finish(result, args)
+    return 0
+
+
+def _round(args, rank: int, i: int) -> dict | None:
+    """One paired round: calibrate(), then bench comm's table. Rank 0 gets {calibration, calibration_report,
+    calibrate_s, rows}, the others {}; None when the calibration fell back (on every rank alike)."""
+    import warnings
 
     from fp8comm.comm.calibrate import CalibrationWarning, calibrate
     from fp8comm.tools.bench import comm as bench
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     report: dict = {}
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
@@ -224,31 +321,23 @@ def _rank(args) -> int:
     if cal is None:
         if rank == 0:
             print(f"# plan_check: calibration fell back: {caught[0].message if caught else report}", file=sys.stderr)
-        return 1
+        return None
     rows_file = None
     if rank == 0:
         fd, rows_file = tempfile.mkstemp(prefix="plan_check_rows_", suffix=".jsonl")
         os.close(fd)
+        print(f"# round {i + 1} of {args.rounds}", flush=True)
         print(describe_calibration(cal, report), flush=True)
-    bench_args = argparse.Namespace(**{**vars(args), "json": rows_file or ""})
-    bench._table(bench_args)
+    bench._table(argparse.Namespace(**{**vars(args), "json": rows_file or ""}))
     if rank != 0:
-        return 0
+        return {}
     assert rows_file is not None
     rows = [json.loads(line) for line in Path(rows_file).read_text().splitlines() if line.strip()]
     os.unlink(rows_file)
     for r in rows:
         r.pop("times", None)
         r["hidden"] = args.hidden
-    nodes = world // local if world % local == 0 else 1
-    result = {
-        "meta": _meta(world, local, nodes, cal_s, args),
-        "calibration": cal.to_dict(),
-        "calibration_report": report,
-        "rows": rows,
-    }
-    _finish(result, cal, args)
-    return 0
+    return {"calibration": cal.to_dict(), "calibration_report": report, "calibrate_s": cal_s, "rows": rows}
 
 
 def _meta(world: int, local: int, nodes: int, cal_s: float, args) -> dict:
@@ -276,16 +365,34 @@ def _meta(world: int, local: int, nodes: int, cal_s: float, args) -> dict:
     }
 
 
-def _finish(result: dict, cal, args) -> None:
+def rounds_of(result: dict, where: str = "", calibration=None) -> list[tuple]:
+    """A saved run's paired rounds as [(Calibration, rows), ...]: its "rounds", or (files written before --rounds)
+    its one calibration and rows; `calibration`: predict every round from it instead."""
+    from fp8comm.comm.calibration import Calibration
+
+    saved = result.get("rounds") or [{"calibration": result["calibration"], "rows": result["rows"]}]
+    return [(calibration or Calibration.from_dict(r["calibration"], where=where), r["rows"]) for r in saved]
+
+
+def _finish(result: dict, args, calibration=None) -> None:
     m = result["meta"]
-    checked = compare(result["rows"], cal, m["nodes"], m["local"], args.tolerance)
-    summ = summary(checked, args.tolerance)
-    result.update(checked=checked, summary=summ)
+    rounds = rounds_of(result, calibration=calibration)
+    checked = compare_rounds(rounds, m["nodes"], m["local"], args.tolerance)
+    summ = {**summary(checked, args.tolerance), "rounds": len(rounds)}
+    picked = {"fp8": choices(checked, allow_4bit=False), "4bit": choices(checked, allow_4bit=True)}
+    for k, v in picked.items():
+        summ[f"choices_within_{k}"] = sum(c["within"] for c in v)
+        summ[f"choices_{k}"] = len(v)
+    result.update(checked=checked, summary=summ, choices=picked)
     print(
         f"# plan_check: {m['nodes']} node(s) x {m['local']} ranks, {m['link']}, commit {m['commit']}"
         f"{' (uncommitted changes)' if m['uncommitted'] else ''}, {m['date']}, load {m['load'][0]:.1f}"
     )
-    print(format_table(checked, summ), flush=True)
+    if len(rounds) > 1:
+        print(f"# {len(rounds)} paired rounds: per row the median measured and the median predicted")
+    print(format_table(checked, summ))
+    print(format_choices(picked["fp8"], "FP8 allowed (no 4 bits)"))
+    print(format_choices(picked["4bit"], "4 bits allowed"), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"# written: {args.json}")
@@ -339,19 +446,32 @@ def _spawn(args) -> int:
 
 
 def _from_file(args) -> int:
-    """Re-predict a saved run: its measured rows, its calibration (or --calibration's), this checkout's model."""
+    """Re-predict saved runs: their measured rows, their calibrations (or --calibration's), this checkout's model;
+    several files (launches of one shape) pool their rounds."""
     from fp8comm.comm.calibration import Calibration
 
-    result = json.loads(Path(args.from_file).read_text())
-    cal = (
-        Calibration.load(args.calibration)
-        if args.calibration
-        else Calibration.from_dict(result["calibration"], where=args.from_file)
-    )
-    result["calibration"] = cal.to_dict()
+    saved = [(f, json.loads(Path(f).read_text())) for f in args.from_file]
+    shapes = {(d["meta"]["nodes"], d["meta"]["local"]) for _, d in saved}
+    if len(shapes) != 1:
+        print(
+            f"plan_check.py: --from files of different shapes (nodes, ranks per node): {sorted(shapes)}",
+            file=sys.stderr,
+        )
+        return 2
+    result = saved[0][1]
+    result["rounds"] = [
+        {**saved_round, "calibration": cal.to_dict(), "rows": rows, "from": f}
+        for f, d in saved
+        for saved_round, (cal, rows) in zip(d.get("rounds") or [{}], rounds_of(d, where=f))
+    ]
+    result.pop("calibration", None)
+    result.pop("rows", None)
     result["meta"]["repredicted"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    print(describe_calibration(cal, {}))
-    _finish(result, cal, args)
+    result["meta"]["from"] = [f for f, _ in saved]
+    cal = Calibration.load(args.calibration) if args.calibration else None
+    if cal is not None:
+        print(describe_calibration(cal, {}))
+    _finish(result, args, calibration=cal)
     return 0
 
 
@@ -363,7 +483,14 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(**DEFAULTS)
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help="|predicted / measured - 1| counted as agreeing")
     p.add_argument("--calibrate-timeout", type=float, default=60.0, help="calibrate()'s timeout_s")
-    p.add_argument("--from", dest="from_file", default="", help="re-predict a saved --json run (no ranks started)")
+    p.add_argument("--rounds", type=int, default=1, help="paired rounds (calibrate, then the table); rows: medians")
+    p.add_argument(
+        "--from",
+        dest="from_file",
+        nargs="+",
+        default=[],
+        help="re-predict saved --json runs, pooled (no ranks started)",
+    )
     p.add_argument("--calibration", default="", help="with --from: predict from this calibration file instead")
     return p
 
@@ -374,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         return _from_file(args)
     if args.calibration:
         print("plan_check.py: --calibration goes with --from", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print(f"plan_check.py: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
         return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         import torch.distributed as dist

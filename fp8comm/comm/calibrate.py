@@ -15,8 +15,10 @@ What is timed (on every rank, at once, as a collective would load the machine):
   overlap; on CPU FP8's compiled kernel, whose first call compiles): CodecSpeed.above for calls of that size and
   more; unpack is set to unpack_sum's speed and error feedback's residual to unpack's (not timed: the start-up
   budget);
-- call_overhead: the metadata check every quantized call makes (one all_gather of 16 + 2 x world int64), timed
-  on the private group, one per window, every rank's pooled, the median (Python's own cost per call is not in it).
+- call_overhead: one metadata check's all_gather (16 + 2 x world int64), timed on the private group, one per
+  window, every rank's pooled, the median: the fixed cost the model charges each quantized call. The check itself
+  runs only on a group's first calls of each op under the default policy ("first"); later calls pay a fixed cost
+  of about its size all the same (their own collectives' calls: docs/planner.md, "What call_overhead stands for").
 Rank 0 keeps the SLOWEST per level (the node-local link of the slowest rank, the cross-node bandwidth of the slowest
 node) and each codec's slowest rank: a collective step ends when its slowest member does, so a plan from the typical
 rank would promise what the collective cannot deliver.

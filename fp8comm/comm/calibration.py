@@ -79,8 +79,9 @@ class Link:
 class Calibration:
     """Per-level links and per-codec speeds of one kind of machine (see the module's docstring). codecs: codec name
     (linkmodel.CODECS) -> speed, "*" for any codec not named; backend: what the engines' own collectives run on
-    (nccl: NCCL's ring; gloo: torch's gloo calls); call_overhead: host seconds per quantized call (0: not modelled);
-    world_size: the world it was taken in (informational: never checked); source: where the numbers come from."""
+    (nccl: NCCL's ring; gloo: torch's gloo calls); call_overhead: fixed seconds per quantized call, timed as one
+    small gloo all_gather (calibrate.py; 0: not modelled); world_size: the world it was taken in (informational:
+    never checked); source: where the numbers come from."""
 
     inter: Link
     intra: Link

@@ -13,7 +13,7 @@ pattern here is symmetric, so a node receives what it sends and "bytes" means on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -249,7 +249,8 @@ class Machine:
     """A cluster: n nodes x g ranks; inter = one node's inter-node bandwidth (bytes/s per direction, all NICs) and
     latency per step; intra = one rank's node-local bandwidth and latency; intra_node_bw caps a node's node-local
     traffic in all (a shared host bridge; None: no cap); codec speeds per codec name ("*" = any other);
-    call_overhead: host seconds a quantized call costs beyond its stages (fixed per call, not hidden)."""
+    call_overhead: seconds a quantized call costs beyond its stages (fixed per call; what its first piece's work
+    before the wire does not hide)."""
 
     name: str
     g: int
@@ -261,7 +262,7 @@ class Machine:
     codecs: dict[str, CodecSpeed] = field(default_factory=dict, compare=False)
     intra_node_bw: float | None = None
     note: str = ""
-    call_overhead: float = 0.0  # host seconds per quantized call (Python, launches), added once; 0 = not modelled
+    call_overhead: float = 0.0  # seconds per quantized call beyond its stages, added once; 0 = not modelled
     # node-local transfers are copies made by the cores that run the codecs (CPU ranks: loopback TCP), so the
     # node-local wire and codec work cannot overlap; False: a separate engine moves them (NVLink, PCIe DMA)
     host_local: bool = False
@@ -315,13 +316,23 @@ def time(
     local: str | Codec | None = None,
     dtype: str = "bf16",
     feedback: bool = False,
+    gather_pieces: int | None = None,
 ) -> Estimate:
     """Predicted seconds of one `op` (bytes()'s arguments, g and n from m) on machine m; codec work is charged per
     rank at m's codec speeds; reductions inside the plain-dtype collectives (NCCL, gloo) are free (in-kernel,
     memory-bound). pieces > 1: the stages are pipelined (Estimate's formula), each piece pays the latency again.
     feedback: error feedback on the reduce-scatter's quantization (a "residual" stage over the elements this rank
-    quantizes for the wire, at CodecSpeed.residual_speed)."""
+    quantizes for the wire, at CodecSpeed.residual_speed). A quantized all_reduce is its two phases one after the
+    other (the all-gather starts from the reduce-scatter's sum), the all-gather's cut into gather_pieces (None: as
+    many as the reduce-scatter's), the metadata check charged once."""
     c = codec_of(codec)
+    if op == "all_reduce" and c.quantized:
+        a = time("reduce_scatter", algo, c, m, elems, pieces, local, dtype, feedback)
+        b = time("all_gather", algo, c, replace(m, call_overhead=0.0), elems, gather_pieces or pieces, local, dtype)
+        gather = tuple((f"gather {k}", v) for k, v in b.stages)
+        return Estimate(
+            a.seconds + b.seconds, a.stages + gather, a.levels + b.levels, pieces, a.resources + b.resources
+        )
     g, n, w = m.g, m.n, m.g * m.n
     lv = bytes(op, algo, c, g, n, elems, pieces, local, dtype)
     L = -(-elems // w) if elems else 0
@@ -397,8 +408,10 @@ def time(
         res[r] = res.get(r, 0.0) + s
     total = sum(s for _, s in st)
     peak = max(res.values(), default=0.0)
-    # a quantized call's metadata check (call_overhead) travels while its first piece is prepared (comm/core.py and
-    # comm/levels.py settle it just before the first quantized piece goes on the wire): only the rest shows
+    # call_overhead: a quantized call's fixed cost, timed as the metadata check's gather. Where the check runs it
+    # travels while the first piece is prepared (comm/core.py and comm/levels.py settle it just before the first
+    # quantized piece goes on the wire): only the rest shows. Calls past the check (policy "first") are charged the
+    # same: they measured a fixed cost of about its size (docs/planner.md, "What call_overhead stands for")
     first = next((i for i, (name, _) in enumerate(st) if RESOURCES.get(name) == "link"), len(st))
     lead = sum(s for _, s in st[:first]) / max(pieces, 1)
     host = max(0.0, m.call_overhead - lead) if c.quantized else 0.0

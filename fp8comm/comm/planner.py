@@ -200,7 +200,11 @@ def estimate(
     if option.native:
         return linkmodel.time(op, "ring" if calibration.backend == "nccl" else "gloo", d, m, elems)
     p = pieces(op, option, elems, shape, calibration.device_type)
-    return linkmodel.time(op, option.levels, option.wire, m, elems, p, dtype=d, feedback=option.feedback)
+    # an all_reduce's all-gather phase plans its pieces as an all-gather of the same buffer does
+    pg = pieces("all_gather", option, elems, shape, calibration.device_type) if op == "all_reduce" else None
+    return linkmodel.time(
+        op, option.levels, option.wire, m, elems, p, dtype=d, feedback=option.feedback, gather_pieces=pg
+    )
 
 
 def predict(

@@ -184,3 +184,34 @@ def test_two_level_all_gather_cuts_smaller_pieces():
     assert pieces("all_gather", Option("fp8", "two_level"), E, sh, "cpu") == 8
     assert pieces("reduce_scatter", Option("fp8", "two_level"), E, sh, "cpu") == 4
     assert pieces("all_gather", Option("fp8", "two_level"), E, sh, "cuda") == 1
+
+
+def test_all_reduce_phases_keep_their_own_pieces():
+    """fp8comm's all_reduce runs its all-gather phase after the reduce-scatter's sum (comm/collectives.py), and that
+    phase plans its pieces as an all-gather does (flat: from the shard; two levels: GATHER_SPLIT times smaller). The
+    model predicts the two phases one after the other, each with its own pieces, the metadata check once."""
+    import dataclasses
+
+    from fp8comm.comm import linkmodel as lm
+    from fp8comm.comm.calibration import Calibration, Link
+    from fp8comm.comm.planner import GroupShape, Option, estimate, pieces
+
+    cal = Calibration(
+        inter=Link(1.2e8, 2e-4),
+        intra=Link(6e8, 1e-4),
+        codecs={"fp8": lm.CodecSpeed(2e8, 3e8, 3e8)},
+        device="cpu",
+        ranks_per_node=4,
+        backend="gloo",
+        call_overhead=3e-3,
+    )
+    sh, E = GroupShape(2, 4), 8 << 20
+    m = cal.machine(2, 4)
+    for levels, p_rs, p_ag in (("two_level", 4, 8), ("flat", 4, 1)):
+        o = Option("fp8", levels)
+        assert (pieces("reduce_scatter", o, E, sh, "cpu"), pieces("all_gather", o, E, sh, "cpu")) == (p_rs, p_ag)
+        rs = lm.time("reduce_scatter", levels, "fp8", m, E, p_rs)
+        ag = lm.time("all_gather", levels, "fp8", dataclasses.replace(m, call_overhead=0.0), E, p_ag)
+        got = estimate("all_reduce", 2 * E, "bf16", sh, o, cal)
+        assert got.seconds == pytest.approx(rs.seconds + ag.seconds), levels
+        assert got.levels == rs.levels + ag.levels

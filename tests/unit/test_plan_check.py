@@ -126,3 +126,52 @@ def test_compare_rows_against_the_planner():
     assert "fp8 two-level" in text and f"{s['planner_options_within']} / 4 rows" in text
     # two levels on a group that does not span nodes: not predicted
     assert pc.compare(rows[4:5], cal, 1, 4) == []
+
+
+def test_paired_rounds_compare_medians():
+    # issue 30 item 5: each comparison the median of >= 3 paired runs; every round is predicted from its own
+    # calibration, the row compares the median measured with the median predicted
+    pc = _plan_check()
+    cals = [_cal(call_overhead=x) for x in (1e-3, 5e-3, 2e-3)]
+    times = (0.004, 0.009, 0.005)
+    rounds = [
+        (c, [{"op": "all_gather", "size": 1 << 18, "count": 1 << 17, "variant": "fp8", "time": t}])
+        for c, t in zip(cals, times)
+    ]
+    got = pc.compare_rounds(rounds, 2, 2)
+    assert len(got) == 1
+    g = got[0]
+    preds = [predict("all_gather", 1 << 18, "bf16", GroupShape(2, 2), Option("fp8"), c) * 1e3 for c in cals]
+    assert g["rounds"] == 3 and g["measured_rounds"] == [t * 1e3 for t in times]
+    assert g["predicted_rounds"] == pytest.approx(preds)
+    assert g["measured_ms"] == pytest.approx(5.0) and g["predicted_ms"] == pytest.approx(sorted(preds)[1])
+    assert g["ratio"] == pytest.approx(sorted(preds)[1] / 5.0)
+    # one round: the same figures as compare()
+    one = pc.compare_rounds(rounds[:1], 2, 2)[0]
+    plain = pc.compare(rounds[0][1], cals[0], 2, 2)[0]
+    assert one["ratio"] == pytest.approx(plain.pop("ratio"))
+    assert {k: one[k] for k in plain} == plain
+
+
+def test_from_pools_saved_launches(tmp_path, capsys):
+    pc = _plan_check()
+    meta = {"nodes": 2, "local": 2, "link": "eth0", "commit": "x", "uncommitted": False, "date": "d", "load": [1.0]}
+    row = {"op": "reduce_scatter", "size": 1 << 20, "count": 1 << 19, "variant": "fp8"}
+    old = {"meta": meta, "calibration": _cal().to_dict(), "rows": [dict(row, time=0.010)]}  # before --rounds
+    new = {
+        "meta": meta,
+        "rounds": [{"calibration": _cal().to_dict(), "rows": [dict(row, time=t)]} for t in (0.020, 0.030)],
+    }
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    a.write_text(json.dumps(old))
+    b.write_text(json.dumps(new))
+    assert pc.main(["--from", str(a), str(b), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["summary"]["rounds"] == 3 and res["meta"]["from"] == [str(a), str(b)]
+    (c,) = res["checked"]
+    assert c["measured_rounds"] == [10.0, 20.0, 30.0] and c["measured_ms"] == 20.0
+    assert "3 paired rounds" in capsys.readouterr().out
+    # launches of another shape do not pool
+    other = dict(new, meta=dict(meta, local=4))
+    b.write_text(json.dumps(other))
+    assert pc.main(["--from", str(a), str(b)]) == 2
