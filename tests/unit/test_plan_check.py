@@ -175,3 +175,38 @@ def test_from_pools_saved_launches(tmp_path, capsys):
     other = dict(new, meta=dict(meta, local=4))
     b.write_text(json.dumps(other))
     assert pc.main(["--from", str(a), str(b)]) == 2
+
+
+def test_choices_against_the_best_measured():
+    # per (op, size): the option with the smallest prediction against the fastest as measured (fp32 rows and the
+    # bench's ring are not options for a bf16 buffer; 4-bit rows only when allowed)
+    pc = _plan_check()
+
+    def row(variant, meas, pred, size=1 << 20):
+        return {
+            "op": "all_gather",
+            "size": size,
+            "variant": variant,
+            "planner_option": variant != "bf16-ring",
+            "measured_ms": meas,
+            "predicted_ms": pred,
+        }
+
+    checked = [
+        row("bf16", 10.0, 9.0),
+        row("fp32", 1.0, 1.0),
+        row("bf16-ring", 2.0, 2.0),
+        row("fp8", 8.0, 12.0),
+        row("mxfp4", 5.0, 4.0),
+        row("bf16", 3.0, 3.0, 1 << 18),
+        row("fp8", 3.1, 2.0, 1 << 18),
+    ]
+    fp8 = pc.choices(checked, allow_4bit=False)
+    assert [(c["size"], c["picked"], c["best"], c["within"]) for c in fp8] == [
+        (1 << 20, "bf16", "fp8", False),
+        (1 << 18, "fp8", "bf16", True),  # 3.1 / 3.0: within 5%
+    ]
+    assert fp8[0]["slower"] == pytest.approx(10.0 / 8.0)
+    four = pc.choices(checked, allow_4bit=True)
+    assert (four[0]["picked"], four[0]["best"], four[0]["within"]) == ("mxfp4", "mxfp4", True)
+    assert "1 / 2 within 5%" in pc.format_choices(fp8, "FP8")
