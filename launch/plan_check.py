@@ -450,8 +450,17 @@ def _from_file(args) -> int:
     several files (launches of one shape) pool their rounds."""
     from fp8comm.comm.calibration import Calibration
 
-    saved = [(f, json.loads(Path(f).read_text())) for f in args.from_file]
-    shapes = {(d["meta"]["nodes"], d["meta"]["local"]) for _, d in saved}
+    saved, shapes = [], set()
+    for f in args.from_file:
+        try:
+            d = json.loads(Path(f).read_text())
+            shapes.add((d["meta"]["nodes"], d["meta"]["local"]))
+            if not (d.get("rounds") or "rows" in d):
+                raise KeyError("rounds")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"plan_check.py: --from {f}: not a saved plan_check run ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        saved.append((f, d))
     if len(shapes) != 1:
         print(
             f"plan_check.py: --from files of different shapes (nodes, ranks per node): {sorted(shapes)}",

@@ -336,8 +336,8 @@ def _per_node(nodes: Sequence[int]) -> int:
 
 def rail_sizes(sizes: tuple[int, int], per_node: int) -> tuple[int, int]:
     """Bytes of one rail exchange (small, large): the large one shared by the node's rails beyond RAIL_SHARE of
-    them (all cross the node's one link at once: at 2x4 and 200 Mbit/s four rails of 2 MiB
-    are 8 MiB, about 0.34 s a window)."""
+    them (all cross the node's one link at once: at 2x4 and 200 Mbit/s four rails of 2 MiB are 8 MiB, about 0.34 s
+    a window)."""
     return sizes[0], max(sizes[0], min(sizes[1], sizes[1] * RAIL_SHARE // max(per_node, 1)))
 
 

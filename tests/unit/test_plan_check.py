@@ -175,6 +175,14 @@ def test_from_pools_saved_launches(tmp_path, capsys):
     other = dict(new, meta=dict(meta, local=4))
     b.write_text(json.dumps(other))
     assert pc.main(["--from", str(a), str(b)]) == 2
+    # a file that is not a saved run, or is missing: a clear error, exit 2
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    capsys.readouterr()
+    assert pc.main(["--from", str(bad)]) == 2
+    assert pc.main(["--from", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json: not a saved plan_check run" in err and "missing.json: not a saved plan_check run" in err
 
 
 def test_choices_against_the_best_measured():
