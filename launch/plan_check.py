@@ -13,10 +13,12 @@
                                                                 checkout's model (its calibration, or --calibration)
   launch/plan_check.py --from a.json b.json c.json              pool the rounds of several launches of one shape
 
-Every rank first runs fp8comm.comm.calibrate.calibrate() over the world (the calibration an engine would take at
-build), then fp8comm.tools.bench.comm's own table (its timing: median per call, barrier before each, the slowest
-rank's; `--ops`, `--min-size`, ... are bench comm's options, with this check's defaults). Rank 0 predicts each row
-with fp8comm.comm.planner.predict (the planner's own numbers) from that calibration:
+Every rank first runs fp8comm.comm.calibrate.calibrate() over the world (as `fp8comm calibrate` does ahead of
+time: with every option's small real call, which the engines' start-up leaves out; --no-small-calls: as they do;
+the summary also counts the same rows predicted without the small calls), then fp8comm.tools.bench.comm's own table
+(its timing: median per call, barrier before each, the slowest rank's; `--ops`, `--min-size`, ... are bench comm's
+options, with this check's defaults). Rank 0 predicts each row with fp8comm.comm.planner.predict (the planner's own
+numbers) from that calibration:
 
   bench comm row   the planner's option                      prediction
   bf16 / fp32      Option("native") in bf16 / fp32           torch's gloo call (planner.predict)
@@ -43,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -316,7 +319,7 @@ def _round(args, rank: int, i: int) -> dict | None:
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CalibrationWarning)
-        cal = calibrate(timeout_s=args.calibrate_timeout, report=report)
+        cal = calibrate(timeout_s=args.calibrate_timeout, report=report, small_calls=args.small_calls)
     cal_s = time.monotonic() - t0
     if cal is None:
         if rank == 0:
@@ -379,6 +382,11 @@ def _finish(result: dict, args, calibration=None) -> None:
     rounds = rounds_of(result, calibration=calibration)
     checked = compare_rounds(rounds, m["nodes"], m["local"], args.tolerance)
     summ = {**summary(checked, args.tolerance), "rounds": len(rounds)}
+    # the same rows predicted without the small calls (call_overhead alone, as the engines' start-up calibration has)
+    bare = [(replace(cal, small_calls={}, small_call_elems=0), rows) for cal, rows in rounds]
+    summ["planner_options_within_without_small_calls"] = summary(
+        compare_rounds(bare, m["nodes"], m["local"], args.tolerance), args.tolerance
+    )["planner_options_within"]
     picked = {"fp8": choices(checked, allow_4bit=False), "4bit": choices(checked, allow_4bit=True)}
     for k, v in picked.items():
         summ[f"choices_within_{k}"] = sum(c["within"] for c in v)
@@ -391,6 +399,11 @@ def _finish(result: dict, args, calibration=None) -> None:
     if len(rounds) > 1:
         print(f"# {len(rounds)} paired rounds: per row the median measured and the median predicted")
     print(format_table(checked, summ))
+    if any(cal.small_calls for cal, _ in rounds):
+        print(
+            f"# without the small calls (call_overhead alone): {summ['planner_options_within_without_small_calls']} / "
+            f"{summ['planner_options_total']} rows of the planner's options within {args.tolerance:.0%}"
+        )
     print(format_choices(picked["fp8"], "FP8 allowed (no 4 bits)"))
     print(format_choices(picked["4bit"], "4 bits allowed"), flush=True)
     if args.json:
@@ -501,6 +514,12 @@ def parser() -> argparse.ArgumentParser:
         help="re-predict saved --json runs, pooled (no ranks started)",
     )
     p.add_argument("--calibration", default="", help="with --from: predict from this calibration file instead")
+    p.add_argument(
+        "--no-small-calls",
+        dest="small_calls",
+        action="store_false",
+        help="calibrate without timing each option as a small real call (as the engines' start-up does)",
+    )
     return p
 
 

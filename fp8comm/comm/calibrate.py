@@ -19,6 +19,10 @@ What is timed (on every rank, at once, as a collective would load the machine):
   window, every rank's pooled, the median: the fixed cost the model charges each quantized call. The check itself
   runs only on a group's first calls of each op under the default policy ("first"); later calls pay a fixed cost
   of about its size all the same (their own collectives' calls: docs/planner.md, "What call_overhead stands for").
+- small calls (small_calls=True, a calibration of the whole world only): every option (the engine's own all-gather
+  and reduce-scatter in bf16 and fp32, each codec flat and two-level) timed as a real call of
+  smallcalls.SMALL_ELEMS elements on throwaway groups (smallcalls): Calibration.small_calls, which the model
+  prefers to call_overhead per option.
 Rank 0 keeps the SLOWEST per level (the node-local link of the slowest rank, the cross-node bandwidth of the slowest
 node) and each codec's slowest rank: a collective step ends when its slowest member does, so a plan from the typical
 rank would promise what the collective cannot deliver.
@@ -46,7 +50,8 @@ arguments, and a layout with uneven ranks per node are errors (Fp8CommConfigErro
 move between ranks.
 
 For tests only: FP8COMM_CALIBRATE_STALL="<group rank>:<phase>:<seconds>" makes that rank sleep before `phase`
-(ready: before it announces itself; links: after the start, before the transfers; codecs: before the codec timing).
+(ready: before it announces itself; links: after the start, before the transfers; codecs: before the codec timing;
+calls: before the small calls).
 """
 
 from __future__ import annotations
@@ -67,12 +72,12 @@ import torch.distributed as dist
 
 from ..errors import Fp8CommConfigError
 from ..quant.dispatch import COMPILE_MIN_NUMEL
-from . import topology
+from . import smallcalls, topology
 from .calibration import WIRE_CONFIGS, Calibration, Link, device_kind, measure_codecs
 from .linkmodel import CodecSpeed
 
 STALL_ENV = "FP8COMM_CALIBRATE_STALL"
-PHASES = ("ready", "links", "codecs")
+PHASES = ("ready", "links", "codecs", "calls")
 SIZES = (16 << 10, 2 << 20)  # bytes per exchange: small (latency), large (bandwidth, from the difference)
 CODEC_ELEMS = (1 << 14, 1 << 18)  # elements per codec call, small and large
 TAG = 0xCA1  # point-to-point tag on the private group
@@ -102,13 +107,16 @@ def calibrate(
     timeout_s: float = 30.0,
     store: Any = None,
     report: dict | None = None,
+    small_calls: bool = False,
 ) -> Calibration | None:
     """Measure and agree on one Calibration for `group` (None: the world); collective over the group's members.
 
     nodes: the node index of each member in group rank order (default: fp8comm.comm.topology's rule from every
     member's GROUP_RANK / LOCAL_WORLD_SIZE / host name); sizes: bytes per link exchange (small, large); codec_elems:
     elements per codec call (small, large); reps: timed repetitions per size (the median is kept); timeout_s: the
-    whole calibration's deadline; store: the c10d store to agree through (default: the default group's).
+    whole calibration's deadline; store: the c10d store to agree through (default: the default group's);
+    small_calls: also time every option as a small real call (smallcalls; a group spanning the whole world only, and
+    about 1-5 s more on the simulated cluster: `fp8comm calibrate` ahead of time does, the engines' start does not).
     Returns the identical Calibration on every rank, or None on every rank (with one CalibrationWarning) when it
     could not finish in time. `report`, when given, receives rank 0's published details: every rank's raw numbers,
     the seconds each phase took (first codec calls, the compiles, apart) and the rule that decided."""
@@ -136,6 +144,11 @@ def calibrate(
         raise _err("a calibration needs a group of >= 2 ranks (links are timed between ranks)")
     if nodes is not None and len(nodes) != world:
         raise _err(f"nodes gives {len(nodes)} node indices for a group of {world} ranks")
+    if small_calls and members != tuple(range(dist.get_world_size())):
+        raise _err(
+            f"small_calls=True needs a group of the whole world in rank order (its throwaway groups are made with "
+            f"dist.new_group, collective over the world); this group has ranks {list(members)}"
+        )
     me = members.index(dist.get_rank())
     epoch = _epochs.get(members, 0)
     _epochs[members] = epoch + 1
@@ -143,7 +156,14 @@ def calibrate(
     tag = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:12]
     kv = dist.PrefixStore(f"fp8comm-calibrate/{tag}/{epoch}/", base)
     args = json.dumps(
-        {"codecs": list(codecs), "sizes": sizes, "codec_elems": codec_elems, "reps": reps, "nodes": nodes}
+        {
+            "codecs": list(codecs),
+            "sizes": sizes,
+            "codec_elems": codec_elems,
+            "reps": reps,
+            "nodes": nodes,
+            "small_calls": bool(small_calls),
+        }
     )
 
     # ---- start: every member announces itself; rank 0 says go (with the node layout), or fallback, or error
@@ -198,6 +218,9 @@ def calibrate(
         mine["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     finally:
         del pg  # closes this calibration's connections; the caller's groups are untouched
+    if small_calls:  # every rank past "go" alike, whatever failed above (smallcalls: the world's group counter)
+        _stall(me, "calls")
+        mine |= smallcalls.time_calls(me, layout["nodes"], codecs, 2 * reps + 1, deadline)
     kv.set(f"result/{me}", json.dumps(mine))
 
     # ---- decide: rank 0 builds the calibration from everyone's numbers, or falls back; everyone reads the key
@@ -500,11 +523,22 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     checks = [x for r in rows if r["links"].get("check") for x in r["links"]["check"][0]]
     call_overhead = med(checks) if checks else 0.0
     latency["check"] = {"from": "check", "median_s": call_overhead, "samples": len(checks)}
+    # each option's small real call (smallcalls): every call's slowest rank (a collective ends with its last member,
+    # as bench comm counts a row), the median over the calls; none where any rank's calls failed (said in the notes)
+    small: dict[str, float] = {}
+    dropped = [f"{r['rank']} ({r['calls_failed']})" for r in rows if "calls_failed" in r]
+    if dropped:
+        notes.append(f"small calls not timed (call_overhead stands for them): failed on rank(s) {'; '.join(dropped)}")
+    elif all("calls" in r for r in rows):
+        for k in rows[0]["calls"]:
+            small[k] = med([max(r["calls"][k][i] for r in rows) for i in range(len(rows[0]["calls"][k]))])
     spent = {
         "links_s": max(r["links_s"] for r in rows),
         "codecs_s": max(r["codecs_s"] for r in rows),
         "first_calls_s": max(r["first_calls_s"] for r in rows),
     }
+    if any("calls_s" in r for r in rows):
+        spent["calls_s"] = max(r.get("calls_s", 0.0) for r in rows)
     spent |= times
     spent["without_first_calls_s"] = spent["decided_s"] - spent["first_calls_s"]
     cal = Calibration(
@@ -516,6 +550,8 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
         backend="gloo",
         world_size=world,
         call_overhead=call_overhead,
+        small_calls=small,
+        small_call_elems=smallcalls.SMALL_ELEMS if small else 0,
         source=(
             f"fp8comm calibrate, {time.strftime('%Y-%m-%d %H:%M')}: {n_nodes} node(s) x {per_node} ranks, gloo, "
             f"exchanges of {sizes[0]} and {sizes[1]} bytes ({rails_sz[1]} per rail across nodes), slowest rank / node "
@@ -526,7 +562,8 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
             "node_local_cap not measured (None); call_overhead: the metadata check's all_gather of (16 + 2 x world) "
             f"int64 ({call_overhead * 1e6:.0f} us), not Python's own cost per call",
             f"time: {spent['decided_s']:.2f} s in all, {spent['first_calls_s']:.2f} s of it first codec calls "
-            f"(compiles, caches); links {spent['links_s']:.2f} s, codecs {spent['codecs_s']:.2f} s",
+            f"(compiles, caches); links {spent['links_s']:.2f} s, codecs {spent['codecs_s']:.2f} s"
+            + (f", small calls {spent['calls_s']:.2f} s" if "calls_s" in spent else ""),
         ),
     )
     report = {

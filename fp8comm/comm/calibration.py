@@ -80,7 +80,9 @@ class Calibration:
     """Per-level links and per-codec speeds of one kind of machine (see the module's docstring). codecs: codec name
     (linkmodel.CODECS) -> speed, "*" for any codec not named; backend: what the engines' own collectives run on
     (nccl: NCCL's ring; gloo: torch's gloo calls); call_overhead: fixed seconds per quantized call, timed as one
-    small gloo all_gather (calibrate.py; 0: not modelled); world_size: the world it was taken in (informational:
+    small gloo all_gather (calibrate.py; 0: not modelled); small_calls: "op/algo/codec" -> seconds one real call of
+    that option took on a buffer of small_call_elems elements (comm/smallcalls.py; the model prefers it to
+    call_overhead where it has one); world_size: the world it was taken in (informational:
     never checked); source: where the numbers come from."""
 
     inter: Link
@@ -91,6 +93,8 @@ class Calibration:
     backend: str = "nccl"
     node_local_cap: float | None = None
     call_overhead: float = 0.0
+    small_calls: Mapping[str, float] = field(default_factory=dict)
+    small_call_elems: int = 0
     version: str = __version__
     world_size: int | None = None
     source: str = ""
@@ -108,6 +112,13 @@ class Calibration:
         if self.node_local_cap is not None:
             _positive("node_local_cap", self.node_local_cap)
         _positive("call_overhead", self.call_overhead, allow_zero=True)
+        for k, v in self.small_calls.items():
+            _small_key(k)
+            _positive(f"small_calls[{k!r}]", v, allow_zero=True)
+        e = self.small_call_elems
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0 or (self.small_calls and e < 1):
+            raise _err(f"small_call_elems must be an int >= 1 with small_calls (0 without), got {e!r}")
+        object.__setattr__(self, "small_calls", dict(self.small_calls))
         for name, s in self.codecs.items():
             if name != "*" and name not in WIRE_CONFIGS:
                 raise _err(f"codec speed for unknown codec {name!r}; valid: {', '.join(WIRE_CONFIGS)}, '*'")
@@ -140,6 +151,8 @@ class Calibration:
             dict(self.codecs),
             intra_node_bw=self.node_local_cap,
             call_overhead=self.call_overhead,
+            small_calls=dict(self.small_calls),
+            small_elems=self.small_call_elems,
             host_local=self.device_type == "cpu",  # CPU ranks copy node-local bytes themselves (loopback TCP)
         )
 
@@ -172,6 +185,8 @@ class Calibration:
             "intra": {"bandwidth": self.intra.bandwidth, "latency": self.intra.latency},
             "node_local_cap": self.node_local_cap,
             "call_overhead": self.call_overhead,
+            "small_calls": dict(self.small_calls),
+            "small_call_elems": self.small_call_elems,
             "codecs": {k: _speed_dict(s) for k, s in self.codecs.items()},
             "source": self.source,
             "notes": list(self.notes),
@@ -251,6 +266,8 @@ class Calibration:
             backend=text("backend"),
             node_local_cap=None if cap is None else num(d, "node_local_cap"),
             call_overhead=num(d, "call_overhead") if "call_overhead" in d else 0.0,
+            small_calls={k: num(obj(d, "small_calls"), k, "small_calls.") for k in d.get("small_calls") or {}},
+            small_call_elems=d.get("small_call_elems", 0),
             version=text("version"),
             world_size=d.get("world_size"),
             source=str(d.get("source", "")),
@@ -275,6 +292,21 @@ class Calibration:
         if not p.is_file():
             raise _err(f"no such file: {p}")
         return cls.from_json(p.read_text(), device=device, ranks_per_node=ranks_per_node, where=str(p))
+
+
+SMALL_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+SMALL_ALGOS = ("gloo", "ring", "flat", "two_level")
+
+
+def _small_key(k: object) -> None:
+    """A small_calls key names one option: op/algo/codec (comm/smallcalls.key)."""
+    parts = k.split("/") if isinstance(k, str) else []
+    ok = len(parts) == 3 and parts[0] in SMALL_OPS and parts[1] in SMALL_ALGOS
+    if not ok or parts[2] not in (*WIRE_CONFIGS, "bf16", "fp32"):
+        raise _err(
+            f"small_calls key {k!r}: expected op/algo/codec with op in {SMALL_OPS}, algo in {SMALL_ALGOS}, codec one "
+            f"of {', '.join(WIRE_CONFIGS)}, bf16, fp32"
+        )
 
 
 def _check_speed(name: str, s: CodecSpeed) -> None:

@@ -250,7 +250,8 @@ class Machine:
     latency per step; intra = one rank's node-local bandwidth and latency; intra_node_bw caps a node's node-local
     traffic in all (a shared host bridge; None: no cap); codec speeds per codec name ("*" = any other);
     call_overhead: seconds a quantized call costs beyond its stages (fixed per call; what its first piece's work
-    before the wire does not hide)."""
+    before the wire does not hide); small_calls: per option (op/algo/codec), a real call's seconds at small_elems,
+    which replaces call_overhead for that option."""
 
     name: str
     g: int
@@ -263,6 +264,10 @@ class Machine:
     intra_node_bw: float | None = None
     note: str = ""
     call_overhead: float = 0.0  # seconds per quantized call beyond its stages, added once; 0 = not modelled
+    # "op/algo/codec" -> seconds one real call of that option took on small_elems elements (calibrate's small calls):
+    # a call of that option is charged what the small one took beyond the model's stages for it (not call_overhead)
+    small_calls: dict[str, float] = field(default_factory=dict, compare=False)
+    small_elems: int = 0
     # node-local transfers are copies made by the cores that run the codecs (CPU ranks: loopback TCP), so the
     # node-local wire and codec work cannot overlap; False: a separate engine moves them (NVLink, PCIe DMA)
     host_local: bool = False
@@ -328,7 +333,8 @@ def time(
     c = codec_of(codec)
     if op == "all_reduce" and c.quantized:
         a = time("reduce_scatter", algo, c, m, elems, pieces, local, dtype, feedback)
-        b = time("all_gather", algo, c, replace(m, call_overhead=0.0), elems, gather_pieces or pieces, local, dtype)
+        once = replace(m, call_overhead=0.0, small_calls={})  # the call's fixed cost is charged once, in phase one
+        b = time("all_gather", algo, c, once, elems, gather_pieces or pieces, local, dtype)
         gather = tuple((f"gather {k}", v) for k, v in b.stages)
         return Estimate(
             a.seconds + b.seconds, a.stages + gather, a.levels + b.levels, pieces, a.resources + b.resources
@@ -412,9 +418,15 @@ def time(
     # travels while the first piece is prepared (comm/core.py and comm/levels.py settle it just before the first
     # quantized piece goes on the wire): only the rest shows. Calls past the check (policy "first") are charged the
     # same: they measured a fixed cost of about its size (docs/planner.md, "What call_overhead stands for")
-    first = next((i for i, (name, _) in enumerate(st) if RESOURCES.get(name) == "link"), len(st))
-    lead = sum(s for _, s in st[:first]) / max(pieces, 1)
-    host = max(0.0, m.call_overhead - lead) if c.quantized else 0.0
+    small = m.small_calls.get(f"{op}/{algo}/{c.name}") if m.small_elems else None
+    if small is not None:
+        # what the small real call took beyond the model's own stages for it (never less than nothing)
+        bare = replace(m, call_overhead=0.0, small_calls={})
+        host = max(0.0, small - time(op, algo, c, bare, m.small_elems, 1, local, dtype).seconds)
+    else:
+        first = next((i for i, (name, _) in enumerate(st) if RESOURCES.get(name) == "link"), len(st))
+        lead = sum(s for _, s in st[:first]) / max(pieces, 1)
+        host = max(0.0, m.call_overhead - lead) if c.quantized else 0.0
     return Estimate(host + peak + (total - peak) / max(pieces, 1), tuple(st), lv, pieces, tuple(res.items()))
 
 

@@ -6,6 +6,8 @@ Runs as one rank under torchrun (every rank calls it; rank 0 writes the file), o
 on 127.0.0.1, --local-size of them per node (LOCAL_WORLD_SIZE), as `fp8comm bench comm` does. The measurement is
 fp8comm.comm.calibrate.calibrate(): every rank times, rank 0 decides (the slowest per level and per codec) and
 publishes; a calibration that cannot finish within --timeout writes nothing and exits 1 with the reason.
+Ahead of time it also times every option as a small real call (the fixed cost per call the model charges; a few
+seconds more, which the engines' own start-up calibration does not spend); --no-small-calls leaves that out.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median kept)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds before the calibration gives up (falls back)")
     p.add_argument("--json", action="store_true", help="print the calibration and its details as JSON")
+    p.add_argument(
+        "--no-small-calls",
+        dest="small_calls",
+        action="store_false",
+        help="do not time each option as a small real call (the model then charges call_overhead per quantized call)",
+    )
 
 
 def _checked(args) -> dict:
@@ -67,6 +75,7 @@ def _checked(args) -> dict:
         "codec_elems": pair(args.codec_elems, "--codec-elems"),
         "reps": args.reps,
         "timeout_s": args.timeout,
+        "small_calls": args.small_calls,
     }
 
 
@@ -198,6 +207,13 @@ def _print(cal, report: dict, out: str) -> None:
         ["codec", "pack M elem/s", "unpack_sum M elem/s"],
         [[k, f"{v.pack / 1e6:.1f}", f"{v.unpack_sum / 1e6:.1f}"] for k, v in cal.codecs.items()],
     )
+    if cal.small_calls:
+        print()
+        _table(
+            ["option (small call)", "ms"],
+            [[k, f"{v * 1e3:.2f}"] for k, v in sorted(cal.small_calls.items())],
+        )
+        print(f"# small calls: {cal.small_call_elems} elements per buffer, {s.get('calls_s', 0.0):.2f} s")
     for n in cal.notes:
         print(f"# note: {n}")
     print(f"# written: {out} (fp8comm plan --calibration {out})")

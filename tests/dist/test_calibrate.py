@@ -14,6 +14,7 @@ arrive it writes nothing and exits 1 with the reason.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ import pytest
 from fp8comm import __version__
 from fp8comm.comm.calibrate import SMALL_REPS
 from fp8comm.comm.calibration import Calibration
+from fp8comm.comm.smallcalls import SMALL_ELEMS
 from fp8comm.tools import cli
 
 pytestmark = pytest.mark.dist
@@ -37,6 +39,7 @@ WORLD = 4
 FAST = {"sizes": (1 << 10, 64 << 10), "codec_elems": (1 << 12, 1 << 15), "reps": 2}
 STALL_READY = (3, 4.0, 7.0)  # rank, timeout_s, stall seconds
 STALL_LINKS = (2, 6.0, 9.0)
+STALL_CALLS = (1, 8.0, 11.0)
 
 
 def _scenario(rec: dict, name: str, fn) -> None:
@@ -65,6 +68,14 @@ def _scenario(rec: dict, name: str, fn) -> None:
         out["world_ok"] = x.tolist() == [WORLD] * 3
     except Exception as e:
         out["world_ok"] = f"{type(e).__name__}: {e}"
+    try:  # and so must the caller's next new group (the small calls' groups kept the world's group count even)
+        pg = dist.new_group(list(range(WORLD)), timeout=datetime.timedelta(seconds=30))
+        x = torch.ones(2)
+        dist.all_reduce(x, group=pg)
+        dist.destroy_process_group(pg)
+        out["new_group_ok"] = x.tolist() == [WORLD] * 2
+    except Exception as e:
+        out["new_group_ok"] = f"{type(e).__name__}: {e}"
     rec[name] = out
 
 
@@ -78,15 +89,25 @@ def _target(rank: int, world: int, port: int, outdir: str, env: dict, names) -> 
     rec: dict = {"check": "calibrate", "state": "done", "ok": True}
     try:
         report: dict = {}
-        _scenario(rec, "ok", lambda: calibrate(**FAST, timeout_s=120, report=report))
+        _scenario(rec, "ok", lambda: calibrate(**FAST, timeout_s=120, report=report, small_calls=True))
         rec["report"] = report
-        for name, (who, timeout, stall) in (("ready", STALL_READY), ("links", STALL_LINKS)):
+        for name, (who, timeout, stall) in (("ready", STALL_READY), ("links", STALL_LINKS), ("calls", STALL_CALLS)):
             os.environ[STALL_ENV] = f"{who}:{name}:{stall}"
-            _scenario(rec, f"stall_{name}", lambda t=timeout: calibrate(**FAST, timeout_s=t))
+            _scenario(rec, f"stall_{name}", lambda t=timeout: calibrate(**FAST, timeout_s=t, small_calls=True))
             os.environ.pop(STALL_ENV)
         _scenario(rec, "args", lambda: calibrate(**(FAST | {"reps": 3 if rank == 1 else 2}), timeout_s=60))
         _scenario(rec, "uneven", lambda: calibrate(**FAST, nodes=[0, 0, 0, 1], timeout_s=60))
         _scenario(rec, "again", lambda: calibrate(**FAST, codecs=("fp8",), timeout_s=120))
+        pair = dist.new_group([0, 1])  # small calls need the whole world: refused on a pair, before anything moves
+        if rank < 2:  # (not a _scenario: its checks are collectives over the world)
+            t0 = time.monotonic()
+            try:
+                calibrate(pair, **FAST, timeout_s=60, small_calls=True)
+                rec["small_pair"] = {"error": ""}
+            except Exception as e:
+                rec["small_pair"] = {"error": f"{type(e).__name__}: {e}"}
+            rec["small_pair"]["seconds"] = time.monotonic() - t0
+        dist.barrier()
     except BaseException as e:
         rec.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
     out.write(json.dumps(rec) + "\n")
@@ -102,13 +123,14 @@ def runs(tmp_path_factory):
     assert not run["timed_out"] and run["exitcodes"] == [0] * WORLD, run
     recs = {r: run["results"][r][-1] for r in range(WORLD)}
     for r, rec in recs.items():
-        assert rec["ok"], (r, rec)
+        assert rec["ok"], (r, rec.get("error"), rec.get("trace"))
     return recs
 
 
 def test_every_rank_holds_the_identical_calibration(runs):
     got = [runs[r]["ok"] for r in range(WORLD)]
     assert all("error" not in g and g["warnings"] == [] and g["world_ok"] is True for g in got), got
+    assert all(g["new_group_ok"] is True for g in got), got
     assert all(g["rng_kept"] is True for g in got), got  # torch's global generator untouched on every rank
     texts = {g["result"] for g in got}
     assert len(texts) == 1
@@ -131,20 +153,27 @@ def test_every_rank_holds_the_identical_calibration(runs):
     assert cal.codecs["fp8"].pack == min(x["codecs"]["fp8"][0] for x in rep["ranks"])
     s = rep["seconds"]
     assert 0 < s["first_calls_s"] < s["decided_s"] and s["without_first_calls_s"] > 0
+    # every option's small real call: the engine's own all-gather and reduce-scatter in bf16 and fp32, every codec
+    # flat and two-level (2 nodes x 2 ranks), each the median of its calls' slowest rank
+    algos = [("gloo", d) for d in ("bf16", "fp32")] + [(a, c) for c in cal.codecs for a in ("flat", "two_level")]
+    assert set(cal.small_calls) == {f"{op}/{a}/{c}" for op in ("all_gather", "reduce_scatter") for a, c in algos}
+    assert all(v > 0 for v in cal.small_calls.values()) and cal.small_call_elems == SMALL_ELEMS
+    assert 0 < s["calls_s"] < s["decided_s"]
     # a second calibration on the same group (fresh keys) works as well
     again = {runs[r]["again"]["result"] for r in range(WORLD)}
     assert len(again) == 1 and None not in again
-    assert set(Calibration.from_json(again.pop()).codecs) == {"fp8"}
+    again_cal = Calibration.from_json(again.pop())
+    assert set(again_cal.codecs) == {"fp8"} and again_cal.small_calls == {}  # small calls only when asked for
 
 
-@pytest.mark.parametrize("phase,stall", [("ready", STALL_READY), ("links", STALL_LINKS)])
+@pytest.mark.parametrize("phase,stall", [("ready", STALL_READY), ("links", STALL_LINKS), ("calls", STALL_CALLS)])
 def test_a_rank_that_does_not_answer_gives_one_fallback_everywhere(runs, phase, stall):
     who, timeout, secs = stall
     got = [runs[r][f"stall_{phase}"] for r in range(WORLD)]
     for r, g in enumerate(got):
         assert "error" not in g and g["result"] is None, (r, g)
         assert len(g["warnings"]) == 1, (r, g)
-        assert g["world_ok"] is True, (r, g)
+        assert g["world_ok"] is True and g["new_group_ok"] is True, (r, g)
     assert len({g["warnings"][0] for g in got}) == 1  # one outcome, decided once, read by everyone
     text = got[0]["warnings"][0]
     assert "keeping the fixed choice" in text and str(who) in text, text
@@ -161,6 +190,13 @@ def test_bad_arguments_and_uneven_layouts_are_one_error_everywhere(runs):
         assert len(errs) == 1, (name, errs)
         err = errs.pop()
         assert err and err.startswith("Fp8CommConfigError: calibrate: ") and msg in err, err
+
+
+def test_small_calls_need_the_whole_world(runs):
+    for r in (0, 1):
+        err = runs[r]["small_pair"].get("error", "")
+        assert err.startswith("Fp8CommConfigError: calibrate: small_calls=True needs a group of the whole world"), err
+        assert "ranks [0, 1]" in err and runs[r]["small_pair"]["seconds"] < 1.0, runs[r]["small_pair"]
 
 
 def test_bad_arguments_are_refused_before_anything_moves():
@@ -191,6 +227,8 @@ def test_cli_writes_a_file_plan_accepts(written, capsys):
     assert "| cross-node (per node)" in stdout and "| fp8 " in stdout and "first codec calls" in stdout
     cal = Calibration.load(out, device="cpu", ranks_per_node=2)
     assert cal.world_size == 4
+    # ahead of time it times every option as a small real call (20 at 2x2 with four codecs), and prints them
+    assert len(cal.small_calls) == 20 and "| reduce_scatter/two_level/mxfp4 " in stdout
     base = ["plan", "--nodes", "8", "--gpus-per-node", "2", "--params", "100M", "--json"]  # another world size: fine
     assert cli.main([*base, "--calibration", str(out)]) == 0
     r = json.loads(capsys.readouterr().out)

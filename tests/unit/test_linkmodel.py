@@ -168,6 +168,28 @@ def test_call_overhead_hides_behind_the_first_piece():
     assert lm.time("reduce_scatter", "ring", "bf16", _machine(call_overhead=1.0), E).seconds < 1.0
 
 
+def test_small_calls_charge_each_option_its_own_fixed_cost():
+    # a small real call's seconds beyond the model's own stages for it, once per call, in place of call_overhead;
+    # per option (the engine's own call too), never below nothing; an all_reduce pays its first phase's once
+    E, S = 1 << 22, 1 << 12
+    small = {"reduce_scatter/flat/fp8": 5e-3, "reduce_scatter/gloo/bf16": 4e-3, "all_gather/flat/mxfp4": 0.0}
+    plain, m = _machine(call_overhead=2e-3), _machine(call_overhead=2e-3, small_calls=small, small_elems=S)
+    bare = _machine()
+    for op, algo, codec in [k.split("/") for k in small]:
+        extra = max(0.0, small[f"{op}/{algo}/{codec}"] - lm.time(op, algo, codec, bare, S).seconds)
+        assert lm.time(op, algo, codec, m, E, pieces=4).seconds == pytest.approx(
+            lm.time(op, algo, codec, bare, E, pieces=4).seconds + extra
+        )
+    mx = ("all_gather", "flat", "mxfp4")
+    assert lm.time(*mx, m, E).seconds == lm.time(*mx, bare, E).seconds
+    # an option without a small call keeps call_overhead
+    other = ("reduce_scatter", "two_level", "fp8")
+    assert lm.time(*other, m, E).seconds == lm.time(*other, plain, E).seconds
+    rs_extra = 5e-3 - lm.time("reduce_scatter", "flat", "fp8", bare, S).seconds
+    ar = lm.time("all_reduce", "flat", "fp8", m, E).seconds
+    assert ar == pytest.approx(lm.time("all_reduce", "flat", "fp8", bare, E).seconds + rs_extra)
+
+
 def test_time_shared_host_bridge_caps_the_node():
     E = 1 << 22
     free = lm.time("reduce_scatter", "two_level", "fp8", _machine(g=4, inter_bw=1e12), E)

@@ -97,6 +97,28 @@ def test_calibration_round_trip_with_regimes():
         _cal().__class__(**{**_cal().__dict__, "codecs": {"fp8": CodecSpeed(1, 1, 1, fixed=-1.0)}})
 
 
+def test_small_calls_round_trip_and_bad_ones_are_named():
+    cal = _cal(small_calls={"all_gather/flat/fp8": 3e-3, "reduce_scatter/gloo/fp32": 4e-3}, small_call_elems=4096)
+    back = Calibration.from_json(cal.to_json(), device="cpu", ranks_per_node=2)
+    assert back == cal and back.machine(2, 2).small_calls == cal.small_calls and back.machine(2, 2).small_elems == 4096
+    old = json.loads(_cal().to_json())
+    del old["small_calls"], old["small_call_elems"]  # files from before the small calls: none, call_overhead stands
+    assert Calibration.from_dict(old).small_calls == {}
+    for kw, msg in [
+        ({"small_calls": {"all_gather/flat/fp6": 1e-3}, "small_call_elems": 8}, "key 'all_gather/flat/fp6'"),
+        ({"small_calls": {"all_gather/ring": 1e-3}, "small_call_elems": 8}, "key 'all_gather/ring'"),
+        ({"small_calls": {"all_gather/flat/fp8": -1.0}, "small_call_elems": 8}, "small_calls['all_gather/flat/fp8']"),
+        ({"small_calls": {"all_gather/flat/fp8": 1e-3}}, "small_call_elems must be an int >= 1"),
+        ({"small_call_elems": 2.5}, "small_call_elems must be an int"),
+    ]:
+        with pytest.raises(Fp8CommConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+            _cal(**kw)
+    d = json.loads(cal.to_json())
+    d["small_calls"]["all_gather/flat/fp8"] = "fast"
+    with pytest.raises(Fp8CommConfigError, match="small_calls.all_gather/flat/fp8"):
+        Calibration.from_dict(d)
+
+
 def test_compare_rows_against_the_planner():
     pc = _plan_check()
     cal = _cal()
@@ -171,6 +193,13 @@ def test_from_pools_saved_launches(tmp_path, capsys):
     (c,) = res["checked"]
     assert c["measured_rounds"] == [10.0, 20.0, 30.0] and c["measured_ms"] == 20.0
     assert "3 paired rounds" in capsys.readouterr().out
+    # a round with small calls: the same rows are also counted as predicted without them (call_overhead alone)
+    fast = _cal(call_overhead=0.05, small_calls={"reduce_scatter/flat/fp8": 0.0}, small_call_elems=4096)
+    b.write_text(json.dumps(dict(new, rounds=[{"calibration": fast.to_dict(), "rows": [dict(row, time=0.010)]}])))
+    assert pc.main(["--from", str(b), "--json", str(out)]) == 0
+    summ = json.loads(out.read_text())["summary"]
+    assert summ["planner_options_within"] == 1 and summ["planner_options_within_without_small_calls"] == 0
+    assert "without the small calls (call_overhead alone): 0 / 1 rows" in capsys.readouterr().out
     # launches of another shape do not pool
     other = dict(new, meta=dict(meta, local=4))
     b.write_text(json.dumps(other))

@@ -1,0 +1,138 @@
+"""The fixed cost of each collective option, timed as a small real call (calibrate()'s last phase, issue 30).
+
+A call costs more than its stages (codec work, wire bytes, a latency per step): on the simulated cluster a quantized
+call of 64 KiB took 1.0-3.1 ms (2x2) beyond them, and options differ (each runs its own gloo collectives). Every
+option is therefore timed as the engines call it, at SMALL_ELEMS, where its stages are nearly nothing; linkmodel.time
+charges every call of that option what the small call took beyond the model's own stages for it.
+
+Real fp8comm calls need registered groups: throwaway ones, made with dist.new_group over the whole world with the
+calibration's deadline as their timeout (a peer that stops answering breaks these, never the caller's groups), and
+destroyed at the end. dist.new_group is collective over the world and numbers groups by a per-process counter, so
+every rank makes the same new_group calls in the same order whatever fails before or during them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .api import Buffer
+from .calibration import WIRE_CONFIGS
+from .hierarchical import HierarchicalGroups, _destroy
+from .stats import Stats
+
+SMALL_ELEMS = 1 << 12  # elements of each small call's whole buffer (8 KiB of bf16): stages of a few microseconds
+OPS = ("all_gather", "reduce_scatter")
+NATIVE = ("bf16", "fp32")  # the engine's own call in these dtypes (torch's gloo collectives)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def key(op: str, algo: str, codec: str) -> str:
+    """The name of one option's small-call time: op/algo/codec (algo: gloo, flat or two_level)."""
+    return f"{op}/{algo}/{codec}"
+
+
+def two_level_ok(nodes: Sequence[int]) -> bool:
+    """Whether the two-level phases can run on this layout: >= 2 nodes of >= 2 ranks, each node's ranks consecutive."""
+    n = max(nodes) + 1
+    return n >= 2 and len(nodes) // n >= 2 and list(nodes) == sorted(nodes)
+
+
+def options(codecs: Sequence[str], nodes: Sequence[int]) -> list[tuple[str, str, str]]:
+    """(op, algo, codec) of every option timed: the engine's own call in bf16 and fp32, each codec flat and (where
+    the layout allows) two-level."""
+    algos = ("flat", "two_level") if two_level_ok(nodes) else ("flat",)
+    out = [(op, "gloo", d) for op in OPS for d in NATIVE]
+    return out + [(op, a, c) for op in OPS for c in codecs for a in algos]
+
+
+def _groups(nodes: Sequence[int], deadline: float) -> tuple[list, list[str]]:
+    """Every throwaway group, in one order on every rank: the world, then (two levels) each node's, then each local
+    index's across nodes. A creation that fails is recorded and the rest are still made (the counter stays even)."""
+    world = len(nodes)
+    specs = [list(range(world))]
+    if two_level_ok(nodes):
+        n, g = max(nodes) + 1, world // (max(nodes) + 1)
+        specs += [[i * g + j for j in range(g)] for i in range(n)]
+        specs += [[i * g + j for i in range(n)] for j in range(g)]
+    made, failed = [], []
+    for ranks in specs:
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            made.append(dist.new_group(ranks, timeout=datetime.timedelta(seconds=left), backend="gloo"))
+        except Exception as e:  # a peer out of time: its rendezvous timed out
+            made.append(None)
+            failed.append(f"new_group({ranks}): {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    return made, failed
+
+
+def time_calls(me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, deadline: float) -> dict[str, Any]:
+    """{"calls": {key: [seconds of each timed call on this rank]}, "calls_s": seconds} or {"calls_failed": why}.
+
+    Collective over the whole world, group rank == global rank (calibrate() checks); each call starts after a barrier
+    of the throwaway world group, as bench comm times its rows; one untimed call per option first. The calls skip
+    the metadata check (a group's calls past its first ones run none) and record into a Stats of their own (not
+    comm_stats())."""
+    t0 = time.monotonic()
+    made, failed = _groups(nodes, deadline)
+    out: dict[str, Any] = {}
+    try:
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        world = len(nodes)
+        wg = made[0]
+        hg = None
+        if len(made) > 1:
+            n, g = max(nodes) + 1, world // (max(nodes) + 1)
+            node, local = divmod(me, g)
+            hg = HierarchicalGroups(made[1 + node], made[1 + n + local], n, g, node, local)
+        buf = Buffer(wg)
+        buf.state.stats = Stats()  # not the process totals: comm_stats() reports the caller's calls only
+        gen = torch.Generator().manual_seed(4321 + me)
+        shard = SMALL_ELEMS // world
+        calls: dict[str, list[float]] = {}
+        for op, algo, codec in options(codecs, nodes):
+            dt = DTYPES.get(codec, torch.bfloat16)
+            full = torch.randn(shard * world, generator=gen).to(dt)
+            part = torch.empty(shard, dtype=dt)
+            if algo == "gloo":
+                fn = _native(op, full, part, wg)
+            else:
+                kw = dict(WIRE_CONFIGS[codec], check=False, hierarchical=hg if algo == "two_level" else None)
+                if op == "all_gather":
+                    fn = lambda kw=kw, full=full, part=part: buf.all_gather_into(full, part, **kw)
+                else:
+                    fn = lambda kw=kw, full=full, part=part: buf.reduce_scatter_into(part, full, **kw)
+            fn()  # untimed: first use (scratch, piece plans)
+            ts = []
+            for _ in range(reps):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("calibration deadline passed during the small calls")
+                dist.barrier(group=wg)
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+            calls[key(op, algo, codec)] = ts
+        out["calls"] = calls
+    except Exception as e:  # a peer that stopped answering, or out of time: these numbers are dropped, never raised
+        out["calls_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    finally:
+        for pg in reversed(made):
+            if pg is not None:
+                _destroy(pg)
+    out["calls_s"] = time.monotonic() - t0
+    return out
+
+
+def _native(op: str, full: torch.Tensor, part: torch.Tensor, group: Any):
+    """The engine's own call on `group`: torch's all-gather / reduce-scatter of one flat buffer."""
+    if op == "all_gather":
+        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: ag(full, part, group=group)
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return lambda: rs(part, full, group=group)
