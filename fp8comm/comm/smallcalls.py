@@ -2,8 +2,8 @@
 
 A call costs more than its stages (codec work, wire bytes, a latency per step): on the simulated cluster a quantized
 call of 64 KiB took 1.0-3.1 ms (2x2) beyond them, and options differ (each runs its own gloo collectives). Every
-option is therefore timed as the engines call it, at SMALL_ELEMS, where its stages are nearly nothing; linkmodel.time
-charges every call of that option what the small call took beyond the model's own stages for it.
+option is therefore timed as the engines call it, at SMALL_ELEMS; linkmodel.time charges every call of that option
+what the small call took beyond the model's own stages for it.
 
 Real fp8comm calls need registered groups: throwaway ones, made with dist.new_group over the whole world with the
 calibration's deadline as their timeout (a peer that stops answering breaks these, never the caller's groups), and
@@ -26,7 +26,10 @@ from .calibration import WIRE_CONFIGS
 from .hierarchical import HierarchicalGroups, _destroy
 from .stats import Stats
 
-SMALL_ELEMS = 1 << 12  # elements of each small call's whole buffer (8 KiB of bf16): stages of a few microseconds
+# elements of each small call's whole buffer: 64 KiB of bf16, bench comm's smallest row. Smaller calls took longer
+# on the simulated cluster (8 KiB: 1.2-2x the 64-256 KiB rows' fixed cost, scheduling on shared cores), and charged
+# to every size they made the predictions worse (docs/planner.md, "Each option's own fixed cost")
+SMALL_ELEMS = 1 << 15
 OPS = ("all_gather", "reduce_scatter")
 NATIVE = ("bf16", "fp32")  # the engine's own call in these dtypes (torch's gloo collectives)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
