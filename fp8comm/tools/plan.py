@@ -288,6 +288,7 @@ def report(args) -> dict:
             "inter_latency_us": cal.inter.latency * 1e6,
             "intra_latency_us": cal.intra.latency * 1e6,
             "call_overhead_us": cal.call_overhead * 1e6,
+            "small_calls_ms": {k: v * 1e3 for k, v in cal.small_calls.items()},
             "backend": cal.backend,
             "device": cal.device,
             "source": cal.source,
@@ -351,6 +352,11 @@ def _print(r: dict, brief: bool = False) -> None:
         f"({c['inter_latency_us']:g} us/step), node-local {c['intra_GBps']:g} GB/s per GPU "
         f"({c['intra_latency_us']:g} us/step){cap}; engine's own collectives: {c['backend']}; host cost per "
         f"quantized call {c['call_overhead_us']:g} us"
+        + (
+            f" (options with a small call from the calibration: {len(c['small_calls_ms'])}, charged their own)"
+            if c["small_calls_ms"]
+            else ""
+        )
     )
     print(f"# {c['source']}")
     sizes = ", ".join(f"{n} x {int(s):,}" for s, n in r["step"]["buckets"].items())

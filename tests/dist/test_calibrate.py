@@ -233,6 +233,7 @@ def test_cli_writes_a_file_plan_accepts(written, capsys):
     assert cli.main([*base, "--calibration", str(out)]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["cluster"]["inter_GBps"] == cal.inter.bandwidth / 1e9 and str(out) in r["cluster"]["source"]
+    assert r["cluster"]["small_calls_ms"] == {k: v * 1e3 for k, v in cal.small_calls.items()}
 
 
 def test_cli_refuses_a_foreign_file(written, tmp_path, capsys):
