@@ -19,8 +19,8 @@ What is timed (on every rank, at once, as a collective would load the machine):
   window, every rank's pooled, the median: the fixed cost the model charges each quantized call. The check itself
   runs only on a group's first calls of each op under the default policy ("first"); later calls pay a fixed cost
   of about its size all the same (their own collectives' calls: docs/planner.md, "What call_overhead stands for").
-- small calls (small_calls=True, a calibration of the whole world only): every option (the engine's own all-gather
-  and reduce-scatter in bf16 and fp32, each codec flat and two-level) timed as a real call of
+- small calls (small_calls=True, a calibration of the whole world only): every option (the engine's own all-gather,
+  reduce-scatter and all-reduce in bf16 and fp32, each codec flat and two-level) timed as a real call of
   smallcalls.SMALL_ELEMS elements on throwaway groups (smallcalls): Calibration.small_calls, which the model
   prefers to call_overhead per option.
 Rank 0 keeps the SLOWEST per level (the node-local link of the slowest rank, the cross-node bandwidth of the slowest
@@ -551,7 +551,7 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
         world_size=world,
         call_overhead=call_overhead,
         small_calls=small,
-        small_call_elems=smallcalls.SMALL_ELEMS if small else 0,
+        small_call_elems=smallcalls.elems(world) if small else 0,
         source=(
             f"fp8comm calibrate, {time.strftime('%Y-%m-%d %H:%M')}: {n_nodes} node(s) x {per_node} ranks, gloo, "
             f"exchanges of {sizes[0]} and {sizes[1]} bytes ({rails_sz[1]} per rail across nodes), slowest rank / node "

@@ -139,7 +139,10 @@ class Calibration:
         return s
 
     def machine(self, nodes: int, ranks_per_node: int, name: str = "") -> linkmodel.Machine:
-        """linkmodel's Machine for a group of `nodes` x `ranks_per_node` members on this calibration's links."""
+        """linkmodel's Machine for a group of `nodes` x `ranks_per_node` members on this calibration's links; the
+        small calls only for the layout they were timed on (the world's; another layout's calls run other steps on
+        other links: those charge call_overhead)."""
+        same = self.world_size == nodes * ranks_per_node and ranks_per_node == self.ranks_per_node
         return linkmodel.Machine(
             name or f"{nodes}x{ranks_per_node} ({self.device})",
             ranks_per_node,
@@ -151,8 +154,8 @@ class Calibration:
             dict(self.codecs),
             intra_node_bw=self.node_local_cap,
             call_overhead=self.call_overhead,
-            small_calls=dict(self.small_calls),
-            small_elems=self.small_call_elems,
+            small_calls=dict(self.small_calls) if same else {},
+            small_elems=self.small_call_elems if same else 0,
             host_local=self.device_type == "cpu",  # CPU ranks copy node-local bytes themselves (loopback TCP)
         )
 

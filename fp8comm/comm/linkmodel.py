@@ -332,12 +332,17 @@ def time(
     many as the reduce-scatter's), the metadata check charged once."""
     c = codec_of(codec)
     if op == "all_reduce" and c.quantized:
-        a = time("reduce_scatter", algo, c, m, elems, pieces, local, dtype, feedback)
-        once = replace(m, call_overhead=0.0, small_calls={})  # the call's fixed cost is charged once, in phase one
+        extra = _small_extra(op, algo, c, m, local)
+        once = replace(m, call_overhead=0.0, small_calls={})  # the call's fixed cost is charged once
+        a = time("reduce_scatter", algo, c, m if extra is None else once, elems, pieces, local, dtype, feedback)
         b = time("all_gather", algo, c, once, elems, gather_pieces or pieces, local, dtype)
         gather = tuple((f"gather {k}", v) for k, v in b.stages)
         return Estimate(
-            a.seconds + b.seconds, a.stages + gather, a.levels + b.levels, pieces, a.resources + b.resources
+            a.seconds + b.seconds + (extra or 0.0),
+            a.stages + gather,
+            a.levels + b.levels,
+            pieces,
+            a.resources + b.resources,
         )
     g, n, w = m.g, m.n, m.g * m.n
     lv = bytes(op, algo, c, g, n, elems, pieces, local, dtype)
@@ -418,16 +423,26 @@ def time(
     # travels while the first piece is prepared (comm/core.py and comm/levels.py settle it just before the first
     # quantized piece goes on the wire): only the rest shows. Calls past the check (policy "first") are charged the
     # same: they measured a fixed cost of about its size (docs/planner.md, "What call_overhead stands for")
-    small = m.small_calls.get(f"{op}/{algo}/{c.name}") if m.small_elems else None
-    if small is not None:
-        # what the small real call took beyond the model's own stages for it (never less than nothing)
-        bare = replace(m, call_overhead=0.0, small_calls={})
-        host = max(0.0, small - time(op, algo, c, bare, m.small_elems, 1, local, dtype).seconds)
+    extra = _small_extra(op, algo, c, m, local)
+    if extra is not None:
+        host = extra
     else:
         first = next((i for i, (name, _) in enumerate(st) if RESOURCES.get(name) == "link"), len(st))
         lead = sum(s for _, s in st[:first]) / max(pieces, 1)
         host = max(0.0, m.call_overhead - lead) if c.quantized else 0.0
     return Estimate(host + peak + (total - peak) / max(pieces, 1), tuple(st), lv, pieces, tuple(res.items()))
+
+
+def _small_extra(op: str, algo: str, c: Codec, m: Machine, local: str | Codec | None) -> float | None:
+    """What this option's small real call took beyond the model's own stages for it (never less than nothing), or
+    None where the machine has no small call for it. The stages are the measured call's: bf16 input (fp32 for the
+    engine's own fp32 call), one piece."""
+    small = m.small_calls.get(f"{op}/{algo}/{c.name}") if m.small_elems else None
+    if small is None:
+        return None
+    bare = replace(m, call_overhead=0.0, small_calls={})
+    dtype = "fp32" if c.name == "fp32" else "bf16"
+    return max(0.0, small - time(op, algo, c, bare, m.small_elems, 1, local, dtype).seconds)
 
 
 # --------------------------------------------------------------------------------- measured checks, projections

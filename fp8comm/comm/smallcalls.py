@@ -30,7 +30,8 @@ from .stats import Stats
 # on the simulated cluster (8 KiB: 1.2-2x the 64-256 KiB rows' fixed cost, scheduling on shared cores), and charged
 # to every size they made the predictions worse (docs/planner.md, "Each option's own fixed cost")
 SMALL_ELEMS = 1 << 15
-OPS = ("all_gather", "reduce_scatter")
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+CALL_TIMEOUT_S = 5.0  # the throwaway groups' timeout at most: a stuck peer holds the others this long past the deadline
 NATIVE = ("bf16", "fp32")  # the engine's own call in these dtypes (torch's gloo collectives)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -47,8 +48,8 @@ def two_level_ok(nodes: Sequence[int]) -> bool:
 
 
 def options(codecs: Sequence[str], nodes: Sequence[int]) -> list[tuple[str, str, str]]:
-    """(op, algo, codec) of every option timed: the engine's own call in bf16 and fp32, each codec flat and (where
-    the layout allows) two-level."""
+    """(op, algo, codec) of every option timed, for each op: the engine's own call in bf16 and fp32, each codec flat
+    and (where the layout allows) two-level."""
     algos = ("flat", "two_level") if two_level_ok(nodes) else ("flat",)
     out = [(op, "gloo", d) for op in OPS for d in NATIVE]
     return out + [(op, a, c) for op in OPS for c in codecs for a in algos]
@@ -65,7 +66,7 @@ def _groups(nodes: Sequence[int], deadline: float) -> tuple[list, list[str]]:
         specs += [[i * g + j for i in range(n)] for j in range(g)]
     made, failed = [], []
     for ranks in specs:
-        left = max(0.1, deadline - time.monotonic())
+        left = min(CALL_TIMEOUT_S, max(0.1, deadline - time.monotonic()))
         try:
             made.append(dist.new_group(ranks, timeout=datetime.timedelta(seconds=left), backend="gloo"))
         except Exception as e:  # a peer out of time: its rendezvous timed out
@@ -74,13 +75,19 @@ def _groups(nodes: Sequence[int], deadline: float) -> tuple[list, list[str]]:
     return made, failed
 
 
+def elems(world: int) -> int:
+    """The elements a small call's whole buffer holds in a world of `world` ranks (SMALL_ELEMS, whole shards)."""
+    return SMALL_ELEMS // world * world
+
+
 def time_calls(me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, deadline: float) -> dict[str, Any]:
     """{"calls": {key: [seconds of each timed call on this rank]}, "calls_s": seconds} or {"calls_failed": why}.
 
     Collective over the whole world, group rank == global rank (calibrate() checks); each call starts after a barrier
     of the throwaway world group, as bench comm times its rows; one untimed call per option first. The calls skip
     the metadata check (a group's calls past its first ones run none) and record into a Stats of their own (not
-    comm_stats())."""
+    comm_stats()). The groups time out after CALL_TIMEOUT_S at most (the deadline is checked between calls), and a
+    barrier precedes their destruction, so a rank that finishes first does not close a slower one's last call."""
     t0 = time.monotonic()
     made, failed = _groups(nodes, deadline)
     out: dict[str, Any] = {}
@@ -99,43 +106,59 @@ def time_calls(me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, 
         gen = torch.Generator().manual_seed(4321 + me)
         shard = SMALL_ELEMS // world
         calls: dict[str, list[float]] = {}
+
+        def in_time() -> None:
+            if time.monotonic() >= deadline:
+                raise TimeoutError("calibration deadline passed during the small calls")
+
         for op, algo, codec in options(codecs, nodes):
             dt = DTYPES.get(codec, torch.bfloat16)
             full = torch.randn(shard * world, generator=gen).to(dt)
             part = torch.empty(shard, dtype=dt)
-            if algo == "gloo":
-                fn = _native(op, full, part, wg)
-            else:
-                kw = dict(WIRE_CONFIGS[codec], check=False, hierarchical=hg if algo == "two_level" else None)
-                if op == "all_gather":
-                    fn = lambda kw=kw, full=full, part=part: buf.all_gather_into(full, part, **kw)
-                else:
-                    fn = lambda kw=kw, full=full, part=part: buf.reduce_scatter_into(part, full, **kw)
+            fn = _native(op, full, part, wg) if algo == "gloo" else _ours(buf, op, algo, codec, full, part, hg)
+            in_time()
             fn()  # untimed: first use (scratch, piece plans)
             ts = []
             for _ in range(reps):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError("calibration deadline passed during the small calls")
+                in_time()
                 dist.barrier(group=wg)
                 t = time.perf_counter()
                 fn()
                 ts.append(time.perf_counter() - t)
             calls[key(op, algo, codec)] = ts
+        dist.barrier(group=wg)  # every rank done with the groups before any destroys them
         out["calls"] = calls
     except Exception as e:  # a peer that stopped answering, or out of time: these numbers are dropped, never raised
         out["calls_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     finally:
         for pg in reversed(made):
-            if pg is not None:
-                _destroy(pg)
+            try:
+                if pg is not None:
+                    _destroy(pg)
+            except Exception:  # a group a dead peer broke: dropped all the same, nothing to agree on
+                pass
     out["calls_s"] = time.monotonic() - t0
     return out
 
 
 def _native(op: str, full: torch.Tensor, part: torch.Tensor, group: Any):
-    """The engine's own call on `group`: torch's all-gather / reduce-scatter of one flat buffer."""
+    """The engine's own call on `group`: torch's all-gather / reduce-scatter / all-reduce of one flat buffer."""
     if op == "all_gather":
         ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return lambda: ag(full, part, group=group)
+    if op == "all_reduce":
+        buf = full.clone()
+        return lambda: (buf.copy_(full), dist.all_reduce(buf, group=group))
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return lambda: rs(part, full, group=group)
+
+
+def _ours(buf: Buffer, op: str, algo: str, codec: str, full: torch.Tensor, part: torch.Tensor, hg):
+    """fp8comm's call of one option, as the engines make it (no metadata check: a group's later calls run none)."""
+    kw = dict(WIRE_CONFIGS[codec], check=False, hierarchical=hg if algo == "two_level" else None)
+    if op == "all_gather":
+        return lambda: buf.all_gather_into(full, part, **kw)
+    if op == "all_reduce":
+        out = torch.empty_like(full)
+        return lambda: buf.all_reduce_into(out, full, **kw)
+    return lambda: buf.reduce_scatter_into(part, full, **kw)

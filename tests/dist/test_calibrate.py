@@ -46,6 +46,7 @@ def _scenario(rec: dict, name: str, fn) -> None:
     import torch
     import torch.distributed as dist
 
+    import fp8comm
     from fp8comm.comm.calibrate import CalibrationWarning
 
     t0 = time.monotonic()
@@ -53,10 +54,12 @@ def _scenario(rec: dict, name: str, fn) -> None:
     try:
         torch.manual_seed(7)  # the engines calibrate before the model is built: its random stream must not move
         rng = torch.get_rng_state()
+        stats = fp8comm.comm_stats()  # nor may its calls show in the caller's statistics
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cal = fn()
         out["rng_kept"] = torch.equal(torch.get_rng_state(), rng)
+        out["stats_kept"] = fp8comm.comm_stats() == stats
         out["result"] = None if cal is None else cal.to_json()
         out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, CalibrationWarning)]
     except Exception as e:
@@ -108,6 +111,8 @@ def _target(rank: int, world: int, port: int, outdir: str, env: dict, names) -> 
                 rec["small_pair"] = {"error": f"{type(e).__name__}: {e}"}
             rec["small_pair"]["seconds"] = time.monotonic() - t0
         dist.barrier()
+        if rank < 2:
+            dist.destroy_process_group(pair)
     except BaseException as e:
         rec.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
     out.write(json.dumps(rec) + "\n")
@@ -132,6 +137,7 @@ def test_every_rank_holds_the_identical_calibration(runs):
     assert all("error" not in g and g["warnings"] == [] and g["world_ok"] is True for g in got), got
     assert all(g["new_group_ok"] is True for g in got), got
     assert all(g["rng_kept"] is True for g in got), got  # torch's global generator untouched on every rank
+    assert all(g["stats_kept"] is True for g in got), got  # the small calls recorded nowhere the caller reads
     texts = {g["result"] for g in got}
     assert len(texts) == 1
     cal = Calibration.from_json(texts.pop(), device="cpu", ranks_per_node=2)
@@ -156,7 +162,8 @@ def test_every_rank_holds_the_identical_calibration(runs):
     # every option's small real call: the engine's own all-gather and reduce-scatter in bf16 and fp32, every codec
     # flat and two-level (2 nodes x 2 ranks), each the median of its calls' slowest rank
     algos = [("gloo", d) for d in ("bf16", "fp32")] + [(a, c) for c in cal.codecs for a in ("flat", "two_level")]
-    assert set(cal.small_calls) == {f"{op}/{a}/{c}" for op in ("all_gather", "reduce_scatter") for a, c in algos}
+    ops = ("all_gather", "reduce_scatter", "all_reduce")
+    assert set(cal.small_calls) == {f"{op}/{a}/{c}" for op in ops for a, c in algos}
     assert all(v > 0 for v in cal.small_calls.values()) and cal.small_call_elems == SMALL_ELEMS
     assert 0 < s["calls_s"] < s["decided_s"]
     # a second calibration on the same group (fresh keys) works as well
@@ -227,8 +234,8 @@ def test_cli_writes_a_file_plan_accepts(written, capsys):
     assert "| cross-node (per node)" in stdout and "| fp8 " in stdout and "first codec calls" in stdout
     cal = Calibration.load(out, device="cpu", ranks_per_node=2)
     assert cal.world_size == 4
-    # ahead of time it times every option as a small real call (20 at 2x2 with four codecs), and prints them
-    assert len(cal.small_calls) == 20 and "| reduce_scatter/two_level/mxfp4 " in stdout
+    # ahead of time it times every option as a small real call (30 at 2x2 with four codecs), and prints them
+    assert len(cal.small_calls) == 30 and "| reduce_scatter/two_level/mxfp4 " in stdout
     base = ["plan", "--nodes", "8", "--gpus-per-node", "2", "--params", "100M", "--json"]  # another world size: fine
     assert cli.main([*base, "--calibration", str(out)]) == 0
     r = json.loads(capsys.readouterr().out)

@@ -147,3 +147,21 @@ def test_rails_share_the_large_exchange_beyond_two_per_node():
     cal = Calibration.from_dict(out["calibration"], device="cpu", ranks_per_node=4)
     assert cal.inter.bandwidth == pytest.approx(1e8)
     assert [x["inter"][0] for x in out["report"]["ranks"]] == [pytest.approx(2.5e7)] * 8
+
+
+def test_small_calls_are_each_calls_slowest_rank_then_the_median():
+    reps = lambda x: [[x[0]] * 3, [x[1]] * 3]
+    base = {"links": {"intra": reps(t(1e9, 1e-5)), "inter": reps(t(1e8, 1e-4)), "ring": [[1e-4] * 3]},
+            "codecs": {"fp8": [1e8, 4e8]}, "links_s": 0.1, "codecs_s": 0.2, "first_calls_s": 0.05}  # fmt: skip
+    calls = [[1e-3, 9e-3, 2e-3], [2e-3, 1e-3, 1e-3], [1e-3, 1e-3, 4e-3], [1e-3, 1e-3, 1e-3]]
+    rows = [base | {"rank": i, "calls": {"all_gather/flat/fp8": calls[i]}, "calls_s": 0.3} for i in range(4)]
+    out = _build(rows, [0, 0, 1, 1], SIZES, 4, {"go_s": 0.01, "decided_s": 0.4})
+    cal = Calibration.from_dict(out["calibration"])
+    # per call the slowest rank (2e-3, 9e-3, 4e-3: a collective ends with its last member), then the median
+    assert cal.small_calls == {"all_gather/flat/fp8": 4e-3} and cal.small_call_elems == (1 << 15)
+    assert out["report"]["seconds"]["calls_s"] == 0.3
+    # a rank whose small calls failed: the calibration stands without any, and says why
+    rows[2] = base | {"rank": 2, "calls_failed": "TimeoutError: late", "calls_s": 5.0}
+    cal = Calibration.from_dict(_build(rows, [0, 0, 1, 1], SIZES, 4, {"go_s": 0.01, "decided_s": 0.4})["calibration"])
+    assert cal.small_calls == {} and cal.small_call_elems == 0
+    assert any("small calls not timed" in n and "2 (TimeoutError: late)" in n for n in cal.notes)

@@ -188,6 +188,12 @@ def test_small_calls_charge_each_option_its_own_fixed_cost():
     rs_extra = 5e-3 - lm.time("reduce_scatter", "flat", "fp8", bare, S).seconds
     ar = lm.time("all_reduce", "flat", "fp8", m, E).seconds
     assert ar == pytest.approx(lm.time("all_reduce", "flat", "fp8", bare, E).seconds + rs_extra)
+    # with an all_reduce small call of its own, that one instead, once (not its phases' as well)
+    m2 = _machine(small_calls=small | {"all_reduce/flat/fp8": 9e-3}, small_elems=S)
+    ar_extra = 9e-3 - lm.time("all_reduce", "flat", "fp8", bare, S).seconds
+    assert lm.time("all_reduce", "flat", "fp8", m2, E).seconds == pytest.approx(
+        lm.time("all_reduce", "flat", "fp8", bare, E).seconds + ar_extra
+    )
 
 
 def test_time_shared_host_bridge_caps_the_node():

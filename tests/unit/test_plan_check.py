@@ -98,9 +98,19 @@ def test_calibration_round_trip_with_regimes():
 
 
 def test_small_calls_round_trip_and_bad_ones_are_named():
-    cal = _cal(small_calls={"all_gather/flat/fp8": 3e-3, "reduce_scatter/gloo/fp32": 4e-3}, small_call_elems=4096)
+    small = {"all_gather/flat/fp8": 3e-3, "reduce_scatter/gloo/fp32": 4e-3}
+    cal = _cal(small_calls=small, small_call_elems=4096, world_size=4)
     back = Calibration.from_json(cal.to_json(), device="cpu", ranks_per_node=2)
-    assert back == cal and back.machine(2, 2).small_calls == cal.small_calls and back.machine(2, 2).small_elems == 4096
+    assert back == cal and back.machine(2, 2).small_calls == small and back.machine(2, 2).small_elems == 4096
+    # timed on 2 x 2: another layout's calls run other steps on other links, so they charge call_overhead
+    assert back.machine(4, 2).small_calls == {} == back.machine(1, 4).small_calls
+    assert _cal(small_calls=small, small_call_elems=4096).machine(2, 2).small_calls == {}  # layout unknown
+    # the planner's own estimate of the engine's own call takes its small call (key op/gloo/dtype)
+    opt, shape = Option("native"), GroupShape(2, 2)
+    with_small = predict("reduce_scatter", 1 << 20, "fp32", shape, opt, back)
+    without = predict("reduce_scatter", 1 << 20, "fp32", shape, opt, _cal(world_size=4))
+    bare = linkmodel.time("reduce_scatter", "gloo", "fp32", _cal().machine(2, 2), 4096).seconds
+    assert with_small == pytest.approx(without + 4e-3 - bare)
     old = json.loads(_cal().to_json())
     del old["small_calls"], old["small_call_elems"]  # files from before the small calls: none, call_overhead stands
     assert Calibration.from_dict(old).small_calls == {}
@@ -194,7 +204,7 @@ def test_from_pools_saved_launches(tmp_path, capsys):
     assert c["measured_rounds"] == [10.0, 20.0, 30.0] and c["measured_ms"] == 20.0
     assert "3 paired rounds" in capsys.readouterr().out
     # a round with small calls: the same rows are also counted as predicted without them (call_overhead alone)
-    fast = _cal(call_overhead=0.05, small_calls={"reduce_scatter/flat/fp8": 0.0}, small_call_elems=4096)
+    fast = _cal(call_overhead=0.05, small_calls={"reduce_scatter/flat/fp8": 0.0}, small_call_elems=4096, world_size=4)
     b.write_text(json.dumps(dict(new, rounds=[{"calibration": fast.to_dict(), "rows": [dict(row, time=0.010)]}])))
     assert pc.main(["--from", str(b), "--json", str(out)]) == 0
     summ = json.loads(out.read_text())["summary"]
