@@ -64,9 +64,11 @@ def _groups(nodes: Sequence[int], deadline: float) -> tuple[list, list[str]]:
         n, g = max(nodes) + 1, world // (max(nodes) + 1)
         specs += [[i * g + j for j in range(g)] for i in range(n)]
         specs += [[i * g + j for i in range(n)] for j in range(g)]
-    made, failed = [], []
+    made: list = []
+    failed: list[str] = []
     for ranks in specs:
-        left = min(CALL_TIMEOUT_S, max(0.1, deadline - time.monotonic()))
+        # once one failed the calls are off: the rest are made only to keep the counter even, without waiting
+        left = 0.1 if failed else min(CALL_TIMEOUT_S, max(0.1, deadline - time.monotonic()))
         try:
             made.append(dist.new_group(ranks, timeout=datetime.timedelta(seconds=left), backend="gloo"))
         except Exception as e:  # a peer out of time: its rendezvous timed out
