@@ -206,7 +206,7 @@ def test_bad_arguments_and_uneven_layouts_are_one_error_everywhere(runs):
 def test_small_calls_out_of_time_leave_one_outcome(runs):
     # a rank late for the small calls' groups (their creation waits 5 s at most): one outcome on every rank, either
     # the same calibration without small calls, saying why, or (when the late rank's own group attempts ran past the
-    # deadline: 2 of 4 runs on the 2-core VM) one fallback; the caller's world group and its next new group work
+    # deadline: seen on the 2-core VM) one fallback; the caller's world group and its next new group work
     # either way (every rank made the same new_group calls: the group counter stayed even)
     got = [runs[r]["late_calls"] for r in range(WORLD)]
     for r, g in enumerate(got):
