@@ -162,7 +162,7 @@ def calibrate(
             "codec_elems": codec_elems,
             "reps": reps,
             "nodes": nodes,
-            "small_calls": bool(small_calls),
+            "small_calls": bool(small_calls),  # a Python flag into the arguments' JSON (no tensor), once per call
         }
     )
 

@@ -154,12 +154,12 @@ def _release(drop) -> int:
         if entry.mine is not None:
             _RELEASED[id(entry.mine)] = entry.mine
         for pg in reversed(entry.groups):
-            _destroy(pg)
+            destroy_group(pg)
         destroyed += 1
     return destroyed
 
 
-def _destroy(pg) -> None:
+def destroy_group(pg) -> None:
     """dist.destroy_process_group(pg) for a group of ours still registered (a member's group, the world alive)."""
     if not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
         return  # NON_GROUP_MEMBER; or the world is gone, and every group with it

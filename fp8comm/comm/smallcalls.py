@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from .api import Buffer
 from .calibration import WIRE_CONFIGS
-from .hierarchical import HierarchicalGroups, _destroy
+from .core import all_gather_bytes
+from .hierarchical import HierarchicalGroups, destroy_group
 from .stats import Stats
 
 # elements of each small call's whole buffer: 64 KiB of bf16, bench comm's smallest row. Smaller calls took longer
@@ -136,7 +137,7 @@ def time_calls(me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, 
         for pg in reversed(made):
             try:
                 if pg is not None:
-                    _destroy(pg)
+                    destroy_group(pg)
             except Exception:  # a group a dead peer broke: dropped all the same, nothing to agree on
                 pass
     out["calls_s"] = time.monotonic() - t0
@@ -146,8 +147,7 @@ def time_calls(me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, 
 def _native(op: str, full: torch.Tensor, part: torch.Tensor, group: Any):
     """The engine's own call on `group`: torch's all-gather / reduce-scatter / all-reduce of one flat buffer."""
     if op == "all_gather":
-        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda: ag(full, part, group=group)
+        return lambda: all_gather_bytes(full, part, group, False)
     if op == "all_reduce":
         buf = full.clone()
         return lambda: (buf.copy_(full), dist.all_reduce(buf, group=group))
