@@ -44,6 +44,29 @@ class ClusterError(RuntimeError):
     pass
 
 
+# tbf's bucket: the bytes a link passes at line speed after an idle spell. A link of that rate has none to give, so
+# the bucket holds BURST_S of the rate (what tbf needs to keep the rate), never less than BURST_MIN (a few frames).
+# A fixed 128 KiB was 5.2 ms of a 200 Mbit/s link: bench comm's 256 KiB calls, after their barrier, crossed in part
+# at line speed and ran 1.3-1.8x faster than the rate allows (docs/planner.md, "The link's bucket").
+BURST_S = 1e-3
+BURST_MIN = 8 << 10
+_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
+_RATE_UNITS |= {"bps": 1, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9}
+
+
+def rate_bytes(rate: str) -> float:
+    """Bytes per second of a tc rate (200mbit, 1gbit, 125mbps: tc's units, SI prefixes)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", rate.strip().lower())
+    if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
+        raise ClusterError(f"--rate {rate!r}: expected a positive number and one of {', '.join(_RATE_UNITS)}")
+    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+
+
+def burst_for(rate: str) -> int:
+    """tbf's bucket in bytes for a link of `rate`: BURST_S of it, at least BURST_MIN."""
+    return max(BURST_MIN, round(rate_bytes(rate) * BURST_S))
+
+
 def sh(*cmd: str, check: bool = True, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and r.returncode:
@@ -116,9 +139,14 @@ class Cluster:
         self._save()
 
     # ---------------------------------------------------------------------------------------------- up
-    def up(self, nodes: int, rate: str = "1gbit", burst: str = "128kb") -> None:
+    def up(self, nodes: int, rate: str = "1gbit", burst: int | None = None) -> None:
         if nodes < 1 or nodes > 8:
             raise ClusterError(f"--nodes must be 1..8, got {nodes}")
+        limited = rate not in ("0", "none")
+        if limited:
+            burst = burst_for(rate) if burst is None else burst
+            if burst < BURST_MIN:
+                raise ClusterError(f"--burst {burst}: at least {BURST_MIN} bytes (a few frames)")
         if self.state.get("namespaces"):
             raise ClusterError(f"cluster {self.name!r} is already up ({self.state_file}); run `down` first")
         reason = unsupported_reason()
@@ -128,6 +156,7 @@ class Cluster:
             "name": self.name,
             "nodes": nodes,
             "rate": rate,
+            "burst": burst if limited else None,
             "namespaces": [],
             "addrs": [self.addr(i) for i in range(nodes)],
             "created": time.time(),
@@ -146,7 +175,7 @@ class Cluster:
                 sh("ip", "-n", self.switch, "link", "set", port, "up")
                 sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", IFNAME)
                 sh("ip", "-n", ns, "link", "set", IFNAME, "up")
-                if rate not in ("0", "none"):
+                if limited:
                     # tbf on the node's egress (upload) and on the switch port's egress (the node's download).
                     for n, dev in ((ns, IFNAME), (self.switch, port)):
                         sh(
@@ -164,7 +193,7 @@ class Cluster:
                             "rate",
                             rate,
                             "burst",
-                            burst,
+                            str(burst),
                             "latency",
                             "20ms",
                         )
@@ -204,7 +233,9 @@ class Cluster:
             return f"cluster {self.name}: down"
         return (
             f"cluster {self.name}: {self.nodes} nodes ({', '.join(self.state['addrs'])} on {IFNAME}), "
-            f"links {self.state['rate']} each way, state {self.state_file}"
+            f"links {self.state['rate']} each way"
+            + (f" (bucket {self.state['burst']} bytes)" if self.state.get("burst") else "")
+            + f", state {self.state_file}"
         )
 
     # --------------------------------------------------------------------------------------------- run
@@ -661,6 +692,12 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("up", help="create N nodes joined by rate-limited links")
     u.add_argument("--nodes", type=int, default=2)
     u.add_argument("--rate", default="1gbit", help="tc rate per link direction (e.g. 200mbit, 1gbit; none)")
+    u.add_argument(
+        "--burst",
+        type=int,
+        default=None,
+        help=f"tbf bucket in bytes (default: {BURST_S * 1e3:g} ms of the rate, at least {BURST_MIN})",
+    )
     r = sub.add_parser("run", help="torchrun PROG on the nodes")
     r.add_argument("--nodes", type=int, default=None, help="first K nodes (default all)")
     r.add_argument("--nproc-per-node", type=int, default=2)
@@ -690,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     c = Cluster(a.name)
     try:
         if a.cmd == "up":
-            c.up(a.nodes, a.rate)
+            c.up(a.nodes, a.rate, a.burst)
             print(c.describe())
         elif a.cmd == "status":
             print(c.describe())

@@ -58,6 +58,7 @@ if str(ROOT) not in sys.path:
 
 import fp8comm  # noqa: E402
 import fp8comm.comm as fc  # noqa: E402
+from fp8comm.comm.core import all_gather_bytes, torch_reduce_scatter  # noqa: E402
 from fp8comm.quant.residual import RESIDUAL_FORMATS  # noqa: E402
 from fp8comm.tools.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -351,11 +352,11 @@ class Run:
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor) -> None:
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x)
+    all_gather_bytes(out, x)
 
 
 def _reduce_scatter(out: torch.Tensor, x: torch.Tensor) -> None:
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x)
+    torch_reduce_scatter(out, x)
 
 
 # ----------------------------------------------------------------------------------------------- the worker

@@ -118,9 +118,16 @@ def chunk_rows(n0: int, world: int, rank: int) -> tuple[int, int]:
     return c, max(0, min(c, n0 - rank * c))
 
 
-def all_gather_bytes(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+def all_gather_bytes(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     # all_gather_into_tensor is deprecated in torch 2.13 in favour of all_gather_single.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def torch_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """torch's own reduce-scatter of one flat buffer (sum): the engines' plain-dtype path, the baselines' too."""
+    # reduce_scatter_tensor is deprecated in torch 2.13 in favour of reduce_scatter_single.
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, group=group, async_op=async_op)
 
 

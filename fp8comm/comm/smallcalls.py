@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .api import Buffer
 from .calibration import WIRE_CONFIGS
-from .core import all_gather_bytes
+from .core import all_gather_bytes, torch_reduce_scatter
 from .hierarchical import HierarchicalGroups, destroy_group
 from .stats import Stats
 
@@ -151,8 +151,7 @@ def _native(op: str, full: torch.Tensor, part: torch.Tensor, group: Any):
     if op == "all_reduce":
         buf = full.clone()
         return lambda: (buf.copy_(full), dist.all_reduce(buf, group=group))
-    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return lambda: rs(part, full, group=group)
+    return lambda: torch_reduce_scatter(part, full, group=group)
 
 
 def _ours(buf: Buffer, op: str, algo: str, codec: str, full: torch.Tensor, part: torch.Tensor, hg):

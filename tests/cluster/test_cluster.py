@@ -32,6 +32,7 @@ def test_fp8_collectives_across_two_nodes(cluster2, tmp_path):
 
     qdisc = tool.sh("ip", "netns", "exec", cluster2.ns(1), "tc", "qdisc", "show", "dev", tool.IFNAME).stdout
     assert "tbf" in qdisc and "rate 1Gbit" in qdisc, qdisc  # the link really is rate-limited
+    assert "burst 125000b" in qdisc, qdisc  # with a bucket of 1 ms of its rate (launch/cluster.py, burst_for)
     out = tmp_path / "checks"
     out.mkdir()
     rc = cluster2.run(

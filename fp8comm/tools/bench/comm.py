@@ -252,25 +252,13 @@ def _timeit(fn, args) -> tuple[float, int, list[float]]:
     return statistics.median(times), iters, times
 
 
-def _ag_single(out, inp):
-    import torch.distributed as dist
-
-    # all_gather_single / reduce_scatter_single replace the *_tensor names in torch 2.13; older torch lacks them.
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp)
-
-
-def _rs_single(out, inp):
-    import torch.distributed as dist
-
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp)
-
-
 def _problem(op: str, count: int, world: int, hidden: int, rank: int):
     """(input bf16, fp8 call, plain call factory, analytic wire bytes for itemsize) for one op at `count`."""
     import torch
     import torch.distributed as dist
 
     import fp8comm.comm as fc
+    from fp8comm.comm.core import all_gather_bytes, torch_reduce_scatter
 
     g = torch.Generator().manual_seed(1234 + rank)
     if op == "all_gather":
@@ -279,7 +267,7 @@ def _problem(op: str, count: int, world: int, hidden: int, rank: int):
 
         def plain_ag(t):
             out = torch.empty(n * world, dtype=t.dtype)
-            return lambda: (_ag_single(out, t), out)[1]
+            return lambda: (all_gather_bytes(out, t), out)[1]
 
         ag_out = torch.empty(n * world, dtype=torch.bfloat16)
         return x, lambda t, **kw: fc.all_gather_into(ag_out, t, **kw), plain_ag, lambda isz: (world - 1) * n * isz
@@ -290,7 +278,7 @@ def _problem(op: str, count: int, world: int, hidden: int, rank: int):
 
             def plain_rs(t):
                 out = torch.empty(n // world, dtype=t.dtype)
-                return lambda: (_rs_single(out, t), out)[1]
+                return lambda: (torch_reduce_scatter(out, t), out)[1]
 
             rs_out = torch.empty(n // world, dtype=torch.bfloat16)
             return (
@@ -582,11 +570,12 @@ def _ef_table(args) -> None:
     import torch.distributed as dist
 
     import fp8comm.comm as fc
+    from fp8comm.comm.core import torch_reduce_scatter
 
     world, rank, T = dist.get_world_size(), dist.get_rank(), args.ef_steps
     g = torch.randn(world * 65536, generator=torch.Generator().manual_seed(77 + rank))
     ref = torch.empty(65536)
-    _rs_single(ref, g.clone())
+    torch_reduce_scatter(ref, g.clone())
     _say(f"# error feedback / stochastic rounding: reduce_scatter of a constant fp32 gradient, {T} steps, {args.fmt}")
     _say(f"{'option':<28}{'SQNR step 1':>12}{'SQNR mean':>12}")
     for name, kw in (
@@ -611,12 +600,13 @@ def _sqnr_table(args) -> None:
     import torch.distributed as dist
 
     import fp8comm.comm as fc
+    from fp8comm.comm.core import torch_reduce_scatter
 
     world, rank = dist.get_world_size(), dist.get_rank()
     n = (1 << 20) // world * world
     x = torch.randn(n, generator=torch.Generator().manual_seed(5 + rank))
     ref = torch.empty(n // world)
-    _rs_single(ref, x.clone())
+    torch_reduce_scatter(ref, x.clone())
     cols = [(f, e, r) for f in ("e4m3", "e5m2") for e in ("fp32", "e8m0") for r in ("nearest", "stochastic")]
     if world == int(args.sqnr_ranks.split(",")[0]):
         _say(

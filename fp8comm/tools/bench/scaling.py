@@ -176,6 +176,7 @@ def _variants(keys, mib: float, world: int, local: int):
     import torch.distributed as dist
 
     import fp8comm.comm as fc
+    from fp8comm.comm.core import all_gather_bytes, torch_reduce_scatter
     from fp8comm.quant import Fp8Tensor, Scaling, get_format
 
     unit = BUCKETS * world * HIDDEN  # bf16 elements per rank, rounded down so buckets, ranks and tokens divide
@@ -187,8 +188,7 @@ def _variants(keys, mib: float, world: int, local: int):
     rs16, rs32 = torch.empty(n // world, dtype=torch.bfloat16), torch.empty(n // world)
     tok = x16.view(-1, HIDDEN)
     a2a_out = torch.empty_like(tok)
-    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    ag, rs = all_gather_bytes, torch_reduce_scatter
     # One Buffer (scratch pool) per variant, reused across repetitions, as an engine would keep per bucket.
     bufs = {k: fc.Buffer() for k in keys}
     hier = fc.node_groups(local_size=local) if world > local else None

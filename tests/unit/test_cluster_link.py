@@ -1,0 +1,37 @@
+"""launch/cluster.py's link: tbf's bucket is 1 ms of the rate (never a fixed 128 KiB, which let bench comm's
+256 KiB calls cross a 200 Mbit/s link 1.3-1.8x faster than the rate), and a bad rate or bucket is a clear error."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("fp8comm_cluster_link", ROOT / "launch" / "cluster.py")
+tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tool)
+
+
+@pytest.mark.parametrize(
+    "rate,bps,burst",
+    [("1gbit", 125e6, 125_000), ("200mbit", 25e6, 25_000), ("125mbps", 125e6, 125_000), ("10mbit", 1.25e6, 8192)],
+)
+def test_the_bucket_is_a_millisecond_of_the_rate(rate, bps, burst):
+    assert tool.rate_bytes(rate) == bps
+    assert tool.burst_for(rate) == burst  # 10 Mbit/s: 1 ms is 1250 bytes, the floor (a few frames) holds
+
+
+@pytest.mark.parametrize("rate", ["fast", "0mbit", "1 gbit x", "-5mbit", "200"])
+def test_a_bad_rate_is_named(rate):
+    with pytest.raises(tool.ClusterError, match="--rate"):
+        tool.burst_for(rate)
+
+
+def test_a_bucket_below_a_few_frames_is_refused_before_anything_is_created(tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, "STATE_ROOT", tmp_path)
+    c = tool.Cluster("tb")
+    with pytest.raises(tool.ClusterError, match="--burst 100"):
+        c.up(2, "1gbit", burst=100)
+    assert not c.state.get("namespaces")
