@@ -157,6 +157,7 @@ class Calibration:
             small_calls=dict(self.small_calls) if same else {},
             small_elems=self.small_call_elems if same else 0,
             host_local=self.device_type == "cpu",  # CPU ranks copy node-local bytes themselves (loopback TCP)
+            host_latency=self.device_type == "cpu",  # and their latency per step is their own wake-up
         )
 
     def check(self, *, device: str | None = None, ranks_per_node: int | None = None) -> None:

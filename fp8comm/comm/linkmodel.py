@@ -271,6 +271,10 @@ class Machine:
     # node-local transfers are copies made by the cores that run the codecs (CPU ranks: loopback TCP), so the
     # node-local wire and codec work cannot overlap; False: a separate engine moves them (NVLink, PCIe DMA)
     host_local: bool = False
+    # the cross-node latency per step is the ranks' own wake-up on shared cores (CPU ranks), and the kernel keeps
+    # the link busy with bytes already handed to it meanwhile: that level's wire time is the LONGER of its bytes
+    # and its steps' latency, not their sum; False: a step's latency is the network's own (the alpha-beta sum)
+    host_latency: bool = False
 
     def speed(self, codec: Codec) -> CodecSpeed:
         s = self.codecs.get(codec.name) or self.codecs.get("*")
@@ -281,10 +285,12 @@ class Machine:
     def wire_s(self, lv: Levels, steps: int) -> float:
         """Seconds to move `lv`: the levels run at once, each its bytes / bandwidth plus `steps` times its latency
         (a ring's w-1 steps, an all-to-all's one); the slowest level decides. (A ring step on a slow link is not
-        also charged the node-local latency: the node-local edges of that step finish meanwhile.)"""
+        also charged the node-local latency: the node-local edges of that step finish meanwhile.) host_latency:
+        the cross-node level takes the longer of its bytes and its latency instead of their sum."""
         t = 0.0
         if lv.inter_node:
-            t = max(t, lv.inter_node / self.inter_bw + steps * self.inter_lat)
+            b, a = lv.inter_node / self.inter_bw, steps * self.inter_lat
+            t = max(t, max(a, b) if self.host_latency else a + b)
         if lv.intra_rank:
             t = max(t, lv.intra_rank / self.intra_bw + steps * self.intra_lat)
         if lv.intra_node and self.intra_node_bw:

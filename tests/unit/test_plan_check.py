@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,8 @@ def _cal(**kw) -> Calibration:
 def test_regimes_and_fixed_costs():
     assert SMALL.at(1 << 20) is LARGE and SMALL.at((1 << 20) - 1) is SMALL and SMALL.at(None) is SMALL
     m = _cal().machine(2, 2)
+    assert m.host_local and m.host_latency  # CPU ranks: node-local copies and per-step latency on their own cores
+    assert not replace(_cal(), device="cuda").machine(2, 2).host_latency  # GPUs: the network's latency, summed
     # flat reduce-scatter of 64Ki elements: the kernel is chosen from the whole buffer (small: the reference's
     # speeds, a fixed cost per pack and per unpack_sum call), one piece
     e = linkmodel.time("reduce_scatter", "flat", "fp8", m, 1 << 16)
