@@ -47,7 +47,7 @@ class ClusterError(RuntimeError):
 # tbf's bucket: the bytes a link passes at line speed after an idle spell. A link of that rate has none to give, so
 # the bucket holds BURST_S of the rate (what tbf needs to keep the rate), never less than BURST_MIN (a few frames).
 # A fixed 128 KiB was 5.2 ms of a 200 Mbit/s link: bench comm's 256 KiB calls, after their barrier, crossed in part
-# at line speed and ran 1.3-1.8x faster than the rate allows (docs/planner.md, "The link's bucket").
+# at line speed, 1.3-2.3x faster than a model of the rate predicted (docs/planner.md, "The link's bucket").
 BURST_S = 1e-3
 BURST_MIN = 8 << 10
 _RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}

@@ -1,5 +1,5 @@
-"""launch/cluster.py's link: tbf's bucket is 1 ms of the rate (never a fixed 128 KiB, which let bench comm's
-256 KiB calls cross a 200 Mbit/s link 1.3-1.8x faster than the rate), and a bad rate or bucket is a clear error."""
+"""launch/cluster.py's link: tbf's bucket is 1 ms of the rate (not a fixed 128 KiB, which let bench comm's 256 KiB
+calls cross a 200 Mbit/s link partly at line speed), and a bad rate or bucket is a clear error."""
 
 from __future__ import annotations
 

@@ -112,7 +112,11 @@ def planner_slow_link_quantizes(info):
     hooks = run.stats["hooks"]
     assert hooks.get("planner.gradients.fp8.two_level", 0) >= STEPS, hooks
     assert hooks.get("planner.weights.fp8.two_level", 0) >= 1, hooks
-    assert all("fp8 two-level" in p[3] for p in plans3), plans3
+    # every class whose bytes matter goes FP8 two-level; the 256-byte class (8) may stay DeepSpeed's own: 1.92 ms
+    # predicted against FP8 two-level's 2.07 (its 1 ms fixed cost), on CPU ranks whose per-step latency overlaps the
+    # bytes (linkmodel's host_latency)
+    assert all("fp8 two-level" in p[3] for p in plans3 if p[2] >= 10), plans3
+    assert any(p[2] >= 10 for p in plans3), plans3
     assert stats["reduce_scatter"]["timed_calls"] >= STEPS, stats
     hooks = run4.stats["hooks"]
     assert hooks.get("planner.gradients.mxfp4.two_level", 0) >= STEPS, hooks
