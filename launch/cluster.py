@@ -143,6 +143,8 @@ class Cluster:
         if nodes < 1 or nodes > 8:
             raise ClusterError(f"--nodes must be 1..8, got {nodes}")
         limited = rate not in ("0", "none")
+        if not limited and burst is not None:
+            raise ClusterError(f"--burst {burst}: the links have no rate limit (--rate {rate}), so no bucket to size")
         if limited:
             burst = burst_for(rate) if burst is None else burst
             if burst < BURST_MIN:

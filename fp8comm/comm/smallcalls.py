@@ -107,7 +107,7 @@ def time_calls(me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, 
         buf = Buffer(wg)
         buf.state.stats = Stats()  # not the process totals: comm_stats() reports the caller's calls only
         gen = torch.Generator().manual_seed(4321 + me)
-        shard = SMALL_ELEMS // world
+        shard = elems(world) // world
         calls: dict[str, list[float]] = {}
 
         def in_time() -> None:
@@ -147,7 +147,7 @@ def time_calls(me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, 
 def _native(op: str, full: torch.Tensor, part: torch.Tensor, group: Any):
     """The engine's own call on `group`: torch's all-gather / reduce-scatter / all-reduce of one flat buffer."""
     if op == "all_gather":
-        return lambda: all_gather_bytes(full, part, group, False)
+        return lambda: all_gather_bytes(full, part, group)
     if op == "all_reduce":
         buf = full.clone()
         return lambda: (buf.copy_(full), dist.all_reduce(buf, group=group))

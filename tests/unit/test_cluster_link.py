@@ -35,3 +35,11 @@ def test_a_bucket_below_a_few_frames_is_refused_before_anything_is_created(tmp_p
     with pytest.raises(tool.ClusterError, match="--burst 100"):
         c.up(2, "1gbit", burst=100)
     assert not c.state.get("namespaces")
+
+
+def test_a_bucket_without_a_rate_limit_is_refused_not_dropped(tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, "STATE_ROOT", tmp_path)
+    c = tool.Cluster("tn")
+    with pytest.raises(tool.ClusterError, match="--burst 50000.*no rate limit"):
+        c.up(2, "none", burst=50000)
+    assert not c.state.get("namespaces")
