@@ -29,17 +29,16 @@ def test_a_bad_rate_is_named(rate):
         tool.burst_for(rate)
 
 
-def test_a_bucket_below_a_few_frames_is_refused_before_anything_is_created(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "rate, burst, match",
+    [
+        ("1gbit", 100, "--burst 100"),  # a bucket below a few frames
+        ("none", 50000, "--burst 50000.*no rate limit"),  # a bucket without a rate limit: refused, not dropped
+    ],
+)
+def test_a_bad_bucket_is_refused_before_anything_is_created(tmp_path, monkeypatch, rate, burst, match):
     monkeypatch.setattr(tool, "STATE_ROOT", tmp_path)
     c = tool.Cluster("tb")
-    with pytest.raises(tool.ClusterError, match="--burst 100"):
-        c.up(2, "1gbit", burst=100)
-    assert not c.state.get("namespaces")
-
-
-def test_a_bucket_without_a_rate_limit_is_refused_not_dropped(tmp_path, monkeypatch):
-    monkeypatch.setattr(tool, "STATE_ROOT", tmp_path)
-    c = tool.Cluster("tn")
-    with pytest.raises(tool.ClusterError, match="--burst 50000.*no rate limit"):
-        c.up(2, "none", burst=50000)
+    with pytest.raises(tool.ClusterError, match=match):
+        c.up(2, rate, burst=burst)
     assert not c.state.get("namespaces")
