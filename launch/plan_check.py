@@ -12,6 +12,9 @@
   launch/plan_check.py --from out.json                          re-predict a saved run's measurements with this
                                                                 checkout's model (its calibration, or --calibration)
   launch/plan_check.py --from a.json b.json c.json              pool the rounds of several launches of one shape
+  launch/plan_check.py --repeat a.json b.json                   two launches of one shape against each other: how
+                                                                many rows the measurement itself repeats within
+                                                                20%, and the predictions on those rows
 
 Every rank first runs fp8comm.comm.calibrate.calibrate() over the world (as `fp8comm calibrate` does ahead of
 time: with every option's small real call, which the engines' start-up leaves out; --no-small-calls: as they do;
@@ -226,6 +229,73 @@ def summary(checked: list[dict], tolerance: float = TOLERANCE) -> dict:
         "rows_within": sum(c["within"] for c in checked),
         "rows_total": len(checked),
     }
+
+
+def repeat(first: list[dict], second: list[dict], tolerance: float = TOLERANCE) -> list[dict]:
+    """Two launches of one shape (compare_rounds() of each) row by row: the second's measured ms over the first's
+    and whether the measurement repeats within `tolerance`; each launch's prediction against its own measurement.
+    Rows one launch lacks are left out."""
+    theirs = {(c["op"], c["size"], c["variant"]): c for c in second}
+    out = []
+    for a in first:
+        b = theirs.get((a["op"], a["size"], a["variant"]))
+        if b is None:
+            continue
+        ratio = b["measured_ms"] / a["measured_ms"] if a["measured_ms"] > 0 else float("inf")
+        out.append(
+            {
+                "op": a["op"],
+                "size": a["size"],
+                "variant": a["variant"],
+                "option": a["option"],
+                "planner_option": a["planner_option"],
+                "measured_ms": [a["measured_ms"], b["measured_ms"]],
+                "predicted_ms": [a["predicted_ms"], b["predicted_ms"]],
+                "ratio": ratio,
+                "repeats": abs(ratio - 1) <= tolerance,
+                "predicted_within": [a["within"], b["within"]],
+            }
+        )
+    return out
+
+
+def repeat_summary(rows: list[dict], tolerance: float = TOLERANCE) -> dict:
+    """Counts over the planner's options: rows whose measurement repeats, rows predicted within `tolerance` in each
+    launch and in both, and of the repeating rows those predicted within in both (the model's own misses)."""
+    opts = [r for r in rows if r["planner_option"]]
+    same = [r for r in opts if r["repeats"]]
+    return {
+        "tolerance": tolerance,
+        "planner_options": len(opts),
+        "measurement_repeats": len(same),
+        "predicted_within": [sum(r["predicted_within"][i] for r in opts) for i in (0, 1)],
+        "predicted_within_both": sum(all(r["predicted_within"]) for r in opts),
+        "repeating_predicted_within_both": sum(all(r["predicted_within"]) for r in same),
+    }
+
+
+def format_repeat(rows: list[dict], summ: dict) -> str:
+    tol = f"{summ['tolerance']:.0%}"
+    lines = [
+        "| op | size | option | 1st ms | 2nd ms | 2nd/1st | repeats | pred/meas 1st | pred/meas 2nd |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m, p = r["measured_ms"], r["predicted_ms"]
+        lines.append(
+            f"| {r['op']} | {_human(r['size'])} | {r['option']} | {m[0]:.3f} | {m[1]:.3f} | {r['ratio']:.2f} | "
+            f"{'yes' if r['repeats'] else 'no'} | {p[0] / m[0]:.2f} | {p[1] / m[1]:.2f} |"
+        )
+    n = summ["planner_options"]
+    lines += [
+        f"# the measurement repeats within {tol} (2nd launch against the 1st): {summ['measurement_repeats']} / {n} rows"
+        " of the planner's options",
+        f"# predicted within {tol} of the 1st: {summ['predicted_within'][0]} / {n}; of the 2nd: "
+        f"{summ['predicted_within'][1]} / {n}; of both: {summ['predicted_within_both']} / {n}",
+        f"# of the {summ['measurement_repeats']} rows that repeat, predicted within {tol} of both: "
+        f"{summ['repeating_predicted_within_both']}",
+    ]
+    return "\n".join(lines)
 
 
 def _human(n: int) -> str:
@@ -497,6 +567,35 @@ def _from_file(args) -> int:
     return 0
 
 
+def _repeat_files(args) -> int:
+    """--repeat A B: two saved launches of one shape, each re-predicted (its rounds pooled) with this checkout's
+    model, compared row by row."""
+    checked, metas = [], []
+    for f in args.repeat:
+        try:
+            d = json.loads(Path(f).read_text())
+            meta = d["meta"]
+            rounds = rounds_of(d, where=f)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"plan_check.py: --repeat {f}: not a saved plan_check run ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        metas.append(meta)
+        checked.append(compare_rounds(rounds, meta["nodes"], meta["local"], args.tolerance))
+    shapes = sorted({(m["nodes"], m["local"]) for m in metas})
+    if len(shapes) != 1:
+        print(f"plan_check.py: --repeat files of different shapes (nodes, ranks per node): {shapes}", file=sys.stderr)
+        return 2
+    for f, m in zip(args.repeat, metas):
+        print(f"# {f}: {m['nodes']} node(s) x {m['local']} ranks, {m['link']}, commit {m['commit']}, {m['date']}")
+    rows = repeat(checked[0], checked[1], args.tolerance)
+    summ = repeat_summary(rows, args.tolerance)
+    print(format_repeat(rows, summ), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"files": args.repeat, "rows": rows, "summary": summ}, indent=1) + "\n")
+        print(f"# written: {args.json}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from fp8comm.tools.bench.comm import add_args
 
@@ -515,6 +614,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--calibration", default="", help="with --from: predict from this calibration file instead")
     p.add_argument(
+        "--repeat",
+        nargs=2,
+        default=[],
+        metavar=("FIRST", "SECOND"),
+        help="two saved --json launches of one shape against each other: does the measurement repeat (no ranks)",
+    )
+    p.add_argument(
         "--no-small-calls",
         dest="small_calls",
         action="store_false",
@@ -525,6 +631,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.repeat and args.from_file:
+        print("plan_check.py: --repeat and --from are two different reports; give one", file=sys.stderr)
+        return 2
+    if args.repeat:
+        return _repeat_files(args)
     if args.from_file:
         return _from_file(args)
     if args.calibration:

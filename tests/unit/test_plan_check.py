@@ -260,3 +260,52 @@ def test_choices_against_the_best_measured():
     four = pc.choices(checked, allow_4bit=True)
     assert (four[0]["picked"], four[0]["best"], four[0]["within"]) == ("mxfp4", "mxfp4", True)
     assert "1 / 2 within 5%" in pc.format_choices(fp8, "FP8")
+
+
+def test_repeat_two_launches(tmp_path, capsys):
+    # --repeat: does the measurement itself repeat within 20% across two launches of one shape, and how do the
+    # predictions fare on the rows that do (each launch predicted from its own calibration)
+    pc = _plan_check()
+    meta = {"nodes": 2, "local": 2, "link": "eth0", "commit": "x", "uncommitted": False, "date": "d", "load": [1.0]}
+    cal = _cal()
+
+    def launch(times):
+        rows = [
+            {"op": "reduce_scatter", "size": 1 << 20, "count": 1 << 19, "variant": v, "time": t}
+            for v, t in times.items()
+        ]
+        return {"meta": meta, "rounds": [{"calibration": cal.to_dict(), "rows": rows}]}
+
+    shape, elems = GroupShape(2, 2), 1 << 19
+    bf16 = predict("reduce_scatter", 2 * elems, "bf16", shape, Option("native"), cal)
+    fp8 = predict("reduce_scatter", 2 * elems, "bf16", shape, Option("fp8"), cal)
+    # bf16: measured at the prediction, then 10% slower (repeats, predicted within in both); fp8: at the
+    # prediction, then 1.5x (does not repeat); the ring: not a planner option, not counted
+    first = launch({"bf16": bf16, "fp8": fp8, "bf16-ring": 0.001})
+    second = launch({"bf16": bf16 * 1.1, "fp8": fp8 * 1.5, "bf16-ring": 0.001})
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    a.write_text(json.dumps(first))
+    b.write_text(json.dumps(second))
+    assert pc.main(["--repeat", str(a), str(b), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert rows["bf16"]["ratio"] == pytest.approx(1.1) and rows["bf16"]["repeats"]
+    assert rows["fp8"]["ratio"] == pytest.approx(1.5) and not rows["fp8"]["repeats"]
+    assert rows["fp8"]["predicted_within"] == [True, False]
+    assert res["summary"] == {
+        "tolerance": 0.2,
+        "planner_options": 2,
+        "measurement_repeats": 1,
+        "predicted_within": [2, 1],
+        "predicted_within_both": 1,
+        "repeating_predicted_within_both": 1,
+    }
+    text = capsys.readouterr().out
+    assert "repeats within 20% (2nd launch against the 1st): 1 / 2 rows" in text
+    # two shapes, --repeat with --from, a file that is not a saved run: a clear error, exit 2
+    b.write_text(json.dumps(dict(second, meta=dict(meta, local=4))))
+    assert pc.main(["--repeat", str(a), str(b)]) == 2
+    assert pc.main(["--repeat", str(a), str(a), "--from", str(a)]) == 2
+    assert pc.main(["--repeat", str(a), str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "different shapes" in err and "two different reports" in err and "missing.json: not a saved" in err
