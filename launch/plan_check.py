@@ -261,7 +261,8 @@ def repeat(first: list[dict], second: list[dict], tolerance: float = TOLERANCE) 
 
 def repeat_summary(rows: list[dict], tolerance: float = TOLERANCE) -> dict:
     """Counts over the planner's options: rows whose measurement repeats, rows predicted within `tolerance` in each
-    launch and in both, and of the repeating rows those predicted within in both (the model's own misses)."""
+    launch and in both, and of the repeating rows those predicted within in both (the rest of those: the model's own
+    misses)."""
     opts = [r for r in rows if r["planner_option"]]
     same = [r for r in opts if r["repeats"]]
     return {
@@ -633,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.repeat and args.from_file:
         print("plan_check.py: --repeat and --from are two different reports; give one", file=sys.stderr)
+        return 2
+    if args.repeat and args.calibration:
+        said = "plan_check.py: --calibration goes with --from (--repeat predicts each launch from its own)"
+        print(said, file=sys.stderr)
         return 2
     if args.repeat:
         return _repeat_files(args)

@@ -306,6 +306,8 @@ def test_repeat_two_launches(tmp_path, capsys):
     b.write_text(json.dumps(dict(second, meta=dict(meta, local=4))))
     assert pc.main(["--repeat", str(a), str(b)]) == 2
     assert pc.main(["--repeat", str(a), str(a), "--from", str(a)]) == 2
+    assert pc.main(["--repeat", str(a), str(a), "--calibration", str(a)]) == 2  # not silently ignored
     assert pc.main(["--repeat", str(a), str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert "different shapes" in err and "two different reports" in err and "missing.json: not a saved" in err
+    assert "--calibration goes with --from (--repeat predicts each launch from its own)" in err
