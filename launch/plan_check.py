@@ -251,6 +251,7 @@ def repeat(first: list[dict], second: list[dict], tolerance: float = TOLERANCE) 
                 "planner_option": a["planner_option"],
                 "measured_ms": [a["measured_ms"], b["measured_ms"]],
                 "predicted_ms": [a["predicted_ms"], b["predicted_ms"]],
+                "predicted_ratio": [a["ratio"], b["ratio"]],
                 "ratio": ratio,
                 "repeats": abs(ratio - 1) <= tolerance,
                 "predicted_within": [a["within"], b["within"]],
@@ -282,10 +283,10 @@ def format_repeat(rows: list[dict], summ: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        m, p = r["measured_ms"], r["predicted_ms"]
+        m, q = r["measured_ms"], r["predicted_ratio"]
         lines.append(
             f"| {r['op']} | {_human(r['size'])} | {r['option']} | {m[0]:.3f} | {m[1]:.3f} | {r['ratio']:.2f} | "
-            f"{'yes' if r['repeats'] else 'no'} | {p[0] / m[0]:.2f} | {p[1] / m[1]:.2f} |"
+            f"{'yes' if r['repeats'] else 'no'} | {q[0]:.2f} | {q[1]:.2f} |"
         )
     n = summ["planner_options"]
     lines += [
@@ -529,38 +530,47 @@ def _spawn(args) -> int:
     return 1 if bad else 0
 
 
-def _from_file(args) -> int:
-    """Re-predict saved runs: their measured rows, their calibrations (or --calibration's), this checkout's model;
-    several files (launches of one shape) pool their rounds."""
-    from fp8comm.comm.calibration import Calibration
-
+def _load_runs(flag: str, files: list[str]) -> list[tuple[str, dict, list[tuple]]] | None:
+    """Saved --json runs of one shape as [(file, run, its rounds_of())], or None after naming on stderr a file that
+    is not one (missing, unreadable, no rounds or rows, a bad calibration) or files of different shapes."""
     saved, shapes = [], set()
-    for f in args.from_file:
+    for f in files:
         try:
             d = json.loads(Path(f).read_text())
             shapes.add((d["meta"]["nodes"], d["meta"]["local"]))
             if not (d.get("rounds") or "rows" in d):
                 raise KeyError("rounds")
+            saved.append((f, d, rounds_of(d, where=f)))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            print(f"plan_check.py: --from {f}: not a saved plan_check run ({type(e).__name__}: {e})", file=sys.stderr)
-            return 2
-        saved.append((f, d))
+            print(f"plan_check.py: {flag} {f}: not a saved plan_check run ({type(e).__name__}: {e})", file=sys.stderr)
+            return None
     if len(shapes) != 1:
         print(
-            f"plan_check.py: --from files of different shapes (nodes, ranks per node): {sorted(shapes)}",
+            f"plan_check.py: {flag} files of different shapes (nodes, ranks per node): {sorted(shapes)}",
             file=sys.stderr,
         )
+        return None
+    return saved
+
+
+def _from_file(args) -> int:
+    """Re-predict saved runs: their measured rows, their calibrations (or --calibration's), this checkout's model;
+    several files (launches of one shape) pool their rounds."""
+    from fp8comm.comm.calibration import Calibration
+
+    saved = _load_runs("--from", args.from_file)
+    if saved is None:
         return 2
     result = saved[0][1]
     result["rounds"] = [
         {**saved_round, "calibration": cal.to_dict(), "rows": rows, "from": f}
-        for f, d in saved
-        for saved_round, (cal, rows) in zip(d.get("rounds") or [{}], rounds_of(d, where=f))
+        for f, d, rounds in saved
+        for saved_round, (cal, rows) in zip(d.get("rounds") or [{}], rounds)
     ]
     result.pop("calibration", None)
     result.pop("rows", None)
     result["meta"]["repredicted"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    result["meta"]["from"] = [f for f, _ in saved]
+    result["meta"]["from"] = [f for f, _, _ in saved]
     cal = Calibration.load(args.calibration) if args.calibration else None
     if cal is not None:
         print(describe_calibration(cal, {}))
@@ -571,22 +581,12 @@ def _from_file(args) -> int:
 def _repeat_files(args) -> int:
     """--repeat A B: two saved launches of one shape, each re-predicted (its rounds pooled) with this checkout's
     model, compared row by row."""
-    checked, metas = [], []
-    for f in args.repeat:
-        try:
-            d = json.loads(Path(f).read_text())
-            meta = d["meta"]
-            rounds = rounds_of(d, where=f)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            print(f"plan_check.py: --repeat {f}: not a saved plan_check run ({type(e).__name__}: {e})", file=sys.stderr)
-            return 2
-        metas.append(meta)
-        checked.append(compare_rounds(rounds, meta["nodes"], meta["local"], args.tolerance))
-    shapes = sorted({(m["nodes"], m["local"]) for m in metas})
-    if len(shapes) != 1:
-        print(f"plan_check.py: --repeat files of different shapes (nodes, ranks per node): {shapes}", file=sys.stderr)
+    saved = _load_runs("--repeat", args.repeat)
+    if saved is None:
         return 2
-    for f, m in zip(args.repeat, metas):
+    checked = [compare_rounds(rounds, d["meta"]["nodes"], d["meta"]["local"], args.tolerance) for _, d, rounds in saved]
+    for f, d, _ in saved:
+        m = d["meta"]
         print(f"# {f}: {m['nodes']} node(s) x {m['local']} ranks, {m['link']}, commit {m['commit']}, {m['date']}")
     rows = repeat(checked[0], checked[1], args.tolerance)
     summ = repeat_summary(rows, args.tolerance)
