@@ -311,3 +311,16 @@ def test_repeat_two_launches(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "different shapes" in err and "two different reports" in err and "missing.json: not a saved" in err
     assert "--calibration goes with --from (--repeat predicts each launch from its own)" in err
+
+
+@pytest.mark.parametrize("flag", ["--from", "--repeat"])
+def test_a_saved_run_with_a_bad_calibration_is_named(tmp_path, capsys, flag):
+    # a saved run whose calibration does not load: exit 2 naming the file (--from raised a traceback before)
+    pc = _plan_check()
+    meta = {"nodes": 2, "local": 2, "link": "eth0", "commit": "x", "uncommitted": False, "date": "d", "load": [1.0]}
+    row = {"op": "reduce_scatter", "size": 1 << 20, "count": 1 << 19, "variant": "fp8", "time": 0.01}
+    bad = tmp_path / "badcal.json"
+    bad.write_text(json.dumps({"meta": meta, "rounds": [{"calibration": {"format": "other"}, "rows": [row]}]}))
+    files = [str(bad)] if flag == "--from" else [str(bad), str(bad)]
+    assert pc.main([flag, *files]) == 2
+    assert f"{flag} {bad}: not a saved plan_check run" in capsys.readouterr().err
