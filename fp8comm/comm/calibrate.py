@@ -11,10 +11,10 @@ What is timed (on every rank, at once, as a collective would load the machine):
   exchange ends (Calibration.inter is a node's cross-node bandwidth, all its NICs; a sum of the ranks' own rates
   would count a pair that finished early and left the link to the others twice);
 - codecs: pack and unpack_sum of each codec at two sizes (calibration.measure_codecs; the fixed cost per kernel
-  call from the two), then again at LARGE_ELEMS with every rank at once after a barrier (calls long enough to
-  overlap; on CPU FP8's compiled kernel, whose first call compiles): CodecSpeed.above for calls of that size and
-  more; unpack is set to unpack_sum's speed and error feedback's residual to unpack's (not timed: the start-up
-  budget);
+  call from the two, both below the kernel switch at dispatch.COMPILE_MIN_NUMEL), then again at the two
+  LARGE_ELEMS with every rank at once after a barrier (calls long enough to overlap; on CPU FP8's compiled kernel,
+  whose first calls compile): CodecSpeed.above for calls of the smaller one and more, with its own fixed cost;
+  unpack is set to unpack_sum's speed and error feedback's residual to unpack's (not timed: the start-up budget);
 - call_overhead: one metadata check's all_gather (16 + 2 x world int64), timed on the private group, one per
   window, every rank's pooled, the median: the fixed cost the model charges each quantized call. The check itself
   runs only on a group's first calls of each op under the default policy ("first"); later calls pay a fixed cost
@@ -79,9 +79,11 @@ from .linkmodel import CodecSpeed
 STALL_ENV = "FP8COMM_CALIBRATE_STALL"
 PHASES = ("ready", "links", "codecs", "calls")
 SIZES = (16 << 10, 2 << 20)  # bytes per exchange: small (latency), large (bandwidth, from the difference)
-CODEC_ELEMS = (1 << 14, 1 << 18)  # elements per codec call, small and large
+CODEC_ELEMS = (1 << 14, 1 << 17)  # elements per codec call, small and large: both below COMPILE_MIN_NUMEL
 TAG = 0xCA1  # point-to-point tag on the private group
-LARGE_ELEMS = COMPILE_MIN_NUMEL  # codecs timed at this size too: large calls' kernel, every rank at once
+# codecs timed at these sizes too, every rank at once: large calls' kernel (from COMPILE_MIN_NUMEL), at two sizes
+# for its own fixed cost per call (the compiled FP8 kernel: about 0.27 ms a call, as long as 256 Ki elements' own)
+LARGE_ELEMS = (COMPILE_MIN_NUMEL, 1 << 20)
 SMALL_REPS = 5  # windows of one small exchange (and of check gathers) per rep of the large exchange
 RAIL_SHARE = 2  # a node's rail exchanges move at most RAIL_SHARE x the large size together (rail_sizes)
 _POLL_S = 0.005
@@ -131,6 +133,8 @@ def calibrate(
         )
     sizes = _pair(sizes, "sizes")
     codec_elems = _pair(codec_elems, "codec_elems")
+    if (problem := codec_elems_problem(codec_elems)) is not None:
+        raise _err(f"codec_elems: {problem}")
     bad = [c for c in codecs if c not in WIRE_CONFIGS]
     if bad or not codecs:
         raise _err(f"codecs must name some of {', '.join(WIRE_CONFIGS)}; got {list(codecs)}")
@@ -206,11 +210,11 @@ def calibrate(
         mine["codec_fixed"] = {k: s.fixed for k, s in speeds.items()}
         # every codec again at LARGE_ELEMS, all ranks at once after a barrier: calls long enough to overlap (ranks
         # sharing cores slow each other, as in a collective), with the kernel a large call runs (CPU FP8: the
-        # compiled one above COMPILE_MIN_NUMEL, the torch reference below; its first call compiles)
-        if codec_elems[1] < LARGE_ELEMS:
+        # compiled one from COMPILE_MIN_NUMEL, the torch reference below; its first calls compile)
+        if codec_elems[1] < LARGE_ELEMS[0]:
             pg.barrier().wait(datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
             big = measure_codecs(codecs, elems=LARGE_ELEMS, reps=reps, kinds=("pack", "unpack_sum"), timings=timings)
-            mine["codecs_large"] = {k: [LARGE_ELEMS, s.pack, s.unpack_sum] for k, s in big.items()}
+            mine["codecs_large"] = {k: [LARGE_ELEMS[0], s.pack, s.unpack_sum, s.fixed] for k, s in big.items()}
         mine["codecs_s"] = time.monotonic() - t0
         mine["first_calls_s"] = sum(t["first_call_s"] for t in timings.values())
         mine["kernel"] = next(iter(speeds.values())).source
@@ -260,6 +264,17 @@ def _pair(v: Any, name: str) -> tuple[int, int]:
     if not ok:
         raise _err(f"{name} must be (small, large) positive ints with small < large, got {v!r}")
     return int(v[0]), int(v[1])
+
+
+def codec_elems_problem(codec_elems: tuple[int, int]) -> str | None:
+    """Why two codec timing sizes cannot give one kernel's speed and fixed cost (None: they can): on CPU the kernel
+    switches at dispatch.COMPILE_MIN_NUMEL, and the intercept of two kernels' timings is neither one's."""
+    if codec_elems[0] < COMPILE_MIN_NUMEL <= codec_elems[1]:
+        return (
+            f"{codec_elems[0]} and {codec_elems[1]} elements straddle the CPU kernel switch at {COMPILE_MIN_NUMEL} "
+            "(the torch reference below, the compiled kernel from there): give both sizes below it, or both at or above"
+        )
+    return None
 
 
 def _grace(timeout_s: float) -> float:
@@ -512,13 +527,14 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
         )
         codecs[name] = CodecSpeed(pack, usum, usum, src, fixed=fixed)
         big = [r["codecs_large"][name] for r in rows if name in r.get("codecs_large", {})]
-        if big:  # calls of >= LARGE_ELEMS: the speeds timed at that size, every rank at once (their kernel)
+        if big:  # calls of >= LARGE_ELEMS[0]: the speeds timed at two sizes from there, every rank at once
             lp, lu = min(b[1] for b in big), min(b[2] for b in big)
+            lf = med([b[3] if len(b) > 3 else 0.0 for b in big])  # its fixed cost: the ranks' median, as above
             src_big = (
-                f"calibrate: slowest of {world} ranks, calls >= {big[0][0]} elements: timed at that size, every rank "
-                "at once (the kernel large calls run)"
+                f"calibrate: slowest of {world} ranks, calls >= {big[0][0]} elements: timed at two sizes from there, "
+                "every rank at once (the kernel large calls run), fixed cost per call the ranks' median"
             )
-            codecs[name] = replace(codecs[name], above=(int(big[0][0]), CodecSpeed(lp, lu, lu, src_big)))
+            codecs[name] = replace(codecs[name], above=(int(big[0][0]), CodecSpeed(lp, lu, lu, src_big, fixed=lf)))
     # the metadata check's gather every quantized call adds: every rank's single gathers pooled, the median (the
     # latency's rule: a host's stalls are not the call's cost); Python's own cost per call is not in it
     checks = [x for r in rows if r["links"].get("check") for x in r["links"]["check"][0]]
@@ -573,7 +589,9 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
         "exchanges at once, timed to the last one), each codec's slowest rank; latency per level: the median of every "
         "rank's small samples, pooled, less their bytes (node-local: node-mate exchanges; cross-node: ring steps)",
         "latency": latency,
-        "ranks": [x | {"codecs": r["codecs"], "codec_fixed": r.get("codec_fixed", {})} for x, r in zip(ranks, rows)],
+        "ranks": [
+            x | {k: r.get(k, {}) for k in ("codecs", "codec_fixed", "codecs_large")} for x, r in zip(ranks, rows)
+        ],
         "nodes": node_links,
     }
     return {"calibration": cal.to_dict(), "report": report}

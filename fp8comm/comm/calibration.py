@@ -394,6 +394,7 @@ def measure_codecs(
     device: torch.device | str = "cpu",
     kinds: Iterable[str] = SPEED_KINDS,
     timings: dict | None = None,
+    backend: str = "auto",
 ) -> dict[str, CodecSpeed]:
     """Each codec's pack, unpack_sum, unpack and residual speed here, in elements/s: `elems` bf16 elements in
     `chunks` destination chunks through the codec and kernel backend a collective of that size would use (one
@@ -405,7 +406,8 @@ def measure_codecs(
     than 1.5x the small one (a fixed cost the difference would turn into noise). Kinds not in `kinds` are not timed:
     unpack is then set to unpack_sum's speed and residual to 0 (charged at unpack's), and the source says so.
     `timings`, when given, receives per codec the untimed first calls' seconds ("first_call_s"), the timed calls'
-    seconds ("timed_s") and the fixed cost per call the two sizes give ("fixed_s", per kind)."""
+    seconds ("timed_s") and the fixed cost per call the two sizes give ("fixed_s", per kind). `backend`: the kernels
+    to time ("auto": those a collective of that size runs; or one by name, as the collectives' `backend=`)."""
     dev = torch.device(device)
     sizes = (elems,) if isinstance(elems, int) else tuple(elems)
     kinds = tuple(kinds)
@@ -429,7 +431,7 @@ def measure_codecs(
             raise _err(f"unknown codec {name!r}; valid: {', '.join(WIRE_CONFIGS)}")
     for name in names:
         t: dict = {}
-        out[name] = _measure(name, sizes, chunks, reps, dev, kinds, t)
+        out[name] = _measure(name, sizes, chunks, reps, dev, kinds, t, backend)
         if timings is not None:
             timings[name] = t
     return out
@@ -443,12 +445,13 @@ def _measure(
     dev: torch.device,
     kinds: tuple[str, ...] = SPEED_KINDS,
     timings: dict | None = None,
+    backend: str = "auto",
 ) -> CodecSpeed:
     per: list[tuple[dict[str, tuple[float, int]], str]] = []
     t = timings if timings is not None else {}
     t.update(first_call_s=0.0, timed_s=0.0, fixed_s={})
     for n in sizes:
-        per.append(_time_kinds(name, n, chunks, reps, dev, kinds, t))
+        per.append(_time_kinds(name, n, chunks, reps, dev, kinds, t, backend))
     speed: dict[str, float] = {}
     for kind in kinds:
         tl, nl = per[-1][0][kind]
@@ -473,7 +476,14 @@ def _measure(
 
 
 def _time_kinds(
-    name: str, elems: int, chunks: int, reps: int, dev: torch.device, kinds: tuple[str, ...], t: dict
+    name: str,
+    elems: int,
+    chunks: int,
+    reps: int,
+    dev: torch.device,
+    kinds: tuple[str, ...],
+    t: dict,
+    backend: str = "auto",
 ) -> tuple[dict[str, tuple[float, int]], str]:
     """{kind: (median seconds of one call, elements it handles)} at `elems`, and the kernel used."""
     codec = WireConfig(**WIRE_CONFIGS[name]).spec.codec
@@ -482,7 +492,7 @@ def _time_kinds(
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(chunks, k, device=dev, generator=gen).to(torch.bfloat16)
     lay = codec.layout((1,) * chunks, k)
-    kern = codec.kernel("auto", dev, x.numel())
+    kern = codec.kernel(backend, dev, x.numel())
     buf = torch.empty(lay.total_bytes, dtype=torch.uint8, device=dev)
     one = codec.layout((1,), k)  # one received chunk: the first of buf
     acc = torch.zeros(1, k, dtype=torch.float32, device=dev)

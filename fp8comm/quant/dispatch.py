@@ -16,8 +16,12 @@ from . import backend_compiled, backend_reference
 from .toolchain import compiled_cpu_problem, step_down
 
 BACKENDS = ("reference", "compiled", "triton")
-# Below this many elements the compile path is not worth its per-shape compile time on CPU.
-COMPILE_MIN_NUMEL = 1 << 20
+# Below this many elements CPU tensors take the torch reference. Once compiled, the compiled FP8 pack is faster at
+# every size (3.5x at 64 Ki elements, 5.4x at 256 Ki, 9.4x at 1 Mi: launch/kernel_switch.py; decode-and-sum from
+# about 64 Ki), but their
+# first calls cost each process 2-3 s (about 10 s with inductor's cache cold), which the many small tensors of tests
+# and short tools do not repay; from 256 Ki a call saves >= 1.7 ms (docs/benchmarks.md, "The CPU kernel switch").
+COMPILE_MIN_NUMEL = 1 << 18
 
 
 def triton_available(device: torch.device) -> bool:

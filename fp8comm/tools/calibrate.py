@@ -35,7 +35,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "own GROUP_RANK / LOCAL_WORLD_SIZE",
     )
     p.add_argument("--sizes", default="16Ki,2Mi", help="bytes per link exchange: small,large (default 16Ki,2Mi)")
-    p.add_argument("--codec-elems", default="16Ki,256Ki", help="elements per codec call: small,large")
+    p.add_argument(
+        "--codec-elems",
+        default="16Ki,128Ki",
+        help="elements per codec call: small,large (both below the CPU kernel switch at 256Ki, or both at or above)",
+    )
     p.add_argument("--codecs", default="fp8,fp8_e8m0,mxfp4,nvfp4", help="codecs to time")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median kept)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds before the calibration gives up (falls back)")
@@ -50,6 +54,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _checked(args) -> dict:
     """calibrate()'s keyword arguments from the command line; bad values raise Usage before any rank starts."""
+    from ..comm.calibrate import codec_elems_problem
     from ..comm.calibration import WIRE_CONFIGS
 
     def pair(text: str, what: str) -> tuple[int, int]:
@@ -69,10 +74,13 @@ def _checked(args) -> dict:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise Usage(f"--out: directory {str(out.parent)!r} does not exist")
+    codec_elems = pair(args.codec_elems, "--codec-elems")
+    if (problem := codec_elems_problem(codec_elems)) is not None:
+        raise Usage(f"--codec-elems: {problem}")
     return {
         "codecs": codecs,
         "sizes": pair(args.sizes, "--sizes"),
-        "codec_elems": pair(args.codec_elems, "--codec-elems"),
+        "codec_elems": codec_elems,
         "reps": args.reps,
         "timeout_s": args.timeout,
         "small_calls": args.small_calls,

@@ -31,6 +31,7 @@ from fp8comm import __version__
 from fp8comm.comm.calibrate import SMALL_REPS
 from fp8comm.comm.calibration import Calibration
 from fp8comm.comm.smallcalls import SMALL_ELEMS
+from fp8comm.quant.dispatch import COMPILE_MIN_NUMEL
 from fp8comm.tools import cli
 
 pytestmark = pytest.mark.dist
@@ -161,6 +162,10 @@ def test_every_rank_holds_the_identical_calibration(runs):
         assert lat["samples"] == WORLD * SMALL_REPS * FAST["reps"]  # every rank's windows
         assert link.latency == max(0.0, lat["median_s"] - lat["bytes_s"])
     assert cal.codecs["fp8"].pack == min(x["codecs"]["fp8"][0] for x in rep["ranks"])
+    # calls from the CPU kernel switch on: FP8's compiled kernel, timed at two sizes, with its own fixed cost
+    at, big = cal.codecs["fp8"].above
+    assert at == COMPILE_MIN_NUMEL and big.fixed > 0 and "timed at two sizes" in big.source
+    assert big.pack == min(x["codecs_large"]["fp8"][1] for x in rep["ranks"])
     s = rep["seconds"]
     assert 0 < s["first_calls_s"] < s["decided_s"] and s["without_first_calls_s"] > 0
     # every option's small real call: the engine's own all-gather and reduce-scatter in bf16 and fp32, every codec
@@ -301,6 +306,7 @@ def test_cli_refuses_a_foreign_file(written, tmp_path, capsys):
         (["--nproc", "4", "--local-size", "3"], "--local-size 3 must be >= 1 and divide --nproc 4"),
         (["--sizes", "1Mi,1Ki"], "--sizes: give small,large with small < large"),
         (["--codecs", "fp8,fp6"], "--codecs: unknown fp6"),
+        (["--codec-elems", "16Ki,256Ki"], "--codec-elems: 16384 and 262144 elements straddle the CPU kernel switch"),
         (["--out", "/nonexistent/dir/c.json"], "directory '/nonexistent/dir' does not exist"),
     ],
 )

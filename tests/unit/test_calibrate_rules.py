@@ -9,9 +9,11 @@ import math
 import pytest
 import torch
 
-from fp8comm.comm.calibrate import _build, _link, _peers, rail_sizes
+from fp8comm.comm.calibrate import CODEC_ELEMS, LARGE_ELEMS, _build, _link, _peers, codec_elems_problem, rail_sizes
 from fp8comm.comm.calibration import Calibration, measure_codecs
 from fp8comm.errors import Fp8CommConfigError
+from fp8comm.quant import dispatch
+from fp8comm.quant.dispatch import COMPILE_MIN_NUMEL
 
 SIZES = (1 << 10, 1 << 20)
 
@@ -103,6 +105,40 @@ def test_latency_is_the_typical_exchange_not_the_stalls():
     # the older rules the report still shows per rank and node: rank 3's median, and node 0's windows, are stalls
     assert max(x["intra"][1] for x in out["report"]["ranks"]) > 2e-3
     assert max(x["inter"][1] for x in out["report"]["nodes"]) > 2e-3
+
+
+def test_large_calls_keep_their_kernels_speed_and_fixed_cost():
+    """Calls from the kernel switch on: each codec's slowest rank at the two large sizes, the ranks' median fixed
+    cost per call (a rank's JSON from before the large fixed cost, three numbers, reads as 0)."""
+    links = {"intra": [[1e-4] * 3, [2e-3] * 3], "inter": [[1e-4] * 3, [2e-3] * 3], "ring": [[2e-4] * 3]}
+    base = {"links": links, "links_s": 0.1}
+    large = [[LARGE_ELEMS[0], 9e8, 2e9, 3e-4], [LARGE_ELEMS[0], 7e8, 3e9, 1e-4], [LARGE_ELEMS[0], 8e8, 1e9, 2e-4]]
+    rows = [
+        {**base, "rank": i, "codecs": {"fp8": [1e8, 4e8]}, "codecs_large": {"fp8": large[i]}, "codecs_s": 0.2,
+         "first_calls_s": 0.05}
+        for i in range(3)
+    ]  # fmt: skip
+    cal = Calibration.from_dict(_build(rows, [0, 0, 1], SIZES, 3, {"go_s": 0.01, "decided_s": 0.4})["calibration"])
+    at, big = cal.codecs["fp8"].above
+    assert at == COMPILE_MIN_NUMEL and (big.pack, big.unpack_sum, big.fixed) == (7e8, 1e9, 2e-4)
+    assert cal.codecs["fp8"].at(COMPILE_MIN_NUMEL) is big and cal.codecs["fp8"].at(COMPILE_MIN_NUMEL - 1).pack == 1e8
+    rows[0]["codecs_large"]["fp8"] = large[0][:3]
+    cal = Calibration.from_dict(_build(rows, [0, 0, 1], SIZES, 3, {"go_s": 0.01, "decided_s": 0.4})["calibration"])
+    assert cal.codecs["fp8"].above[1].fixed == 1e-4  # median of 0, 1e-4, 2e-4
+
+
+def test_codec_timings_stay_on_one_side_of_the_kernel_switch(monkeypatch):
+    """CPU FP8 runs the torch reference below COMPILE_MIN_NUMEL elements and the compiled kernel from there; the
+    calibration times each kernel at two sizes on its own side (one intercept per kernel), and refuses a pair that
+    straddles the switch."""
+    monkeypatch.setattr(dispatch, "compiled_cpu_problem", lambda device: None)  # a C++ compiler, as here
+    cpu = torch.device("cpu")
+    assert COMPILE_MIN_NUMEL == 1 << 18
+    assert dispatch.backend_name("auto", cpu, COMPILE_MIN_NUMEL - 1) == "reference"
+    assert dispatch.backend_name("auto", cpu, COMPILE_MIN_NUMEL) == "compiled"
+    assert CODEC_ELEMS[1] < COMPILE_MIN_NUMEL == LARGE_ELEMS[0] < LARGE_ELEMS[1]
+    assert codec_elems_problem(CODEC_ELEMS) is None and codec_elems_problem(LARGE_ELEMS) is None
+    assert "straddle the CPU kernel switch at 262144" in codec_elems_problem((1 << 14, 1 << 18))
 
 
 def test_measure_codecs_at_two_sizes():
