@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 # Pipelining inside one call (CPU): pieces of at least this many elements, at most PIPELINE_MAX of them. Pieces
-# >= 1 Mi elements keep the compiled kernels (COMPILE_MIN_NUMEL); 8 pieces of a 16 Mi-element message measured
+# >= COMPILE_MIN_NUMEL elements keep the compiled kernels; 8 pieces of a 16 Mi-element message measured
 # best on the 2-core machine (docs/benchmarks.md).
 PIPELINE_PIECE = 1 << 21
 PIPELINE_MAX = 8
