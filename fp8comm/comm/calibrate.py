@@ -79,11 +79,11 @@ from .linkmodel import CodecSpeed
 STALL_ENV = "FP8COMM_CALIBRATE_STALL"
 PHASES = ("ready", "links", "codecs", "calls")
 SIZES = (16 << 10, 2 << 20)  # bytes per exchange: small (latency), large (bandwidth, from the difference)
-CODEC_ELEMS = (1 << 14, 1 << 17)  # elements per codec call, small and large: both below COMPILE_MIN_NUMEL
+CODEC_ELEMS = (1 << 14, 1 << 18)  # elements per codec call, small and large: both below COMPILE_MIN_NUMEL
 TAG = 0xCA1  # point-to-point tag on the private group
 # codecs timed at these sizes too, every rank at once: large calls' kernel (from COMPILE_MIN_NUMEL), at two sizes
-# for its own fixed cost per call (the compiled FP8 kernel: about 0.27 ms a call, as long as 256 Ki elements' own)
-LARGE_ELEMS = (COMPILE_MIN_NUMEL, 1 << 20)
+# for its own fixed cost per call (the compiled FP8 kernel: about 0.2-0.3 ms a call whatever its size)
+LARGE_ELEMS = (COMPILE_MIN_NUMEL, 1 << 21)
 SMALL_REPS = 5  # windows of one small exchange (and of check gathers) per rep of the large exchange
 RAIL_SHARE = 2  # a node's rail exchanges move at most RAIL_SHARE x the large size together (rail_sizes)
 _POLL_S = 0.005

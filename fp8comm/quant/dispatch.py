@@ -17,11 +17,11 @@ from .toolchain import compiled_cpu_problem, step_down
 
 BACKENDS = ("reference", "compiled", "triton")
 # Below this many elements CPU tensors take the torch reference. Once compiled, the compiled FP8 pack is faster at
-# every size (3.5x at 64 Ki elements, 5.4x at 256 Ki, 9.4x at 1 Mi: launch/kernel_switch.py; decode-and-sum from
-# about 64 Ki), but their
-# first calls cost each process 2-3 s (about 10 s with inductor's cache cold), which the many small tensors of tests
-# and short tools do not repay; from 256 Ki a call saves >= 1.7 ms (docs/benchmarks.md, "The CPU kernel switch").
-COMPILE_MIN_NUMEL = 1 << 18
+# every size (3.4x at 64 Ki elements, 7.3x at 512 Ki, 9.5x at 1 Mi: launch/kernel_switch.py; decode-and-sum from
+# about 64 Ki), but the first calls cost each process 2-3 s (about 10 s with inductor's cache cold), which the small
+# tensors of tests and short tools do not repay: at 256 Ki the suite's multi-rank tests crossed it and the suite took
+# 15% longer; from 512 Ki a pack saves >= 3 ms (docs/benchmarks.md, "The CPU kernel switch").
+COMPILE_MIN_NUMEL = 1 << 19
 
 
 def triton_available(device: torch.device) -> bool:

@@ -37,8 +37,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="16Ki,2Mi", help="bytes per link exchange: small,large (default 16Ki,2Mi)")
     p.add_argument(
         "--codec-elems",
-        default="16Ki,128Ki",
-        help="elements per codec call: small,large (both below the CPU kernel switch at 256Ki, or both at or above)",
+        default="16Ki,256Ki",
+        help="elements per codec call: small,large (both below the CPU kernel switch at 512Ki, or both at or above)",
     )
     p.add_argument("--codecs", default="fp8,fp8_e8m0,mxfp4,nvfp4", help="codecs to time")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median kept)")

@@ -133,12 +133,12 @@ def test_codec_timings_stay_on_one_side_of_the_kernel_switch(monkeypatch):
     straddles the switch."""
     monkeypatch.setattr(dispatch, "compiled_cpu_problem", lambda device: None)  # a C++ compiler, as here
     cpu = torch.device("cpu")
-    assert COMPILE_MIN_NUMEL == 1 << 18
+    assert COMPILE_MIN_NUMEL == 1 << 19
     assert dispatch.backend_name("auto", cpu, COMPILE_MIN_NUMEL - 1) == "reference"
     assert dispatch.backend_name("auto", cpu, COMPILE_MIN_NUMEL) == "compiled"
     assert CODEC_ELEMS[1] < COMPILE_MIN_NUMEL == LARGE_ELEMS[0] < LARGE_ELEMS[1]
     assert codec_elems_problem(CODEC_ELEMS) is None and codec_elems_problem(LARGE_ELEMS) is None
-    assert "straddle the CPU kernel switch at 262144" in codec_elems_problem((1 << 14, 1 << 18))
+    assert "straddle the CPU kernel switch at 524288" in codec_elems_problem((1 << 14, 1 << 19))
 
 
 def test_measure_codecs_at_two_sizes():
