@@ -38,7 +38,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--codec-elems",
         default="16Ki,256Ki",
-        help="elements per codec call: small,large (both below the CPU kernel switch at 512Ki, or both at or above)",
+        help="elements per codec call: small,large (both below the CPU kernel switch, dispatch.COMPILE_MIN_NUMEL, "
+        "or both at or above)",
     )
     p.add_argument("--codecs", default="fp8,fp8_e8m0,mxfp4,nvfp4", help="codecs to time")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median kept)")
