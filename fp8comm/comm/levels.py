@@ -128,8 +128,9 @@ def hier_ag_phase(
     codec, dev, n, nn, lc = call.codec, src.device, src.numel(), hg.nodes, hg.local
     x2 = padded_rows(call, src.reshape(-1), 1, n)
     k = x2.shape[1]
-    # planned from the whole output (the node-local phase's size), in smaller pieces: a shorter tail after the link
-    pieces = call.pieces(k, call.world * k, dev, GATHER_SPLIT)
+    # planned from what crosses the rails (nodes x shard), in smaller pieces: a shorter tail after the link. Not from
+    # the whole output: each piece costs every rank of the node a gather and `local` decode calls on cores they share
+    pieces = call.pieces(k, nn * k, dev, GATHER_SPLIT)
     lays = [codec.layout((1,), b - a) for a, b in pieces]
     sizes = [lay.total_bytes for lay in lays]
     sends = _slices(call.lease.take(sum(sizes), torch.uint8, dev), sizes)

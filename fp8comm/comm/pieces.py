@@ -14,8 +14,9 @@ import torch
 PIPELINE_PIECE = 1 << 21
 PIPELINE_MAX = 8
 # A two-level all-gather ends with its last piece's node-local gather and decode (world x piece elements) after the
-# link is done: pieces GATHER_SPLIT times smaller (in output elements) shorten that tail (a 16 MiB bf16 call in 8
-# pieces, not 4: 195 against 198.5 ms a call at 2x4, 200 Mbit/s; 16 pieces 199 ms; docs/benchmarks.md).
+# link is done: pieces GATHER_SPLIT times smaller shorten that tail. They are planned from the rails' elements
+# (nodes x shard), not the whole output: on CPU every piece costs each rank of a node a gather and one decode call
+# per node-mate, on cores the node's ranks share (a 16 MiB bf16 call at 2x4: 2 pieces, not 8; docs/benchmarks.md).
 GATHER_SPLIT = 2
 
 

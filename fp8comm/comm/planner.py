@@ -176,12 +176,15 @@ def _check(op: str, nbytes: int, dtype: str | torch.dtype) -> tuple[str, int]:
 
 def pieces(op: str, option: Option, elems: int, shape: GroupShape, device_type: str) -> int:
     """The pipelined pieces fp8comm cuts this call into (pieces.piece_count with automatic pipelining and nearest
-    rounding): from the whole buffer for reduce-scatters and two-level calls (a two-level all-gather's pieces
-    GATHER_SPLIT times smaller), from the shard for a flat all-gather (as comm/core.py and comm/levels.py plan
-    them); 1 on GPUs, for the engine's own call and for codecs whose scale spans the row (NVFP4)."""
+    rounding): from the whole buffer for reduce-scatters, from the shard for a flat all-gather, from the rails'
+    elements (nodes x shard) for a two-level all-gather, its pieces GATHER_SPLIT times smaller (as comm/core.py and
+    comm/levels.py plan them); 1 on GPUs, for the engine's own call and for codecs whose scale spans the row (NVFP4)."""
     if option.native or not _wire(option.wire).spec.codec.pipelines:
         return 1
-    numel = -(-elems // shape.size) if (op == "all_gather" and option.levels == "flat") else elems
+    numel = elems
+    if op == "all_gather":
+        shard = -(-elems // shape.size)
+        numel = shard if option.levels == "flat" else shape.nodes * shard
     split = GATHER_SPLIT if (op == "all_gather" and option.levels == "two_level") else 1
     return piece_count(numel, torch.device(device_type), "nearest", 0, split)
 

@@ -190,8 +190,8 @@ def check_hierarchical_fp4(ctx: Ctx, hg, x, pads) -> None:
             outs[-1] = torch.cat([outs[-1], g])
         assert torch.equal(outs[0], outs[1]) and torch.equal(res[0], res[1]), (fmt, "pipelined two-level")
         assert res[0].numel() == 2 * (-(-big.numel() // 4)), "the residual covers the node's partial sums"
-    # Automatic pieces: a two-level all-gather cuts GATHER_SPLIT times more rail pieces than a reduce-scatter of the
-    # same buffer (a shorter tail after the link), with the one-piece bits.
+    # Automatic pieces: a two-level all-gather plans its rail pieces from what crosses the rails (2 nodes x the
+    # shard), GATHER_SPLIT times smaller (a shorter tail after the link), with the one-piece bits.
     from fp8comm.comm import levels, pieces
 
     rails: list[int] = []
@@ -208,11 +208,11 @@ def check_hierarchical_fp4(ctx: Ctx, hg, x, pads) -> None:
         levels.all_gather_bytes, pieces.PIPELINE_PIECE = real_gather, old_piece
     k, cpu = 13 * 128, torch.device("cpu")  # the shard's padded width: 13 whole 1x128 blocks
     pieces.PIPELINE_PIECE = 2048
-    try:  # 4k output elements: 3 pieces of 2048 or more (5, 5, 3 blocks), 6 of 1024 or more (3 blocks each, 1 left)
-        planned = [len(pieces.plan_pieces(k, 128, 4 * k, cpu, "nearest", 0, s)) for s in (1, pieces.GATHER_SPLIT)]
+    try:  # 2k rail elements: 1 piece of 2048 or more, 3 of 1024 or more (5, 5, 3 blocks); 4k (the whole output) 5
+        planned = [len(pieces.plan_pieces(k, 128, n * k, cpu, "nearest", 0, pieces.GATHER_SPLIT)) for n in (2, 4)]
     finally:
         pieces.PIPELINE_PIECE = old_piece
-    assert planned == [3, 5] and sum(rails) == 5, (planned, rails)
+    assert planned == [3, 5] and sum(rails) == 3, (planned, rails)
     assert torch.equal(auto, fc.all_gather(big, hierarchical=hg, fmt="e4m3", pipeline=1)), "automatic pieces"
 
 

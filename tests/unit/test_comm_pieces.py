@@ -170,8 +170,9 @@ def test_graph_capture_refused_before_anything_moves(one_rank, monkeypatch):
 
 def test_two_level_all_gather_cuts_smaller_pieces():
     """A two-level all-gather's tail after the link is its last piece's node-local gather and decode: it plans pieces
-    GATHER_SPLIT times smaller (8 for a 16 MiB bf16 call, 8 Mi output elements, where a reduce-scatter of the same
-    buffer runs 4), and the planner's model cuts it the same way."""
+    GATHER_SPLIT times smaller, from what crosses the rails (nodes x shard), not the whole output: each piece costs
+    every rank of a node a gather and a decode call per node-mate. A 16 MiB bf16 call (8 Mi output elements) runs 2
+    pieces at 2x4 and 4 at 2x2 (a reduce-scatter of the same buffer: 4), and the planner's model cuts it the same way."""
     from fp8comm.comm.pieces import GATHER_SPLIT, piece_count
     from fp8comm.comm.planner import GroupShape, Option, pieces
 
@@ -181,7 +182,9 @@ def test_two_level_all_gather_cuts_smaller_pieces():
     assert piece_count(E, CPU, "nearest", 3, GATHER_SPLIT) == 3  # an explicit piece count wins
     assert piece_count(64 << 20, CPU, "nearest", 0, GATHER_SPLIT) == PIPELINE_MAX
     sh = GroupShape(2, 4)
-    assert pieces("all_gather", Option("fp8", "two_level"), E, sh, "cpu") == 8
+    assert pieces("all_gather", Option("fp8", "two_level"), E, sh, "cpu") == 2
+    assert pieces("all_gather", Option("fp8", "two_level"), E, GroupShape(2, 2), "cpu") == 4
+    assert pieces("all_gather", Option("fp8", "two_level"), E, GroupShape(4, 2), "cpu") == 4
     assert pieces("reduce_scatter", Option("fp8", "two_level"), E, sh, "cpu") == 4
     assert pieces("all_gather", Option("fp8", "two_level"), E, sh, "cuda") == 1
 
@@ -207,7 +210,7 @@ def test_all_reduce_phases_keep_their_own_pieces():
     )
     sh, E = GroupShape(2, 4), 8 << 20
     m = cal.machine(2, 4)
-    for levels, p_rs, p_ag in (("two_level", 4, 8), ("flat", 4, 1)):
+    for levels, p_rs, p_ag in (("two_level", 4, 2), ("flat", 4, 1)):
         o = Option("fp8", levels)
         assert (pieces("reduce_scatter", o, E, sh, "cpu"), pieces("all_gather", o, E, sh, "cpu")) == (p_rs, p_ag)
         rs = lm.time("reduce_scatter", levels, "fp8", m, E, p_rs)
