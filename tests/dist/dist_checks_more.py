@@ -192,7 +192,9 @@ def check_hierarchical_fp4(ctx: Ctx, hg, x, pads) -> None:
         assert res[0].numel() == 2 * (-(-big.numel() // 4)), "the residual covers the node's partial sums"
     # Automatic pieces: a two-level all-gather plans its rail pieces from what crosses the rails (2 nodes x the
     # shard), GATHER_SPLIT times smaller (a shorter tail after the link), with the one-piece bits.
-    from fp8comm.comm import levels, pieces
+    from fp8comm.comm import levels, pieces, planner
+
+    shape = planner.GroupShape(2, 2)
 
     rails: list[int] = []
     real_gather, old_piece = levels.all_gather_bytes, pieces.PIPELINE_PIECE
@@ -210,9 +212,11 @@ def check_hierarchical_fp4(ctx: Ctx, hg, x, pads) -> None:
     pieces.PIPELINE_PIECE = 2048
     try:  # 2k rail elements: 1 piece of 2048 or more, 3 of 1024 or more (5, 5, 3 blocks); 4k (the whole output) 5
         planned = [len(pieces.plan_pieces(k, 128, n * k, cpu, "nearest", 0, pieces.GATHER_SPLIT)) for n in (2, 4)]
+        # the planner's model cuts the call as the collective does
+        modelled = planner.pieces("all_gather", planner.Option("fp8", "two_level"), 4 * big.numel(), shape, "cpu")
     finally:
         pieces.PIPELINE_PIECE = old_piece
-    assert planned == [3, 5] and sum(rails) == 3, (planned, rails)
+    assert planned == [3, 5] and sum(rails) == 3 and modelled == 3, (planned, rails, modelled)
     assert torch.equal(auto, fc.all_gather(big, hierarchical=hg, fmt="e4m3", pipeline=1)), "automatic pieces"
 
 

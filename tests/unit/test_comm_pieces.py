@@ -172,7 +172,7 @@ def test_two_level_all_gather_cuts_smaller_pieces():
     """A two-level all-gather's tail after the link is its last piece's node-local gather and decode: it plans pieces
     GATHER_SPLIT times smaller, from what crosses the rails (nodes x shard), not the whole output: each piece costs
     every rank of a node a gather and a decode call per node-mate. A 16 MiB bf16 call (8 Mi output elements) runs 2
-    pieces at 2x4 and 4 at 2x2 (a reduce-scatter of the same buffer: 4), and the planner's model cuts it the same way."""
+    pieces at 2x4 and 4 at 2x2 (a reduce-scatter of the same buffer: 4); the planner's model cuts it the same way."""
     from fp8comm.comm.pieces import GATHER_SPLIT, piece_count
     from fp8comm.comm.planner import GroupShape, Option, pieces
 
