@@ -249,9 +249,9 @@ class Machine:
     """A cluster: n nodes x g ranks; inter = one node's inter-node bandwidth (bytes/s per direction, all NICs) and
     latency per step; intra = one rank's node-local bandwidth and latency; intra_node_bw caps a node's node-local
     traffic in all (a shared host bridge; None: no cap); codec speeds per codec name ("*" = any other);
-    call_overhead: seconds a quantized call costs beyond its stages (fixed per call; what its first piece's work
-    before the wire does not hide); small_calls: per option (op/algo/codec), a real call's seconds at small_elems,
-    which replaces call_overhead for that option."""
+    call_overhead: seconds a quantized call costs beyond its stages (fixed per call, again for each further
+    piece; what its first piece's work before the wire does not hide); small_calls: per option (op/algo/codec), a
+    real call's seconds at small_elems, which replaces call_overhead for that option."""
 
     name: str
     g: int
@@ -331,11 +331,13 @@ def time(
 ) -> Estimate:
     """Predicted seconds of one `op` (bytes()'s arguments, g and n from m) on machine m; codec work is charged per
     rank at m's codec speeds; reductions inside the plain-dtype collectives (NCCL, gloo) are free (in-kernel,
-    memory-bound). pieces > 1: the stages are pipelined (Estimate's formula), each piece pays the latency again.
+    memory-bound). pieces > 1: the stages are pipelined (Estimate's formula), each piece pays the latency and the
+    call's fixed cost again.
     feedback: error feedback on the reduce-scatter's quantization (a "residual" stage over the elements this rank
     quantizes for the wire, at CodecSpeed.residual_speed). A quantized all_reduce is its two phases one after the
     other (the all-gather starts from the reduce-scatter's sum), the all-gather's cut into gather_pieces (None: as
-    many as the reduce-scatter's), the metadata check charged once."""
+    many as the reduce-scatter's), the call's fixed cost charged with its reduce-scatter phase (per piece, as a
+    reduce-scatter's) or, where the machine has an all_reduce small call, that call's extra once."""
     c = codec_of(codec)
     if op == "all_reduce" and c.quantized:
         extra = _small_extra(op, algo, c, m, local)
@@ -428,14 +430,16 @@ def time(
     # call_overhead: a quantized call's fixed cost, timed as the metadata check's gather. Where the check runs it
     # travels while the first piece is prepared (comm/core.py and comm/levels.py settle it just before the first
     # quantized piece goes on the wire): only the rest shows. Calls past the check (policy "first") are charged the
-    # same: they measured a fixed cost of about its size (docs/planner.md, "What call_overhead stands for")
+    # same: they measured a fixed cost of about its size (docs/planner.md, "What call_overhead stands for"). Each
+    # further piece is its own collectives and pays that fixed cost again (docs/planner.md, "Each piece's fixed cost")
+    again = max(pieces, 1) - 1
     extra = _small_extra(op, algo, c, m, local)
     if extra is not None:
-        host = extra
+        host = extra * (1 + again)
     else:
         first = next((i for i, (name, _) in enumerate(st) if RESOURCES.get(name) == "link"), len(st))
         lead = sum(s for _, s in st[:first]) / max(pieces, 1)
-        host = max(0.0, m.call_overhead - lead) if c.quantized else 0.0
+        host = max(0.0, m.call_overhead - lead) + m.call_overhead * again if c.quantized else 0.0
     return Estimate(host + peak + (total - peak) / max(pieces, 1), tuple(st), lv, pieces, tuple(res.items()))
 
 

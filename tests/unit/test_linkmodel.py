@@ -172,20 +172,23 @@ def test_host_latency_overlaps_the_cross_node_bytes():
 
 
 def test_call_overhead_hides_behind_the_first_piece():
-    # the metadata check travels while the first piece is packed: only what exceeds that shows
+    # the metadata check travels while the first piece is packed: only what exceeds that shows; each further piece
+    # (its own collective) pays the fixed cost again, in full
     E = 1 << 22
     base = lm.time("reduce_scatter", "flat", "fp8", _machine(), E, pieces=4)
     lead = dict(base.stages)["pack"] / 4
     small = lm.time("reduce_scatter", "flat", "fp8", _machine(call_overhead=lead / 2), E, pieces=4)
-    assert small.seconds == pytest.approx(base.seconds)
+    assert small.seconds == pytest.approx(base.seconds + 3 * lead / 2)
     big = lm.time("reduce_scatter", "flat", "fp8", _machine(call_overhead=lead + 1e-3), E, pieces=4)
-    assert big.seconds == pytest.approx(base.seconds + 1e-3)
+    assert big.seconds == pytest.approx(base.seconds + 1e-3 + 3 * (lead + 1e-3))
+    one = lm.time("reduce_scatter", "flat", "fp8", _machine(call_overhead=lead + 1e-3), E, pieces=1)
+    assert one.seconds == pytest.approx(lm.time("reduce_scatter", "flat", "fp8", _machine(), E).seconds)
     # a plain-dtype call has no check
     assert lm.time("reduce_scatter", "ring", "bf16", _machine(call_overhead=1.0), E).seconds < 1.0
 
 
 def test_small_calls_charge_each_option_its_own_fixed_cost():
-    # a small real call's seconds beyond the model's own stages for it, once per call, in place of call_overhead;
+    # a small real call's seconds beyond the model's own stages for it, once per piece, in place of call_overhead;
     # per option (the engine's own call too), never below nothing; an all_reduce pays its first phase's once
     E, S = 1 << 22, 1 << 12
     small = {"reduce_scatter/flat/fp8": 5e-3, "reduce_scatter/gloo/bf16": 4e-3, "all_gather/flat/mxfp4": 0.0}
@@ -194,8 +197,10 @@ def test_small_calls_charge_each_option_its_own_fixed_cost():
     for op, algo, codec in [k.split("/") for k in small]:
         extra = max(0.0, small[f"{op}/{algo}/{codec}"] - lm.time(op, algo, codec, bare, S).seconds)
         assert lm.time(op, algo, codec, m, E, pieces=4).seconds == pytest.approx(
-            lm.time(op, algo, codec, bare, E, pieces=4).seconds + extra
+            lm.time(op, algo, codec, bare, E, pieces=4).seconds + 4 * extra
         )
+        one = lm.time(op, algo, codec, bare, E).seconds
+        assert lm.time(op, algo, codec, m, E).seconds == pytest.approx(one + extra)
     mx = ("all_gather", "flat", "mxfp4")
     assert lm.time(*mx, m, E).seconds == lm.time(*mx, bare, E).seconds
     # an option without a small call keeps call_overhead
