@@ -17,8 +17,9 @@
                                                                 20%, and the predictions on those rows
 
 Every rank first runs fp8comm.comm.calibrate.calibrate() over the world (as `fp8comm calibrate` does ahead of
-time: with every option's small real call, which the engines' start-up leaves out; --no-small-calls: as they do;
-the summary also counts the same rows predicted without the small calls), then fp8comm.tools.bench.comm's own table
+time: with every option's small real call and its large one, which the engines' start-up leaves out;
+--no-small-calls: as they do; --large-call-elems 0: small calls only; the summary also counts the same rows
+predicted without the large calls and without either), then fp8comm.tools.bench.comm's own table
 (its timing: median per call, barrier before each, the slowest rank's; `--ops`, `--min-size`, ... are bench comm's
 options, with this check's defaults). Rank 0 predicts each row with fp8comm.comm.planner.predict (the planner's own
 numbers) from that calibration:
@@ -391,7 +392,12 @@ def _round(args, rank: int, i: int) -> dict | None:
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CalibrationWarning)
-        cal = calibrate(timeout_s=args.calibrate_timeout, report=report, small_calls=args.small_calls)
+        cal = calibrate(
+            timeout_s=args.calibrate_timeout,
+            report=report,
+            small_calls=args.small_calls,
+            large_call_elems=args.large_call_elems if args.small_calls else 0,
+        )
     cal_s = time.monotonic() - t0
     if cal is None:
         if rank == 0:
@@ -454,8 +460,16 @@ def _finish(result: dict, args, calibration=None) -> None:
     rounds = rounds_of(result, calibration=calibration)
     checked = compare_rounds(rounds, m["nodes"], m["local"], args.tolerance)
     summ = {**summary(checked, args.tolerance), "rounds": len(rounds)}
-    # the same rows predicted without the small calls (call_overhead alone, as the engines' start-up calibration has)
-    bare = [(replace(cal, small_calls={}, small_call_elems=0), rows) for cal, rows in rounds]
+    # the same rows predicted without the large calls, and without the small calls too (call_overhead alone, as the
+    # engines' start-up calibration has)
+    small = [(replace(cal, large_calls={}, large_call_elems=0), rows) for cal, rows in rounds]
+    summ["planner_options_within_without_large_calls"] = summary(
+        compare_rounds(small, m["nodes"], m["local"], args.tolerance), args.tolerance
+    )["planner_options_within"]
+    bare = [
+        (replace(cal, small_calls={}, small_call_elems=0, large_calls={}, large_call_elems=0), rows)
+        for cal, rows in rounds
+    ]
     summ["planner_options_within_without_small_calls"] = summary(
         compare_rounds(bare, m["nodes"], m["local"], args.tolerance), args.tolerance
     )["planner_options_within"]
@@ -471,6 +485,11 @@ def _finish(result: dict, args, calibration=None) -> None:
     if len(rounds) > 1:
         print(f"# {len(rounds)} paired rounds: per row the median measured and the median predicted")
     print(format_table(checked, summ))
+    if any(cal.large_calls for cal, _ in rounds):
+        print(
+            f"# without the large calls (small calls alone): {summ['planner_options_within_without_large_calls']} / "
+            f"{summ['planner_options_total']} rows of the planner's options within {args.tolerance:.0%}"
+        )
     if any(cal.small_calls for cal, _ in rounds):
         print(
             f"# without the small calls (call_overhead alone): {summ['planner_options_within_without_small_calls']} / "
@@ -625,7 +644,13 @@ def parser() -> argparse.ArgumentParser:
         "--no-small-calls",
         dest="small_calls",
         action="store_false",
-        help="calibrate without timing each option as a small real call (as the engines' start-up does)",
+        help="calibrate without timing each option as a real call, small or large (as the engines' start-up does)",
+    )
+    p.add_argument(
+        "--large-call-elems",
+        type=int,
+        default=1 << 22,
+        help="elements of each option's large real call in the calibration (0: none; as fp8comm calibrate's)",
     )
     return p
 

@@ -22,7 +22,9 @@ What is timed (on every rank, at once, as a collective would load the machine):
 - small calls (small_calls=True, a calibration of the whole world only): every option (the engine's own all-gather,
   reduce-scatter and all-reduce in bf16 and fp32, each codec flat and two-level) timed as a real call of
   smallcalls.SMALL_ELEMS elements on throwaway groups (smallcalls): Calibration.small_calls, which the model
-  prefers to call_overhead per option.
+  prefers to call_overhead per option; with large_call_elems the options again at that size (cheapest first, within
+  smallcalls.LARGE_BUDGET_S, agreed on every rank): Calibration.large_calls, toward which planner.anchored scales
+  each option's prediction above the small size.
 Rank 0 keeps the SLOWEST per level (the node-local link of the slowest rank, the cross-node bandwidth of the slowest
 node) and each codec's slowest rank: a collective step ends when its slowest member does, so a plan from the typical
 rank would promise what the collective cannot deliver.
@@ -110,6 +112,7 @@ def calibrate(
     store: Any = None,
     report: dict | None = None,
     small_calls: bool = False,
+    large_call_elems: int = 0,
 ) -> Calibration | None:
     """Measure and agree on one Calibration for `group` (None: the world); collective over the group's members.
 
@@ -118,7 +121,9 @@ def calibrate(
     elements per codec call (small, large); reps: timed repetitions per size (the median is kept); timeout_s: the
     whole calibration's deadline; store: the c10d store to agree through (default: the default group's);
     small_calls: also time every option as a small real call (smallcalls; a group spanning the whole world only, and
-    about 1-5 s more on the simulated cluster: `fp8comm calibrate` ahead of time does, the engines' start does not).
+    about 1-5 s more on the simulated cluster: `fp8comm calibrate` ahead of time does, the engines' start does not);
+    large_call_elems: with small_calls, also time the options as real calls of this many elements (> the small
+    calls'; smallcalls.LARGE_CALL_ELEMS in `fp8comm calibrate`; 0: not), at most smallcalls.LARGE_BUDGET_S.
     Returns the identical Calibration on every rank, or None on every rank (with one CalibrationWarning) when it
     could not finish in time. `report`, when given, receives rank 0's published details: every rank's raw numbers,
     the seconds each phase took (first codec calls, the compiles, apart) and the rule that decided."""
@@ -153,6 +158,14 @@ def calibrate(
             f"small_calls=True needs a group of the whole world in rank order (its throwaway groups are made with "
             f"dist.new_group, collective over the world); this group has ranks {list(members)}"
         )
+    if large_call_elems:
+        ok = isinstance(large_call_elems, int) and not isinstance(large_call_elems, bool)
+        if not ok or large_call_elems <= smallcalls.elems(world) * 2 or not small_calls:
+            raise _err(
+                f"large_call_elems must be an int > 2 x the small calls' {smallcalls.elems(world)} elements, with "
+                f"small_calls=True (the model scales between the two sizes); got {large_call_elems!r} with "
+                f"small_calls={small_calls!r}"
+            )
     me = members.index(dist.get_rank())
     epoch = _epochs.get(members, 0)
     _epochs[members] = epoch + 1
@@ -167,6 +180,7 @@ def calibrate(
             "reps": reps,
             "nodes": nodes,
             "small_calls": bool(small_calls),  # a Python flag into the arguments' JSON (no tensor), once per call
+            "large_call_elems": int(large_call_elems),
         }
     )
 
@@ -225,7 +239,9 @@ def calibrate(
     if small_calls:  # every rank past "go" alike, whatever failed above (smallcalls: the world's group counter)
         _stall(me, "calls")
         # they stop short of the deadline: out of time they are dropped and the calibration stands without them
-        mine |= smallcalls.time_calls(me, layout["nodes"], codecs, SMALL_REPS * reps, deadline - _grace(timeout_s))
+        mine |= smallcalls.time_calls(
+            me, layout["nodes"], codecs, SMALL_REPS * reps, deadline - _grace(timeout_s), large_call_elems
+        )
     kv.set(f"result/{me}", json.dumps(mine))
 
     # ---- decide: rank 0 builds the calibration from everyone's numbers, or falls back; everyone reads the key
@@ -549,6 +565,22 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     elif all("calls" in r for r in rows):
         for k in rows[0]["calls"]:
             small[k] = med([max(r["calls"][k][i] for r in rows) for i in range(len(rows[0]["calls"][k]))])
+    # the large calls likewise, where every rank timed them (the same options on every rank: agreed as they ran)
+    large: dict[str, float] = {}
+    lost = [f"{r['rank']} ({r['large_failed']})" for r in rows if "large_failed" in r]
+    if lost and small:
+        notes.append(
+            f"large calls not timed (the model alone above the small calls): failed on rank(s) {'; '.join(lost)}"
+        )
+    elif small and all("large_calls" in r for r in rows):
+        for k in rows[0]["large_calls"]:
+            large[k] = med([max(r["large_calls"][k][i] for r in rows) for i in range(len(rows[0]["large_calls"][k]))])
+        skipped = len(small) - len(large)
+        if skipped:
+            notes.append(
+                f"large calls: {len(large)} of {len(small)} options timed within {smallcalls.LARGE_BUDGET_S:g} s "
+                f"(the rest: the model alone above the small calls)"
+            )
     spent = {
         "links_s": max(r["links_s"] for r in rows),
         "codecs_s": max(r["codecs_s"] for r in rows),
@@ -556,6 +588,8 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     }
     if any("calls_s" in r for r in rows):
         spent["calls_s"] = max(r.get("calls_s", 0.0) for r in rows)
+    if any("large_s" in r for r in rows):
+        spent["large_calls_s"] = max(r.get("large_s", 0.0) for r in rows)
     spent |= times
     spent["without_first_calls_s"] = spent["decided_s"] - spent["first_calls_s"]
     cal = Calibration(
@@ -569,6 +603,8 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
         call_overhead=call_overhead,
         small_calls=small,
         small_call_elems=smallcalls.elems(world) if small else 0,
+        large_calls=large,
+        large_call_elems=rows[0]["large_elems"] if large else 0,
         source=(
             f"fp8comm calibrate, {time.strftime('%Y-%m-%d %H:%M')}: {n_nodes} node(s) x {per_node} ranks, gloo, "
             f"exchanges of {sizes[0]} and {sizes[1]} bytes ({rails_sz[1]} per rail across nodes), slowest rank / node "
@@ -580,7 +616,8 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
             f"int64 ({call_overhead * 1e6:.0f} us), not Python's own cost per call",
             f"time: {spent['decided_s']:.2f} s in all, {spent['first_calls_s']:.2f} s of it first codec calls "
             f"(compiles, caches); links {spent['links_s']:.2f} s, codecs {spent['codecs_s']:.2f} s"
-            + (f", small calls {spent['calls_s']:.2f} s" if "calls_s" in spent else ""),
+            + (f", small calls {spent['calls_s']:.2f} s" if "calls_s" in spent else "")
+            + (f" (of it large calls {spent['large_calls_s']:.2f} s)" if "large_calls_s" in spent else ""),
         ),
     )
     report = {

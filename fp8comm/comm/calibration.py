@@ -82,8 +82,9 @@ class Calibration:
     (nccl: NCCL's ring; gloo: torch's gloo calls); call_overhead: fixed seconds per quantized call, timed as one
     small gloo all_gather (calibrate.py; 0: not modelled); small_calls: "op/algo/codec" -> seconds one real call of
     that option took on a buffer of small_call_elems elements (comm/smallcalls.py; the model prefers it to
-    call_overhead where it has one); world_size: the world it was taken in (informational:
-    never checked); source: where the numbers come from."""
+    call_overhead where it has one); large_calls: the same at large_call_elems (> small_call_elems; needs the small
+    calls), which scale the option's prediction toward what a large call measured (planner.estimate);
+    world_size: the world it was taken in (informational: never checked); source: where the numbers come from."""
 
     inter: Link
     intra: Link
@@ -95,6 +96,8 @@ class Calibration:
     call_overhead: float = 0.0
     small_calls: Mapping[str, float] = field(default_factory=dict)
     small_call_elems: int = 0
+    large_calls: Mapping[str, float] = field(default_factory=dict)
+    large_call_elems: int = 0
     version: str = __version__
     world_size: int | None = None
     source: str = ""
@@ -112,13 +115,20 @@ class Calibration:
         if self.node_local_cap is not None:
             _positive("node_local_cap", self.node_local_cap)
         _positive("call_overhead", self.call_overhead, allow_zero=True)
-        for k, v in self.small_calls.items():
-            _small_key(k)
-            _positive(f"small_calls[{k!r}]", v, allow_zero=True)
-        e = self.small_call_elems
-        if isinstance(e, bool) or not isinstance(e, int) or e < 0 or (self.small_calls and e < 1):
-            raise _err(f"small_call_elems must be an int >= 1 with small_calls (0 without), got {e!r}")
-        object.__setattr__(self, "small_calls", dict(self.small_calls))
+        for field_name in ("small_calls", "large_calls"):
+            for k, v in getattr(self, field_name).items():
+                _small_key(k, field_name)
+                _positive(f"{field_name}[{k!r}]", v, allow_zero=field_name == "small_calls")
+            e = getattr(self, field_name[:-1] + "_elems")
+            if isinstance(e, bool) or not isinstance(e, int) or e < 0 or (getattr(self, field_name) and e < 1):
+                raise _err(f"{field_name[:-1]}_elems must be an int >= 1 with {field_name} (0 without), got {e!r}")
+            object.__setattr__(self, field_name, dict(getattr(self, field_name)))
+        if self.large_calls and not (self.small_calls and self.large_call_elems > self.small_call_elems):
+            raise _err(
+                f"large_calls need small_calls of fewer elements (the model scales between the two sizes); got "
+                f"{len(self.small_calls)} small calls of {self.small_call_elems} elements, large of "
+                f"{self.large_call_elems}"
+            )
         for name, s in self.codecs.items():
             if name != "*" and name not in WIRE_CONFIGS:
                 raise _err(f"codec speed for unknown codec {name!r}; valid: {', '.join(WIRE_CONFIGS)}, '*'")
@@ -142,7 +152,7 @@ class Calibration:
         """linkmodel's Machine for a group of `nodes` x `ranks_per_node` members on this calibration's links; the
         small calls only for the layout they were timed on (the world's; another layout's calls run other steps on
         other links: those charge call_overhead)."""
-        same = self.world_size == nodes * ranks_per_node and ranks_per_node == self.ranks_per_node
+        same = self.timed_on(nodes, ranks_per_node)
         return linkmodel.Machine(
             name or f"{nodes}x{ranks_per_node} ({self.device})",
             ranks_per_node,
@@ -159,6 +169,10 @@ class Calibration:
             host_local=self.device_type == "cpu",  # CPU ranks copy node-local bytes themselves (loopback TCP)
             host_latency=self.device_type == "cpu",  # and their latency per step is their own wake-up
         )
+
+    def timed_on(self, nodes: int, ranks_per_node: int) -> bool:
+        """Whether the small and large calls were timed on this layout (the world's): only then do they apply."""
+        return self.world_size == nodes * ranks_per_node and ranks_per_node == self.ranks_per_node
 
     def check(self, *, device: str | None = None, ranks_per_node: int | None = None) -> None:
         """Refuse this calibration where it was not taken: another fp8comm version, device kind or ranks per node
@@ -191,6 +205,8 @@ class Calibration:
             "call_overhead": self.call_overhead,
             "small_calls": dict(self.small_calls),
             "small_call_elems": self.small_call_elems,
+            "large_calls": dict(self.large_calls),
+            "large_call_elems": self.large_call_elems,
             "codecs": {k: _speed_dict(s) for k, s in self.codecs.items()},
             "source": self.source,
             "notes": list(self.notes),
@@ -272,6 +288,8 @@ class Calibration:
             call_overhead=num(d, "call_overhead") if "call_overhead" in d else 0.0,
             small_calls={k: num(obj(d, "small_calls"), k, "small_calls.") for k in d.get("small_calls") or {}},
             small_call_elems=d.get("small_call_elems", 0),
+            large_calls={k: num(obj(d, "large_calls"), k, "large_calls.") for k in d.get("large_calls") or {}},
+            large_call_elems=d.get("large_call_elems", 0),
             version=text("version"),
             world_size=d.get("world_size"),
             source=str(d.get("source", "")),
@@ -302,13 +320,13 @@ SMALL_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 SMALL_ALGOS = ("gloo", "ring", "flat", "two_level")
 
 
-def _small_key(k: object) -> None:
-    """A small_calls key names one option: op/algo/codec (comm/smallcalls.key)."""
+def _small_key(k: object, field_name: str = "small_calls") -> None:
+    """A small_calls (or large_calls) key names one option: op/algo/codec (comm/smallcalls.key)."""
     parts = k.split("/") if isinstance(k, str) else []
     ok = len(parts) == 3 and parts[0] in SMALL_OPS and parts[1] in SMALL_ALGOS
     if not ok or parts[2] not in (*WIRE_CONFIGS, "bf16", "fp32"):
         raise _err(
-            f"small_calls key {k!r}: expected op/algo/codec with op in {SMALL_OPS}, algo in {SMALL_ALGOS}, codec one "
+            f"{field_name} key {k!r}: expected op/algo/codec with op in {SMALL_OPS}, algo in {SMALL_ALGOS}, codec one "
             f"of {', '.join(WIRE_CONFIGS)}, bf16, fp32"
         )
 

@@ -303,13 +303,15 @@ class Estimate:
     """A call's predicted seconds and its stages (name, seconds of all pieces together). Stages on one resource
     (RESOURCES: a rank's codec work runs on one thread/stream, each link level moves its own bytes) add up; with P
     pieces the resources overlap: seconds = max(resource) + (sum(stages) - max(resource)) / P, the second term the
-    first (and last) piece's cost that nothing hides; P = 1 is the plain sum."""
+    first (and last) piece's cost that nothing hides; P = 1 is the plain sum. measured_scale: the factor a
+    calibration's large real call of this option set on `seconds` (planner.anchored; 1: none)."""
 
     seconds: float
     stages: tuple[tuple[str, float], ...]
     levels: Levels
     pieces: int
     resources: tuple[tuple[str, float], ...] = ()
+    measured_scale: float = 1.0
 
 
 # stage -> what runs it: codec stages on the rank's compute (one thread on CPU, one stream on GPUs: pack, sum and

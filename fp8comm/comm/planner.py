@@ -19,7 +19,8 @@ two classes (the full bucket, the tail), each decided once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -193,12 +194,17 @@ def estimate(
     op: str, nbytes: int, dtype: str | torch.dtype, shape: GroupShape, option: Option, calibration: Calibration
 ) -> linkmodel.Estimate:
     """linkmodel.time for this option: seconds and the stages they come from. nbytes: the whole buffer in `dtype`
-    (the reduce-scatter's input, the all-gather's output, as linkmodel's `elems`)."""
+    (the reduce-scatter's input, the all-gather's output, as linkmodel's `elems`). Where the calibration timed this
+    option as a large real call on this layout, the seconds are scaled toward it (anchored())."""
     d, elems = _check(op, nbytes, dtype)
     if option.levels == "two_level" and not shape.spans_nodes:
         raise _err(
             f"two levels need >= 2 nodes with >= 2 ranks each; the group is {shape.nodes}x{shape.ranks_per_node}"
         )
+    return anchored(op, d, elems, shape, option, calibration, _model(op, d, elems, shape, option, calibration))
+
+
+def _model(op: str, d: str, elems: int, shape: GroupShape, option: Option, calibration: Calibration):
     m = calibration.machine(shape.nodes, shape.ranks_per_node)
     if option.native:
         return linkmodel.time(op, "ring" if calibration.backend == "nccl" else "gloo", d, m, elems)
@@ -208,6 +214,28 @@ def estimate(
     return linkmodel.time(
         op, option.levels, option.wire, m, elems, p, dtype=d, feedback=option.feedback, gather_pieces=pg
     )
+
+
+def anchored(
+    op: str, d: str, elems: int, shape: GroupShape, option: Option, cal: Calibration, est: linkmodel.Estimate
+) -> linkmodel.Estimate:
+    """`est` scaled by what this option's large real call measured against the model at that size (q): by 1 at the
+    small call's size and below (the small call already sets that), q at the large call's size and above, q ** t
+    between (t from 0 to 1 in log size). Unchanged without a large call for the option on this layout.
+
+    Why: with ranks sharing cores the per-stage speeds, timed one kernel at a time, miss the calls' contention
+    (docs/planner.md, "Each option measured at a large size"); the factor is per option because the miss is."""
+    if not cal.large_calls or not cal.timed_on(shape.nodes, shape.ranks_per_node) or elems <= cal.small_call_elems:
+        return est
+    algo = ("ring" if cal.backend == "nccl" else "gloo") if option.native else option.levels
+    big = cal.large_calls.get(f"{op}/{algo}/{d if option.native else option.wire}")
+    if big is None:
+        return est
+    at = _model(op, d, cal.large_call_elems, shape, option, cal).seconds
+    q = big / at if at > 0 else 1.0
+    lo, hi = math.log(cal.small_call_elems), math.log(cal.large_call_elems)
+    t = min(1.0, (math.log(elems) - lo) / (hi - lo))
+    return replace(est, seconds=est.seconds * q**t, measured_scale=q**t)
 
 
 def predict(

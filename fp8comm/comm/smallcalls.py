@@ -9,6 +9,12 @@ Real fp8comm calls need registered groups: throwaway ones, made with dist.new_gr
 calibration's deadline as their timeout (a peer that stops answering breaks these, never the caller's groups), and
 destroyed at the end. dist.new_group is collective over the world and numbers groups by a per-process counter, so
 every rank makes the same new_group calls in the same order whatever fails before or during them.
+
+Large calls (large_elems > 0): every option again at a large size (fp8comm calibrate: LARGE_CALL_ELEMS), cheapest
+wires first, while their timed calls stay within LARGE_BUDGET_S: before each option the ranks agree (an all_reduce
+of the seconds spent, the max) whether the budget is left, so every rank times the same options. planner.anchored
+scales an option's prediction toward its large call: with ranks sharing cores the model's per-stage speeds miss the
+calls' contention.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ from .stats import Stats
 # on the simulated cluster (8 KiB: 1.2-2x the 64-256 KiB rows' fixed cost, scheduling on shared cores), and charged
 # to every size they made the predictions worse (docs/planner.md, "Each option's own fixed cost")
 SMALL_ELEMS = 1 << 15
+# elements of each large call's whole buffer (8 MiB of bf16, bench comm's 4M row) and the seconds their timed calls
+# may take in all (each option's first call, which may compile, not counted; the deadline still holds)
+LARGE_CALL_ELEMS = 1 << 22
+LARGE_BUDGET_S = 6.0
+LARGE_REPS = 3
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 CALL_TIMEOUT_S = 5.0  # the throwaway groups' timeout at most: a stuck peer holds the others this long past the deadline
 NATIVE = ("bf16", "fp32")  # the engine's own call in these dtypes (torch's gloo collectives)
@@ -78,13 +89,25 @@ def _groups(nodes: Sequence[int], deadline: float) -> tuple[list, list[str]]:
     return made, failed
 
 
-def elems(world: int) -> int:
-    """The elements a small call's whole buffer holds in a world of `world` ranks (SMALL_ELEMS, whole shards)."""
-    return SMALL_ELEMS // world * world
+def elems(world: int, n: int = SMALL_ELEMS) -> int:
+    """The elements a call's whole buffer holds in a world of `world` ranks (n, default SMALL_ELEMS, whole shards)."""
+    return n // world * world
 
 
-def time_calls(me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, deadline: float) -> dict[str, Any]:
-    """{"calls": {key: [seconds of each timed call on this rank]}, "calls_s": seconds} or {"calls_failed": why}.
+def _cost_order(opt: tuple[str, str, str]) -> tuple:
+    """Large calls' order: 4-bit wires, then FP8, then the engine's bf16 and fp32; all-gather, reduce-scatter,
+    all-reduce (so a slow link's budget is spent on the cheapest calls first)."""
+    op, algo, codec = opt
+    wire = 3 if codec == "fp32" else 2 if codec == "bf16" else 1 if codec.startswith("fp8") else 0
+    return wire, OPS.index(op), algo
+
+
+def time_calls(
+    me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, deadline: float, large_elems: int = 0
+) -> dict[str, Any]:
+    """{"calls": {key: [seconds of each timed call on this rank]}, "calls_s": seconds} or {"calls_failed": why};
+    with large_elems also "large_calls" (the options timed at that size within LARGE_BUDGET_S, LARGE_REPS calls
+    each) or "large_failed" (why; the small calls stand).
 
     Collective over the whole world, group rank == global rank (calibrate() checks); each call starts after a barrier
     of the throwaway world group, as bench comm times its rows; one untimed call per option first. The calls skip
@@ -107,32 +130,50 @@ def time_calls(me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, 
         buf = Buffer(wg)
         buf.state.stats = Stats()  # not the process totals: comm_stats() reports the caller's calls only
         gen = torch.Generator().manual_seed(4321 + me)
-        shard = elems(world) // world
-        calls: dict[str, list[float]] = {}
 
         def in_time() -> None:
             if time.monotonic() >= deadline:
-                raise TimeoutError("calibration deadline passed during the small calls")
+                raise TimeoutError("calibration deadline passed during the small or large calls")
 
-        for op, algo, codec in options(codecs, nodes):
+        def timed(op: str, algo: str, codec: str, n: int, count: int) -> list[float]:
             dt = DTYPES.get(codec, torch.bfloat16)
-            full = torch.randn(shard * world, generator=gen).to(dt)
-            part = torch.empty(shard, dtype=dt)
+            full = torch.randn(n, generator=gen).to(dt)
+            part = torch.empty(n // world, dtype=dt)
             fn = _native(op, full, part, wg) if algo == "gloo" else _ours(buf, op, algo, codec, full, part, hg)
             in_time()
             fn()  # untimed: first use (scratch, piece plans)
             ts = []
-            for _ in range(reps):
+            for _ in range(count):
                 in_time()
                 dist.barrier(group=wg)
                 t = time.perf_counter()
                 fn()
                 ts.append(time.perf_counter() - t)
-            calls[key(op, algo, codec)] = ts
+            return ts
+
+        out["calls"] = {key(*o): timed(*o, elems(world), reps) for o in options(codecs, nodes)}
+        if large_elems:
+            try:
+                large: dict[str, list[float]] = {}
+                spent = torch.zeros(1, dtype=torch.float64)
+                t_large = time.monotonic()
+                for o in sorted(options(codecs, nodes), key=_cost_order):
+                    # the timed calls' seconds so far (first calls may compile: not counted), every rank's max
+                    spent.fill_(sum(sum(ts) for ts in large.values()))
+                    dist.all_reduce(spent, op=dist.ReduceOp.MAX, group=wg)  # one answer on every rank
+                    if spent.item() >= LARGE_BUDGET_S:
+                        break
+                    large[key(*o)] = timed(*o, elems(world, large_elems), LARGE_REPS)
+                out["large_calls"], out["large_elems"] = large, elems(world, large_elems)
+                out["large_s"] = time.monotonic() - t_large
+            except Exception as e:  # as below: out of time or a peer gone; the small calls stand
+                out["large_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                raise
         dist.barrier(group=wg)  # every rank done with the groups before any destroys them
-        out["calls"] = calls
     except Exception as e:  # a peer that stopped answering, or out of time: these numbers are dropped, never raised
-        out["calls_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if "large_failed" not in out:
+            out.pop("calls", None)
+            out["calls_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     finally:
         for pg in reversed(made):
             try:

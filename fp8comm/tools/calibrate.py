@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--codecs", default="fp8,fp8_e8m0,mxfp4,nvfp4", help="codecs to time")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median kept)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds before the calibration gives up (falls back)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before the calibration gives up (falls back)")
     p.add_argument("--json", action="store_true", help="print the calibration and its details as JSON")
     p.add_argument(
         "--no-small-calls",
@@ -51,12 +51,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not time each option as a small real call (the model then charges call_overhead per quantized call)",
     )
+    p.add_argument(
+        "--large-call-elems",
+        default=None,
+        help="time each option again as a real call of this many elements (default 4Mi with the small calls; at most "
+        "smallcalls.LARGE_BUDGET_S seconds, cheapest wires first); the model scales its prediction toward it; "
+        "0: not (needs the small calls)",
+    )
 
 
 def _checked(args) -> dict:
     """calibrate()'s keyword arguments from the command line; bad values raise Usage before any rank starts."""
     from ..comm.calibrate import codec_elems_problem
     from ..comm.calibration import WIRE_CONFIGS
+    from ..comm.smallcalls import SMALL_ELEMS
 
     def pair(text: str, what: str) -> tuple[int, int]:
         parts = [count(x, what) for x in text.split(",")]
@@ -78,6 +86,17 @@ def _checked(args) -> dict:
     codec_elems = pair(args.codec_elems, "--codec-elems")
     if (problem := codec_elems_problem(codec_elems)) is not None:
         raise Usage(f"--codec-elems: {problem}")
+    given = args.large_call_elems
+    if given is None:
+        given = "4Mi" if args.small_calls else "0"
+    large = 0 if given.strip() == "0" else count(given, "--large-call-elems")
+    if large and not args.small_calls:
+        raise Usage(
+            "--large-call-elems needs the small calls (the model scales between the two sizes): drop "
+            "--no-small-calls, or give --large-call-elems 0"
+        )
+    if large and large <= 2 * SMALL_ELEMS:
+        raise Usage(f"--large-call-elems must be 0 or > {2 * SMALL_ELEMS} (twice the small calls'), got {large}")
     return {
         "codecs": codecs,
         "sizes": pair(args.sizes, "--sizes"),
@@ -85,6 +104,7 @@ def _checked(args) -> dict:
         "reps": args.reps,
         "timeout_s": args.timeout,
         "small_calls": args.small_calls,
+        "large_call_elems": large,
     }
 
 
@@ -223,6 +243,13 @@ def _print(cal, report: dict, out: str) -> None:
             [[k, f"{v * 1e3:.2f}"] for k, v in sorted(cal.small_calls.items())],
         )
         print(f"# small calls: {cal.small_call_elems} elements per buffer, {s.get('calls_s', 0.0):.2f} s")
+    if cal.large_calls:
+        print()
+        _table(
+            ["option (large call)", "ms"],
+            [[k, f"{v * 1e3:.2f}"] for k, v in sorted(cal.large_calls.items())],
+        )
+        print(f"# large calls: {cal.large_call_elems} elements per buffer, {s.get('large_calls_s', 0.0):.2f} s")
     for n in cal.notes:
         print(f"# note: {n}")
     print(f"# written: {out} (fp8comm plan --calibration {out})")

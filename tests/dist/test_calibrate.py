@@ -42,6 +42,7 @@ FAST = {"sizes": (1 << 10, 64 << 10), "codec_elems": (1 << 12, 1 << 15), "reps":
 STALL_READY = (3, 4.0, 7.0)  # rank, timeout_s, stall seconds
 STALL_LINKS = (2, 6.0, 9.0)
 STALL_CALLS = (1, 8.0, 11.0)
+LARGE = 1 << 17  # elements of the large calls (fp8comm calibrate's 4Mi: too long for the suite)
 LATE_CALLS = (1, 30.0, 8.0)  # late for the small calls' groups (5 s at most), in time for the calibration
 
 
@@ -95,7 +96,9 @@ def _target(rank: int, world: int, port: int, outdir: str, env: dict, names) -> 
     rec: dict = {"check": "calibrate", "state": "done", "ok": True}
     try:
         report: dict = {}
-        _scenario(rec, "ok", lambda: calibrate(**FAST, timeout_s=120, report=report, small_calls=True))
+        _scenario(
+            rec, "ok", lambda: calibrate(**FAST, timeout_s=120, report=report, small_calls=True, large_call_elems=LARGE)
+        )
         rec["report"] = report
         for name, (who, timeout, stall) in (("ready", STALL_READY), ("links", STALL_LINKS), ("calls", STALL_CALLS)):
             os.environ[STALL_ENV] = f"{who}:{name}:{stall}"
@@ -106,6 +109,7 @@ def _target(rank: int, world: int, port: int, outdir: str, env: dict, names) -> 
         os.environ.pop(STALL_ENV)
         _scenario(rec, "args", lambda: calibrate(**(FAST | {"reps": 3 if rank == 1 else 2}), timeout_s=60))
         _scenario(rec, "uneven", lambda: calibrate(**FAST, nodes=[0, 0, 0, 1], timeout_s=60))
+        _scenario(rec, "large_alone", lambda: calibrate(**FAST, large_call_elems=LARGE, timeout_s=60))
         _scenario(rec, "again", lambda: calibrate(**FAST, codecs=("fp8",), timeout_s=120))
         pair = dist.new_group([0, 1])  # small calls need the whole world: refused on a pair, before anything moves
         if rank < 2:  # (not a _scenario: its checks are collectives over the world)
@@ -177,6 +181,9 @@ def test_every_rank_holds_the_identical_calibration(runs):
     assert set(cal.small_calls) == {f"{op}/{a}/{c}" for op in ops for a, c in algos}
     assert all(v > 0 for v in cal.small_calls.values()) and cal.small_call_elems == SMALL_ELEMS
     assert 0 < s["calls_s"] < s["decided_s"]
+    # and again as large calls, every option within the budget at this size (the same options on every rank)
+    assert set(cal.large_calls) == set(cal.small_calls) and cal.large_call_elems == LARGE
+    assert all(v > 0 for v in cal.large_calls.values()) and 0 < s["large_calls_s"] < s["calls_s"]
     # a second calibration on the same group (fresh keys) works as well
     again = {runs[r]["again"]["result"] for r in range(WORLD)}
     assert len(again) == 1 and None not in again
@@ -203,7 +210,11 @@ def test_a_rank_that_does_not_answer_gives_one_fallback_everywhere(runs, phase, 
 
 
 def test_bad_arguments_and_uneven_layouts_are_one_error_everywhere(runs):
-    for name, msg in (("args", "called calibrate() with other arguments"), ("uneven", "uneven ranks per node")):
+    for name, msg in (
+        ("args", "called calibrate() with other arguments"),
+        ("uneven", "uneven ranks per node"),
+        ("large_alone", "large_call_elems must be an int > 2 x the small calls' 32768 elements, with small_calls=True"),
+    ):
         errs = {runs[r][name].get("error") for r in range(WORLD)}
         assert len(errs) == 1, (name, errs)
         err = errs.pop()
@@ -255,7 +266,8 @@ def written(tmp_path_factory):
     env.pop("LOCAL_WORLD_SIZE", None)
     r = subprocess.run(
         [sys.executable, "-m", "fp8comm.tools.cli", "calibrate", "--nproc", "4", "--local-size", "2", "--out",
-         str(out), "--sizes", "1Ki,64Ki", "--codec-elems", "4Ki,32Ki", "--reps", "2", "--timeout", "120"],
+         str(out), "--sizes", "1Ki,64Ki", "--codec-elems", "4Ki,32Ki", "--reps", "2", "--timeout", "120",
+         "--large-call-elems", "128Ki"],
         capture_output=True, text=True, timeout=400, env=env, cwd=ROOT,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -269,6 +281,9 @@ def test_cli_writes_a_file_plan_accepts(written, capsys):
     assert cal.world_size == 4
     # ahead of time it times every option as a small real call (30 at 2x2 with four codecs), and prints them
     assert len(cal.small_calls) == 30 and "| reduce_scatter/two_level/mxfp4 " in stdout
+    # and as large calls (every option at this size, within the budget), printed as well
+    assert set(cal.large_calls) == set(cal.small_calls) and cal.large_call_elems == 128 << 10
+    assert "| option (large call) " in stdout and "# large calls: 131072 elements per buffer" in stdout
     base = ["plan", "--nodes", "8", "--gpus-per-node", "2", "--params", "100M", "--json"]  # another world size: fine
     assert cli.main([*base, "--calibration", str(out)]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -310,6 +325,9 @@ def test_cli_refuses_a_foreign_file(written, tmp_path, capsys):
         (["--codecs", "fp8,fp6"], "--codecs: unknown fp6"),
         (["--codec-elems", "16Ki,512Ki"], "--codec-elems: 16384 and 524288 elements straddle the CPU kernel switch"),
         (["--out", "/nonexistent/dir/c.json"], "directory '/nonexistent/dir' does not exist"),
+        (["--large-call-elems", "64Ki"], "--large-call-elems must be 0 or > 65536"),
+        (["--large-call-elems", "4x"], "--large-call-elems: cannot read '4x'"),
+        (["--no-small-calls", "--large-call-elems", "1Mi"], "--large-call-elems needs the small calls"),
     ],
 )
 def test_cli_bad_input_is_a_clear_error(args, msg, capsys, monkeypatch):

@@ -201,3 +201,24 @@ def test_small_calls_are_each_calls_slowest_rank_then_the_median():
     cal = Calibration.from_dict(_build(rows, [0, 0, 1, 1], SIZES, 4, {"go_s": 0.01, "decided_s": 0.4})["calibration"])
     assert cal.small_calls == {} and cal.small_call_elems == 0
     assert any("small calls not timed" in n and "2 (TimeoutError: late)" in n for n in cal.notes)
+
+
+def test_large_calls_are_each_calls_slowest_rank_then_the_median_and_need_every_rank():
+    reps = lambda x: [[x[0]] * 3, [x[1]] * 3]
+    base = {"links": {"intra": reps(t(1e9, 1e-5)), "inter": reps(t(1e8, 1e-4)), "ring": [[1e-4] * 3]},
+            "codecs": {"fp8": [1e8, 4e8]}, "links_s": 0.1, "codecs_s": 0.2, "first_calls_s": 0.05,
+            "calls": {"all_gather/flat/fp8": [1e-3] * 3, "all_gather/gloo/bf16": [1e-3] * 3}, "calls_s": 0.3,
+            "large_elems": 1 << 22, "large_s": 0.2}  # fmt: skip
+    big = [[5e-2, 9e-2, 6e-2], [7e-2, 5e-2, 5e-2], [5e-2, 5e-2, 8e-2], [5e-2, 5e-2, 5e-2]]
+    rows = [base | {"rank": i, "large_calls": {"all_gather/flat/fp8": big[i]}} for i in range(4)]
+    out = _build(rows, [0, 0, 1, 1], SIZES, 4, {"go_s": 0.01, "decided_s": 0.4})
+    cal = Calibration.from_dict(out["calibration"])
+    # per call the slowest rank (7e-2, 9e-2, 8e-2), then the median; the option left out (budget) is said
+    assert cal.large_calls == {"all_gather/flat/fp8": 8e-2} and cal.large_call_elems == 1 << 22
+    assert any(n.startswith("large calls: 1 of 2 options timed within") for n in cal.notes), cal.notes
+    assert out["report"]["seconds"]["large_calls_s"] == 0.2
+    # a rank whose large calls failed: the small calls stand, no large ones, and the notes say why
+    rows[1] = base | {"rank": 1, "large_failed": "TimeoutError: late"}
+    cal = Calibration.from_dict(_build(rows, [0, 0, 1, 1], SIZES, 4, {"go_s": 0.01, "decided_s": 0.4})["calibration"])
+    assert cal.large_calls == {} and cal.large_call_elems == 0 and len(cal.small_calls) == 2
+    assert any("large calls not timed" in n and "1 (TimeoutError: late)" in n for n in cal.notes), cal.notes

@@ -324,3 +324,49 @@ def test_a_saved_run_with_a_bad_calibration_is_named(tmp_path, capsys, flag):
     files = [str(bad)] if flag == "--from" else [str(bad), str(bad)]
     assert pc.main([flag, *files]) == 2
     assert f"{flag} {bad}: not a saved plan_check run" in capsys.readouterr().err
+
+
+def test_large_calls_scale_each_option_toward_its_measured_large_call():
+    import math
+
+    S, B = 4096, 1 << 20
+    small = {"reduce_scatter/flat/fp8": 3e-3, "reduce_scatter/gloo/bf16": 2e-3}
+    base = _cal(small_calls=small, small_call_elems=S, world_size=4)
+    opt, shape = Option("fp8", "flat"), GroupShape(2, 2)
+    at_big = predict("reduce_scatter", 2 * B, "bf16", shape, opt, base)  # the model alone at the large size
+    cal = replace(base, large_calls={"reduce_scatter/flat/fp8": 3 * at_big}, large_call_elems=B)
+    back = Calibration.from_json(cal.to_json(), device="cpu", ranks_per_node=2)
+    assert back == cal
+    # at the large size and above: the factor q = measured / modelled (3); at the small size and below: 1
+    assert predict("reduce_scatter", 2 * B, "bf16", shape, opt, cal) == pytest.approx(3 * at_big)
+    for n in (4 * B, S, S // 2):
+        assert estimate("reduce_scatter", 2 * n, "bf16", shape, opt, cal).measured_scale == pytest.approx(
+            3.0 if n > B else 1.0
+        )
+    # between: q ** t, t linear in log size (half way at the geometric middle)
+    mid = int(math.sqrt(S * B))
+    e = estimate("reduce_scatter", 2 * mid, "bf16", shape, opt, cal)
+    assert e.measured_scale == pytest.approx(3**0.5, rel=1e-3)
+    assert e.seconds == pytest.approx(predict("reduce_scatter", 2 * mid, "bf16", shape, opt, base) * e.measured_scale)
+    # other options (no large call), other layouts (timed on 2 x 2 only): the model alone
+    for o, sh in ((Option("native"), shape), (opt, GroupShape(4, 2)), (opt, GroupShape(1, 4))):
+        assert estimate("reduce_scatter", 2 * B, "bf16", sh, o, cal).measured_scale == 1.0
+    # bad ones are named: a large call without small calls, not larger than them, a bad key or time
+    for kw, msg in [
+        ({"large_calls": {"reduce_scatter/flat/fp8": 1e-2}, "large_call_elems": B}, "large_calls need small_calls"),
+        (
+            {"small_calls": small, "small_call_elems": S, "large_calls": {"reduce_scatter/flat/fp8": 1e-2},
+             "large_call_elems": S},
+            "large_calls need small_calls of fewer elements",
+        ),
+        ({"small_calls": small, "small_call_elems": S, "large_calls": {"x/flat/fp8": 1e-2}, "large_call_elems": B},
+         "large_calls key 'x/flat/fp8'"),
+        ({"small_calls": small, "small_call_elems": S, "large_calls": {"reduce_scatter/flat/fp8": 0.0},
+          "large_call_elems": B}, "large_calls['reduce_scatter/flat/fp8'] must be a positive"),
+        ({"large_calls": {"reduce_scatter/flat/fp8": 1e-2}}, "large_call_elems must be an int >= 1"),
+    ]:  # fmt: skip
+        with pytest.raises(Fp8CommConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+            _cal(**kw)
+    old = json.loads(base.to_json())
+    del old["large_calls"], old["large_call_elems"]  # files from before the large calls: the model alone above
+    assert Calibration.from_dict(old).large_calls == {}
