@@ -623,7 +623,7 @@ def parser() -> argparse.ArgumentParser:
     add_args(p)  # bench comm's options (--json: this check's file, not bench comm's rows)
     p.set_defaults(**DEFAULTS)
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help="|predicted / measured - 1| counted as agreeing")
-    p.add_argument("--calibrate-timeout", type=float, default=60.0, help="calibrate()'s timeout_s")
+    p.add_argument("--calibrate-timeout", type=float, default=240.0, help="calibrate()'s timeout_s (compiles)")
     p.add_argument("--rounds", type=int, default=1, help="paired rounds (calibrate, then the table); rows: medians")
     p.add_argument(
         "--from",

@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--codecs", default="fp8,fp8_e8m0,mxfp4,nvfp4", help="codecs to time")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median kept)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before the calibration gives up (falls back)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds before the calibration gives up (falls back)")
     p.add_argument("--json", action="store_true", help="print the calibration and its details as JSON")
     p.add_argument(
         "--no-small-calls",
