@@ -646,10 +646,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_false",
         help="calibrate without timing each option as a real call, small or large (as the engines' start-up does)",
     )
+    from fp8comm.comm.smallcalls import LARGE_CALL_ELEMS
+
     p.add_argument(
         "--large-call-elems",
         type=int,
-        default=1 << 22,
+        default=LARGE_CALL_ELEMS,
         help="elements of each option's large real call in the calibration (0: none; as fp8comm calibrate's)",
     )
     return p
@@ -674,6 +676,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         print(f"plan_check.py: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
         return 2
+    from fp8comm.comm.smallcalls import LARGE_MARGIN_S, SMALL_ELEMS
+
+    if args.large_call_elems and args.small_calls:
+        if args.large_call_elems <= 2 * SMALL_ELEMS or args.calibrate_timeout < 2 * LARGE_MARGIN_S:
+            print(
+                f"plan_check.py: --large-call-elems must be 0 or > {2 * SMALL_ELEMS}, with --calibrate-timeout >= "
+                f"{2 * LARGE_MARGIN_S:g}; got {args.large_call_elems}, {args.calibrate_timeout:g}",
+                file=sys.stderr,
+            )
+            return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         import torch.distributed as dist
 

@@ -22,9 +22,9 @@ What is timed (on every rank, at once, as a collective would load the machine):
 - small calls (small_calls=True, a calibration of the whole world only): every option (the engine's own all-gather,
   reduce-scatter and all-reduce in bf16 and fp32, each codec flat and two-level) timed as a real call of
   smallcalls.SMALL_ELEMS elements on throwaway groups (smallcalls): Calibration.small_calls, which the model
-  prefers to call_overhead per option; with large_call_elems the options again at that size (cheapest first, within
-  smallcalls.LARGE_BUDGET_S, agreed on every rank): Calibration.large_calls, toward which planner.anchored scales
-  each option's prediction above the small size.
+  prefers to call_overhead per option; with large_call_elems the options again at that size (the planner's default
+  wires first, within smallcalls.LARGE_BUDGET_S, agreed on every rank): Calibration.large_calls, toward which
+  planner.anchored scales each option's prediction above the small size.
 Rank 0 keeps the SLOWEST per level (the node-local link of the slowest rank, the cross-node bandwidth of the slowest
 node) and each codec's slowest rank: a collective step ends when its slowest member does, so a plan from the typical
 rank would promise what the collective cannot deliver.
@@ -123,7 +123,8 @@ def calibrate(
     small_calls: also time every option as a small real call (smallcalls; a group spanning the whole world only, and
     about 1-5 s more on the simulated cluster: `fp8comm calibrate` ahead of time does, the engines' start does not);
     large_call_elems: with small_calls, also time the options as real calls of this many elements (> the small
-    calls'; smallcalls.LARGE_CALL_ELEMS in `fp8comm calibrate`; 0: not), at most smallcalls.LARGE_BUDGET_S.
+    calls'; smallcalls.LARGE_CALL_ELEMS in `fp8comm calibrate`; 0: not; needs timeout_s >= 2 x LARGE_MARGIN_S),
+    their timed calls at most smallcalls.LARGE_BUDGET_S.
     Returns the identical Calibration on every rank, or None on every rank (with one CalibrationWarning) when it
     could not finish in time. `report`, when given, receives rank 0's published details: every rank's raw numbers,
     the seconds each phase took (first codec calls, the compiles, apart) and the rule that decided."""
@@ -165,6 +166,11 @@ def calibrate(
                 f"large_call_elems must be an int > 2 x the small calls' {smallcalls.elems(world)} elements, with "
                 f"small_calls=True (the model scales between the two sizes); got {large_call_elems!r} with "
                 f"small_calls={small_calls!r}"
+            )
+        if timeout_s < 2 * smallcalls.LARGE_MARGIN_S:
+            raise _err(
+                f"large_call_elems needs timeout_s >= {2 * smallcalls.LARGE_MARGIN_S:g} s (no large call starts with "
+                f"less than {smallcalls.LARGE_MARGIN_S:g} s left: a first call may compile); got {timeout_s:g}"
             )
     me = members.index(dist.get_rank())
     epoch = _epochs.get(members, 0)
@@ -565,21 +571,26 @@ def _build(rows: list[dict], nodes: Sequence[int], sizes: tuple[int, int], world
     elif all("calls" in r for r in rows):
         for k in rows[0]["calls"]:
             small[k] = med([max(r["calls"][k][i] for r in rows) for i in range(len(rows[0]["calls"][k]))])
-    # the large calls likewise, where every rank timed them (the same options on every rank: agreed as they ran)
+    # the large calls likewise, the options every rank finished (the same on every rank unless one failed mid-way)
     large: dict[str, float] = {}
-    lost = [f"{r['rank']} ({r['large_failed']})" for r in rows if "large_failed" in r]
-    if lost and small:
-        notes.append(
-            f"large calls not timed (the model alone above the small calls): failed on rank(s) {'; '.join(lost)}"
+    if small and all("large_calls" in r for r in rows):
+        keys = [k for k in rows[0]["large_calls"] if all(k in r["large_calls"] for r in rows)]
+        for k in keys:
+            n = min(len(r["large_calls"][k]) for r in rows)
+            large[k] = med([max(r["large_calls"][k][i] for r in rows) for i in range(n)])
+        lost = [f"{r['rank']} ({r['large_failed']})" for r in rows if "large_failed" in r]
+        stop = next((r["large_stop"] for r in rows if "large_stop" in r), "")
+        why = (
+            f"failed on rank(s) {'; '.join(lost)}"
+            if lost
+            else f"a rank had less than {smallcalls.LARGE_MARGIN_S:g} s left"
+            if stop == "deadline"
+            else f"their timed calls reached {smallcalls.LARGE_BUDGET_S:g} s"
         )
-    elif small and all("large_calls" in r for r in rows):
-        for k in rows[0]["large_calls"]:
-            large[k] = med([max(r["large_calls"][k][i] for r in rows) for i in range(len(rows[0]["large_calls"][k]))])
-        skipped = len(small) - len(large)
-        if skipped:
+        if len(large) < len(small):
             notes.append(
-                f"large calls: {len(large)} of {len(small)} options timed within {smallcalls.LARGE_BUDGET_S:g} s "
-                f"(the rest: the model alone above the small calls)"
+                f"large calls: {len(large)} of {len(small)} options timed ({why}; the rest: the model alone above "
+                "the small calls)"
             )
     spent = {
         "links_s": max(r["links_s"] for r in rows),

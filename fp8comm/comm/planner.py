@@ -221,7 +221,9 @@ def anchored(
 ) -> linkmodel.Estimate:
     """`est` scaled by what this option's large real call measured against the model at that size (q): by 1 at the
     small call's size and below (the small call already sets that), q at the large call's size and above, q ** t
-    between (t from 0 to 1 in log size). Unchanged without a large call for the option on this layout.
+    between (t from 0 to 1 in log size). Unchanged without a large call for the option on this layout. The call was
+    timed on a bf16 buffer without error feedback, so q compares it with that call's model, and scales this one's
+    (an fp32 buffer's, error feedback's residual stage included).
 
     Why: with ranks sharing cores the per-stage speeds, timed one kernel at a time, miss the calls' contention
     (docs/planner.md, "Each option measured at a large size"); the factor is per option because the miss is."""
@@ -231,7 +233,10 @@ def anchored(
     big = cal.large_calls.get(f"{op}/{algo}/{d if option.native else option.wire}")
     if big is None:
         return est
-    at = _model(op, d, cal.large_call_elems, shape, option, cal).seconds
+    # the model of the call that was timed: bf16 input for a quantized option (fp32 only for the engine's own fp32
+    # call, a key of its own), no error feedback (smallcalls times the wires alone); q then scales this call's model
+    timed = (d, option) if option.native else ("bf16", replace(option, feedback=False))
+    at = _model(op, timed[0], cal.large_call_elems, shape, timed[1], cal).seconds
     q = big / at if at > 0 else 1.0
     lo, hi = math.log(cal.small_call_elems), math.log(cal.large_call_elems)
     t = min(1.0, (math.log(elems) - lo) / (hi - lo))

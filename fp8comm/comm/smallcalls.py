@@ -10,9 +10,10 @@ calibration's deadline as their timeout (a peer that stops answering breaks thes
 destroyed at the end. dist.new_group is collective over the world and numbers groups by a per-process counter, so
 every rank makes the same new_group calls in the same order whatever fails before or during them.
 
-Large calls (large_elems > 0): every option again at a large size (fp8comm calibrate: LARGE_CALL_ELEMS), cheapest
-wires first, while their timed calls stay within LARGE_BUDGET_S: before each option the ranks agree (an all_reduce
-of the seconds spent, the max) whether the budget is left, so every rank times the same options. planner.anchored
+Large calls (large_elems > 0): every option again at a large size (fp8comm calibrate: LARGE_CALL_ELEMS), the
+planner's default wires first (LARGE_ORDER), while their timed calls stay within LARGE_BUDGET_S and no rank is
+within LARGE_MARGIN_S of the deadline: before each option the ranks agree on both (an all_reduce, the max), so every
+rank times the same options. planner.anchored
 scales an option's prediction toward its large call: with ranks sharing cores the model's per-stage speeds miss the
 calls' contention.
 """
@@ -97,11 +98,16 @@ def elems(world: int, n: int = SMALL_ELEMS) -> int:
     return n // world * world
 
 
-def _cost_order(opt: tuple[str, str, str]) -> tuple:
-    """Large calls' order: 4-bit wires, then FP8, then the engine's bf16 and fp32; all-gather, reduce-scatter,
-    all-reduce (so a slow link's budget is spent on the cheapest calls first)."""
+# large calls' order of wires: what the planner weighs by default first (its 4-bit recipe, FP8 with fp32 scales, the
+# engine's bf16), then the rest (FP8 with e8m0 scales, the engine's fp32, NVFP4: no default plan picks it), so a slow
+# link's budget goes to the options a plan can take
+LARGE_ORDER = ("mxfp4", "fp8", "bf16", "fp8_e8m0", "fp32", "nvfp4")
+
+
+def _large_order(opt: tuple[str, str, str]) -> tuple:
+    """Large calls' order: LARGE_ORDER's wires; all-gather, reduce-scatter, all-reduce; flat, two-level."""
     op, algo, codec = opt
-    wire = 3 if codec == "fp32" else 2 if codec == "bf16" else 1 if codec.startswith("fp8") else 0
+    wire = LARGE_ORDER.index(codec) if codec in LARGE_ORDER else len(LARGE_ORDER)
     return wire, OPS.index(op), algo
 
 
@@ -109,8 +115,9 @@ def time_calls(
     me: int, nodes: Sequence[int], codecs: Sequence[str], reps: int, deadline: float, large_elems: int = 0
 ) -> dict[str, Any]:
     """{"calls": {key: [seconds of each timed call on this rank]}, "calls_s": seconds} or {"calls_failed": why};
-    with large_elems also "large_calls" (the options timed at that size within LARGE_BUDGET_S, LARGE_REPS calls
-    each) or "large_failed" (why; the small calls stand).
+    with large_elems also "large_calls" (the options timed at that size, LARGE_REPS calls each, until the timed calls
+    reach LARGE_BUDGET_S or a rank nears the deadline: "large_stop" says which), and "large_failed" (why) where they
+    failed: the options finished before stand (every rank passed their last barrier), and so do the small calls.
 
     Collective over the whole world, group rank == global rank (calibrate() checks); each call starts after a barrier
     of the throwaway world group, as bench comm times its rows; one untimed call per option first. The calls skip
@@ -156,24 +163,26 @@ def time_calls(
 
         out["calls"] = {key(*o): timed(*o, elems(world), reps) for o in options(codecs, nodes)}
         if large_elems:
+            large: dict[str, list[float]] = {}
+            out["large_calls"], out["large_elems"] = large, elems(world, large_elems)
+            t_large = time.monotonic()
             try:
-                large: dict[str, list[float]] = {}
-                spent = torch.zeros(1, dtype=torch.float64)
-                t_large = time.monotonic()
-                for o in sorted(options(codecs, nodes), key=_cost_order):
-                    # the timed calls' seconds so far (first calls may compile: not counted), every rank's max; a
-                    # rank near the deadline stops them all (a first call that compiles can take that long)
-                    low = deadline - time.monotonic() < LARGE_MARGIN_S
-                    spent.fill_(LARGE_BUDGET_S if low else sum(sum(ts) for ts in large.values()))
-                    dist.all_reduce(spent, op=dist.ReduceOp.MAX, group=wg)  # one answer on every rank
-                    if spent.item() >= LARGE_BUDGET_S:
+                state = torch.zeros(2, dtype=torch.float64)
+                for o in sorted(options(codecs, nodes), key=_large_order):
+                    # the timed calls' seconds so far (first calls may compile: not counted) and whether this rank
+                    # is near the deadline (a first call that compiles can take long), every rank's max: one answer
+                    state[0] = sum(sum(ts) for ts in large.values())
+                    state[1] = float(deadline - time.monotonic() < LARGE_MARGIN_S)
+                    dist.all_reduce(state, op=dist.ReduceOp.MAX, group=wg)
+                    if state[1].item() or state[0].item() >= LARGE_BUDGET_S:
+                        out["large_stop"] = "deadline" if state[1].item() else "budget"
                         break
                     large[key(*o)] = timed(*o, elems(world, large_elems), LARGE_REPS)
-                out["large_calls"], out["large_elems"] = large, elems(world, large_elems)
-                out["large_s"] = time.monotonic() - t_large
-            except Exception as e:  # as below: out of time or a peer gone; the small calls stand
+            except Exception as e:  # out of time or a peer gone: the options every rank finished before stand
                 out["large_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 raise
+            finally:
+                out["large_s"] = time.monotonic() - t_large
         dist.barrier(group=wg)  # every rank done with the groups before any destroys them
     except Exception as e:  # a peer that stopped answering, or out of time: these numbers are dropped, never raised
         if "large_failed" not in out:

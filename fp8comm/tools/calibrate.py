@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -54,9 +55,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--large-call-elems",
         default=None,
-        help="time each option again as a real call of this many elements (default 4Mi with the small calls; at most "
-        "smallcalls.LARGE_BUDGET_S seconds, cheapest wires first); the model scales its prediction toward it; "
-        "0: not (needs the small calls)",
+        help="time each option again as a real call of this many elements (default 4Mi with the small calls and a "
+        "--timeout of 60 s or more; the planner's default wires first, timed calls within "
+        "smallcalls.LARGE_BUDGET_S seconds); the model scales its prediction toward it; 0: not (needs the small calls)",
     )
 
 
@@ -64,7 +65,7 @@ def _checked(args) -> dict:
     """calibrate()'s keyword arguments from the command line; bad values raise Usage before any rank starts."""
     from ..comm.calibrate import codec_elems_problem
     from ..comm.calibration import WIRE_CONFIGS
-    from ..comm.smallcalls import SMALL_ELEMS
+    from ..comm.smallcalls import LARGE_CALL_ELEMS, LARGE_MARGIN_S, SMALL_ELEMS
 
     def pair(text: str, what: str) -> tuple[int, int]:
         parts = [count(x, what) for x in text.split(",")]
@@ -87,9 +88,9 @@ def _checked(args) -> dict:
     if (problem := codec_elems_problem(codec_elems)) is not None:
         raise Usage(f"--codec-elems: {problem}")
     given = args.large_call_elems
-    if given is None:
-        given = "4Mi" if args.small_calls else "0"
-    large = 0 if given.strip() == "0" else count(given, "--large-call-elems")
+    if given is None:  # by default with the small calls and time for them (a short --timeout: without, silently)
+        given = str(LARGE_CALL_ELEMS) if args.small_calls and args.timeout >= 2 * LARGE_MARGIN_S else "0"
+    large = 0 if re.fullmatch(r"\s*0*(\.0*)?\s*", given) else count(given, "--large-call-elems")
     if large and not args.small_calls:
         raise Usage(
             "--large-call-elems needs the small calls (the model scales between the two sizes): drop "
@@ -97,6 +98,11 @@ def _checked(args) -> dict:
         )
     if large and large <= 2 * SMALL_ELEMS:
         raise Usage(f"--large-call-elems must be 0 or > {2 * SMALL_ELEMS} (twice the small calls'), got {large}")
+    if large and args.timeout < 2 * LARGE_MARGIN_S:
+        raise Usage(
+            f"--large-call-elems needs --timeout >= {2 * LARGE_MARGIN_S:g} s (a first call may compile), "
+            f"got {args.timeout:g}; or --large-call-elems 0"
+        )
     return {
         "codecs": codecs,
         "sizes": pair(args.sizes, "--sizes"),

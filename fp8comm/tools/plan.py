@@ -289,6 +289,7 @@ def report(args) -> dict:
             "intra_latency_us": cal.intra.latency * 1e6,
             "call_overhead_us": cal.call_overhead * 1e6,
             "small_calls_ms": {k: v * 1e3 for k, v in cal.small_calls.items()},
+            "large_calls_ms": {k: v * 1e3 for k, v in cal.large_calls.items()},
             "backend": cal.backend,
             "device": cal.device,
             "source": cal.source,
@@ -355,6 +356,11 @@ def _print(r: dict, brief: bool = False) -> None:
         + (
             f" (options with a small call from the calibration: {len(c['small_calls_ms'])}, charged their own)"
             if c["small_calls_ms"]
+            else ""
+        )
+        + (
+            f" (with a large call: {len(c['large_calls_ms'])}, scaled toward it on the layout it was timed on)"
+            if c.get("large_calls_ms")
             else ""
         )
     )

@@ -289,6 +289,7 @@ def test_cli_writes_a_file_plan_accepts(written, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["cluster"]["inter_GBps"] == cal.inter.bandwidth / 1e9 and str(out) in r["cluster"]["source"]
     assert r["cluster"]["small_calls_ms"] == {k: v * 1e3 for k, v in cal.small_calls.items()}
+    assert r["cluster"]["large_calls_ms"] == {k: v * 1e3 for k, v in cal.large_calls.items()}
 
 
 def test_cli_refuses_a_foreign_file(written, tmp_path, capsys):
@@ -328,6 +329,7 @@ def test_cli_refuses_a_foreign_file(written, tmp_path, capsys):
         (["--large-call-elems", "64Ki"], "--large-call-elems must be 0 or > 65536"),
         (["--large-call-elems", "4x"], "--large-call-elems: cannot read '4x'"),
         (["--no-small-calls", "--large-call-elems", "1Mi"], "--large-call-elems needs the small calls"),
+        (["--timeout", "30", "--large-call-elems", "4Mi"], "--large-call-elems needs --timeout >= 60 s"),
     ],
 )
 def test_cli_bad_input_is_a_clear_error(args, msg, capsys, monkeypatch):

@@ -334,7 +334,10 @@ def test_large_calls_scale_each_option_toward_its_measured_large_call():
     base = _cal(small_calls=small, small_call_elems=S, world_size=4)
     opt, shape = Option("fp8", "flat"), GroupShape(2, 2)
     at_big = predict("reduce_scatter", 2 * B, "bf16", shape, opt, base)  # the model alone at the large size
-    cal = replace(base, large_calls={"reduce_scatter/flat/fp8": 3 * at_big}, large_call_elems=B)
+    two = Option("fp8", "two_level")
+    at_two = predict("reduce_scatter", 2 * B, "bf16", shape, two, base)
+    timed = {"reduce_scatter/flat/fp8": 3 * at_big, "reduce_scatter/two_level/fp8": 3 * at_two}
+    cal = replace(base, large_calls=timed, large_call_elems=B)
     back = Calibration.from_json(cal.to_json(), device="cpu", ranks_per_node=2)
     assert back == cal
     # at the large size and above: the factor q = measured / modelled (3); at the small size and below: 1
@@ -348,6 +351,13 @@ def test_large_calls_scale_each_option_toward_its_measured_large_call():
     e = estimate("reduce_scatter", 2 * mid, "bf16", shape, opt, cal)
     assert e.measured_scale == pytest.approx(3**0.5, rel=1e-3)
     assert e.seconds == pytest.approx(predict("reduce_scatter", 2 * mid, "bf16", shape, opt, base) * e.measured_scale)
+    # the call was timed on bf16 without error feedback: q compares it with that call's model and scales this one's,
+    # so an fp32 buffer and error feedback's residual stage keep their share of the time
+    for o, dt, timed_model in ((Option("fp8", "flat", feedback=True), "bf16", at_big), (two, "fp32", at_two)):
+        size = (4 if dt == "fp32" else 2) * B
+        model = estimate("reduce_scatter", size, dt, shape, o, base).seconds
+        assert model > 1.05 * timed_model  # the residual stage, the two-level call's fp32 node-local part: more
+        assert predict("reduce_scatter", size, dt, shape, o, cal) == pytest.approx(3 * model)
     # other options (no large call), other layouts (timed on 2 x 2 only): the model alone
     for o, sh in ((Option("native"), shape), (opt, GroupShape(4, 2)), (opt, GroupShape(1, 4))):
         assert estimate("reduce_scatter", 2 * B, "bf16", sh, o, cal).measured_scale == 1.0
