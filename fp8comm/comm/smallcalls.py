@@ -174,6 +174,7 @@ def time_calls(
                     state[0] = sum(sum(ts) for ts in large.values())
                     state[1] = float(deadline - time.monotonic() < LARGE_MARGIN_S)
                     dist.all_reduce(state, op=dist.ReduceOp.MAX, group=wg)
+                    out["small_done"] = True  # every rank reached this all_reduce: all finished their small calls
                     if state[1].item() or state[0].item() >= LARGE_BUDGET_S:
                         out["large_stop"] = "deadline" if state[1].item() else "budget"
                         break
@@ -185,10 +186,15 @@ def time_calls(
                 out["large_s"] = time.monotonic() - t_large
         dist.barrier(group=wg)  # every rank done with the groups before any destroys them
     except Exception as e:  # a peer that stopped answering, or out of time: these numbers are dropped, never raised
-        if "large_failed" not in out:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if out.pop("small_done", False):  # past the large calls' first agreement: the small calls stand everywhere
+            out.setdefault("large_failed", why)  # (the last barrier, after them, is what failed otherwise)
+        else:
             out.pop("calls", None)
-            out["calls_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            out.pop("large_calls", None)
+            out["calls_failed"] = why
     finally:
+        out.pop("small_done", None)
         for pg in reversed(made):
             try:
                 if pg is not None:

@@ -181,14 +181,24 @@ def test_every_rank_holds_the_identical_calibration(runs):
     assert set(cal.small_calls) == {f"{op}/{a}/{c}" for op in ops for a, c in algos}
     assert all(v > 0 for v in cal.small_calls.values()) and cal.small_call_elems == SMALL_ELEMS
     assert 0 < s["calls_s"] < s["decided_s"]
-    # and again as large calls, every option within the budget at this size (the same options on every rank)
-    assert set(cal.large_calls) == set(cal.small_calls) and cal.large_call_elems == LARGE
-    assert all(v > 0 for v in cal.large_calls.values()) and 0 < s["large_calls_s"] < s["calls_s"]
+    # and again as large calls, every option within the budget at this size (the same options on every rank), or,
+    # where a rank fell more than the throwaway groups' 5 s behind (a loaded 2-core machine), those every rank
+    # finished, with the notes saying why: never fewer in silence
+    _all_large_or_said(cal)
+    assert cal.large_call_elems == LARGE and 0 < s["large_calls_s"] < s["calls_s"]
     # a second calibration on the same group (fresh keys) works as well
     again = {runs[r]["again"]["result"] for r in range(WORLD)}
     assert len(again) == 1 and None not in again
     again_cal = Calibration.from_json(again.pop())
     assert set(again_cal.codecs) == {"fp8"} and again_cal.small_calls == {}  # small calls only when asked for
+
+
+def _all_large_or_said(cal) -> None:
+    assert set(cal.large_calls) <= set(cal.small_calls), cal.large_calls
+    assert all(v > 0 for v in cal.large_calls.values())
+    if set(cal.large_calls) != set(cal.small_calls):
+        said = f"large calls: {len(cal.large_calls)} of {len(cal.small_calls)} options timed (failed on rank(s) "
+        assert any(n.startswith(said) for n in cal.notes), cal.notes
 
 
 @pytest.mark.parametrize("phase,stall", [("ready", STALL_READY), ("links", STALL_LINKS), ("calls", STALL_CALLS)])
@@ -281,8 +291,9 @@ def test_cli_writes_a_file_plan_accepts(written, capsys):
     assert cal.world_size == 4
     # ahead of time it times every option as a small real call (30 at 2x2 with four codecs), and prints them
     assert len(cal.small_calls) == 30 and "| reduce_scatter/two_level/mxfp4 " in stdout
-    # and as large calls (every option at this size, within the budget), printed as well
-    assert set(cal.large_calls) == set(cal.small_calls) and cal.large_call_elems == 128 << 10
+    # and as large calls (every option at this size, within the budget, or the notes say why not), printed as well
+    _all_large_or_said(cal)
+    assert cal.large_call_elems == 128 << 10
     assert "| option (large call) " in stdout and "# large calls: 131072 elements per buffer" in stdout
     base = ["plan", "--nodes", "8", "--gpus-per-node", "2", "--params", "100M", "--json"]  # another world size: fine
     assert cli.main([*base, "--calibration", str(out)]) == 0
