@@ -173,6 +173,7 @@ def time_calls(
                     # is near the deadline (a first call that compiles can take long), every rank's max: one answer
                     state[0] = sum(sum(ts) for ts in large.values())
                     state[1] = float(deadline - time.monotonic() < LARGE_MARGIN_S)
+                    # CPU tensors on a gloo group, once per option of a calibration: .item() is no device sync
                     dist.all_reduce(state, op=dist.ReduceOp.MAX, group=wg)
                     out["small_done"] = True  # every rank reached this all_reduce: all finished their small calls
                     if state[1].item() or state[0].item() >= LARGE_BUDGET_S:

@@ -242,20 +242,14 @@ def _print(cal, report: dict, out: str) -> None:
         ["codec", "pack M elem/s", "unpack_sum M elem/s"],
         [[k, f"{v.pack / 1e6:.1f}", f"{v.unpack_sum / 1e6:.1f}"] for k, v in cal.codecs.items()],
     )
-    if cal.small_calls:
-        print()
-        _table(
-            ["option (small call)", "ms"],
-            [[k, f"{v * 1e3:.2f}"] for k, v in sorted(cal.small_calls.items())],
-        )
-        print(f"# small calls: {cal.small_call_elems} elements per buffer, {s.get('calls_s', 0.0):.2f} s")
-    if cal.large_calls:
-        print()
-        _table(
-            ["option (large call)", "ms"],
-            [[k, f"{v * 1e3:.2f}"] for k, v in sorted(cal.large_calls.items())],
-        )
-        print(f"# large calls: {cal.large_call_elems} elements per buffer, {s.get('large_calls_s', 0.0):.2f} s")
+    for kind, calls, n, spent in (
+        ("small", cal.small_calls, cal.small_call_elems, s.get("calls_s", 0.0)),
+        ("large", cal.large_calls, cal.large_call_elems, s.get("large_calls_s", 0.0)),
+    ):
+        if calls:
+            print()
+            _table([f"option ({kind} call)", "ms"], [[k, f"{v * 1e3:.2f}"] for k, v in sorted(calls.items())])
+            print(f"# {kind} calls: {n} elements per buffer, {spent:.2f} s")
     for n in cal.notes:
         print(f"# note: {n}")
     print(f"# written: {out} (fp8comm plan --calibration {out})")
