@@ -8,7 +8,8 @@ once in tens of launches: each launch's failures, and where its ranks' logs are.
 
 --megatron-alone runs no check: each launch builds and trains Megatron-Core's own overlapped DDP (distributed
 optimizer, overlap_grad_reduce and overlap_param_gather, gloo) --builds times for --steps steps, in ranks that
-never import fp8comm (asserted), to tell a crash of torch's gloo or Megatron from one of fp8comm.
+never import fp8comm (asserted), to tell a crash of torch's gloo or Megatron from one of fp8comm; --gloo-threads N
+gives every gloo group N worker threads instead of torch's 2 (tests/dist/dist_harness.py gloo_worker_threads).
 
 --malloc-check runs the ranks under glibc's checking allocator (libc_malloc_debug, glibc.malloc.check=3), which
 aborts at the first corrupt free instead of somewhere later. Exit 1 when any launch failed, 0 otherwise.
@@ -41,10 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megatron-alone", action="store_true", help="Megatron's own DDP, no fp8comm (see above)")
     p.add_argument("--builds", type=int, default=60, help="with --megatron-alone: models per launch")
     p.add_argument("--steps", type=int, default=10, help="with --megatron-alone: training steps per model")
+    p.add_argument("--gloo-threads", type=int, default=0, help="with --megatron-alone: per gloo group (0: 2)")
     args = p.parse_args(argv)
     names = [n for n in args.checks.split(",") if n]
-    if args.runs < 1 or args.builds < 1 or args.steps < 1 or bool(names) == args.megatron_alone:
-        print("soak_checks.py: give check names or --megatron-alone (not both); --runs, --builds, --steps >= 1",
+    counts = (args.runs, args.builds, args.steps, args.gloo_threads + 1)
+    if min(counts) < 1 or bool(names) == args.megatron_alone:
+        print("soak_checks.py: give check names or --megatron-alone (not both); --runs, --builds, --steps >= 1, "
+              "--gloo-threads >= 0",
               file=sys.stderr)  # fmt: skip
         return 2
     if args.malloc_check and not Path(MALLOC_DEBUG).exists():
@@ -81,7 +85,7 @@ def _soak(names: list[str], args) -> int:
         if args.megatron_alone:
             import dist_harness
 
-            alone = {"builds": args.builds, "steps": args.steps}
+            alone = {"builds": args.builds, "steps": args.steps, "gloo_threads": args.gloo_threads}
             run = dist_harness.launch(2, out, env=alone, names=[ALONE], target=megatron_alone, timeout=args.timeout)
             fails = dist_harness.failures(run, [ALONE])
         else:
@@ -109,7 +113,7 @@ def megatron_alone(rank: int, world: int, port: int, outdir: str, env: dict, nam
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import dist_harness
 
-    out = dist_harness.join(rank, world, port, outdir, 120.0, 60.0)
+    out = dist_harness.join(rank, world, port, outdir, 120.0, 60.0, gloo_threads=env["gloo_threads"])
     import mcore_cpu
     import mcore_train as T
 

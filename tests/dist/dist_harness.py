@@ -48,15 +48,20 @@ def run_checks(dist_checks, rank: int, world: int, out, names: list[str] | None)
     dist.barrier(group=status_group)
 
 
-def join(rank: int, world: int, port: int, outdir: str, store_timeout_s: float, pg_timeout_s: float):
+def join(
+    rank: int, world: int, port: int, outdir: str, store_timeout_s: float, pg_timeout_s: float, gloo_threads: int = 0
+):
     """Join the parent's group as `rank` (1 thread: W ranks share 2 cores); returns this rank's result file.
 
     The backend is gloo, or FP8COMM_TEST_BACKEND=staged (staged_pg.py: gloo on host copies of device tensors, so
-    several ranks can share one GPU)."""
+    several ranks can share one GPU). gloo_threads > 0: every gloo group of this process runs that many worker
+    threads (torch's default: 2 per device) -- see gloo_worker_threads."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if gloo_threads:
+        gloo_worker_threads(gloo_threads)
     backend = os.environ.get("FP8COMM_TEST_BACKEND", "gloo")
     if backend == "staged":
         import staged_pg  # noqa: F401 - registers the backend
@@ -66,6 +71,34 @@ def join(rank: int, world: int, port: int, outdir: str, store_timeout_s: float, 
         backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
     )
     return out
+
+
+def gloo_worker_threads(n: int) -> None:
+    """Make every gloo group created from now on in this process run `n` worker threads.
+
+    For soak runs (launch/soak_checks.py --gloo-threads): Megatron-Core's overlapped DDP on gloo corrupted the heap
+    once in 30 launches with torch's 2 worker threads per group, in ranks that never import fp8comm (docs/launch.md,
+    "Soak runs"); with 1, a group's collectives run one at a time. torch builds its gloo groups through
+    distributed_c10d.ProcessGroupGloo(store, rank, size, timeout=...): this swaps in a subclass that passes options
+    instead, with the devices torch would pick (GLOO_SOCKET_IFNAME's interfaces, else the default one)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "_fp8comm_threads", None) == n:
+        return
+    base = getattr(base, "_fp8comm_base", base)
+
+    class Gloo(base):  # type: ignore[misc, valid-type]
+        _fp8comm_base, _fp8comm_threads = base, n
+
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
+            opts = base._Options()
+            ifnames = [x for x in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if x]
+            opts._devices = [base.create_device(interface=i) for i in ifnames] or [base.create_default_device()]
+            opts._timeout, opts._threads = timeout, n
+            super().__init__(store, rank, size, opts)
+
+    c10d.ProcessGroupGloo = Gloo
 
 
 def worker(rank: int, world: int, port: int, outdir: str, env: dict, names: list[str] | None) -> None:
